@@ -1,0 +1,76 @@
+# The suite's one entry point. `make help` lists the targets and variables.
+PYTHON ?= python3
+RUNGS := baseline tf32 bf16 torch_compile flash fused 8bit
+
+script_baseline := no_optimization.py
+script_tf32 := tensorFloat32.py
+script_bf16 := brainFloat16.py
+script_torch_compile := torch_compile.py
+script_flash := flash_attention.py
+script_fused := fused_optimizer.py
+script_8bit := 8-bit_optimizer.py
+
+EXAMPLE := e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out
+
+# An optional variable is passed on when it is set at all, even to nothing, so that WARMUP= is refused
+# by the script with a clear message instead of being silently dropped.
+opt = $(if $(filter undefined,$(origin $(1))),,$(2) '$($(1))')
+RUN_ARGS = --steps '$(STEPS)' --batch-size '$(BATCH_SIZE)' --prefix '$(PREFIX)' \
+	$(call opt,MODEL,--model) $(call opt,SEQ_LEN,--seq-len) $(call opt,DEVICE,--device) \
+	$(call opt,DATA,--data) $(call opt,WARMUP,--warmup) $(call opt,SEED,--seed) $(call opt,DATA_DIR,--data-dir)
+
+need = @if [ -z "$(strip $($(1)))" ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
+
+.PHONY: help all plots test init_results reset clean notebook $(RUNGS) require-run require-prefix
+.DEFAULT_GOAL := help
+
+help:
+	@echo "Train GPT-2 under a ladder of GPU optimizations and compare them."
+	@echo ""
+	@echo "  make <rung> STEPS=n BATCH_SIZE=b PREFIX=dir   run one rung: $(RUNGS)"
+	@echo "  make all STEPS=n BATCH_SIZE=b PREFIX=dir      every rung in ladder order, then the charts"
+	@echo "  make plots PREFIX=dir                         charts and summary.md from PREFIX/results.csv"
+	@echo "  make init_results PREFIX=dir                  create PREFIX with empty results files"
+	@echo "  make clean PREFIX=dir                         remove the charts and summary.md from PREFIX"
+	@echo "  make reset PREFIX=dir                         remove every file the suite wrote in PREFIX, results too"
+	@echo "  make test                                     the test suite (CPU, a few minutes)"
+	@echo ""
+	@echo "Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE=auto|cuda|cpu"
+	@echo "          DATA=auto|shakespeare|synthetic|path.txt  WARMUP=n  SEED=n  DATA_DIR=dir  PYTHON=python3"
+
+require-run:
+	$(call need,STEPS)
+	$(call need,BATCH_SIZE)
+	$(call need,PREFIX)
+
+require-prefix:
+	$(call need,PREFIX)
+
+$(RUNGS): require-run
+	$(PYTHON) $(script_$@) $(RUN_ARGS)
+
+all: require-run
+	@failed=""; \
+	for rung in $(RUNGS); do \
+		echo "=== $$rung ==="; \
+		$(PYTHON) $(script_$(rung)) $(RUN_ARGS) || failed="$$failed $$rung"; \
+	done; \
+	$(MAKE) --no-print-directory plots || failed="$$failed plots"; \
+	if [ -n "$$failed" ]; then echo "error: make all: not ok:$$failed (see runs.csv in $(PREFIX))" >&2; exit 1; fi
+
+plots: require-prefix
+	$(PYTHON) plot_results.py --prefix '$(PREFIX)'
+
+init_results: require-prefix
+	$(PYTHON) -m Utils.results init '$(PREFIX)'
+
+# Only the files the suite writes, by name: anything else in PREFIX is left alone.
+CHARTS := speedup.png step_time.png throughput.png memory.png loss.png summary.md
+clean: require-prefix
+	cd '$(PREFIX)' 2>/dev/null && rm -f $(CHARTS) .tmp-* || true
+
+reset: require-prefix
+	cd '$(PREFIX)' 2>/dev/null && rm -f $(CHARTS) results.csv runs.csv .results.lock .tmp-* || true
+
+test:
+	$(PYTHON) -m pytest -q tests

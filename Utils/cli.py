@@ -1,0 +1,127 @@
+"""The one argument parser every rung script shares, and its validation.
+
+Every bad value ends the program before anything is built or written, with one line that names the
+value and the fix, and exit status 2.
+"""
+import argparse
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+from Utils.model import PRESETS
+
+EXAMPLE = "e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out"
+DEFAULT_WARMUP = 5
+
+
+class UsageError(Exception):
+    """A bad argument; the message is one line."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int
+    batch_size: int
+    prefix: str
+    model: str
+    seq_len: int
+    device: str
+    data: str
+    warmup: int
+    seed: int
+    data_dir: str | None = None
+
+    def as_dict(self):
+        return asdict(self)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{message} ({EXAMPLE})")
+
+
+def build_parser(prog=None):
+    p = _Parser(prog=prog, description="Train GPT-2 for STEPS steps under one rung of the ladder and "
+                                       "append every step's timing to PREFIX/results.csv.")
+    p.add_argument("--steps", required=True, help="training steps to run and time (STEPS)")
+    p.add_argument("--batch-size", required=True, help="sequences per step (BATCH_SIZE)")
+    p.add_argument("--prefix", required=True, help="folder for results.csv, runs.csv and the charts (PREFIX)")
+    p.add_argument("--model", default="auto", help=f"auto (gpt2 on a GPU, tiny on a CPU) or one of {', '.join(PRESETS)}")
+    p.add_argument("--seq-len", default=None, help="tokens per sequence (default: the model's block size)")
+    p.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    p.add_argument("--data", default="auto", help="auto, shakespeare, synthetic, or a path to a text file")
+    p.add_argument("--warmup", default=None, help=f"steps left out of the summary (default {DEFAULT_WARMUP}, "
+                                                  f"at most STEPS - 1)")
+    p.add_argument("--seed", default="1337", help="seed for the model's init and synthetic data")
+    p.add_argument("--data-dir", default=None, help="where tiny shakespeare and its tokens are kept "
+                                                    "(default: $DATA_DIR, else ./data)")
+    return p
+
+
+def _positive_int(name, value, fix):
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        n = None
+    if n is None or n <= 0:
+        raise UsageError(f"{name}={value!r} is not a positive integer: {fix}")
+    return n
+
+
+def _non_negative_int(name, value):
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise UsageError(f"{name}={value!r} is not a non-negative integer: pass e.g. {name}=1337")
+    return n
+
+
+def parse_args(argv=None, prog=None):
+    """Parse and validate; raises UsageError with a one-line message."""
+    a = build_parser(prog).parse_args(argv)
+    steps = _positive_int("STEPS", a.steps, f"pass the number of steps to time, {EXAMPLE}")
+    batch = _positive_int("BATCH_SIZE", a.batch_size, f"pass sequences per step, {EXAMPLE}")
+    if a.warmup is None:
+        warmup = min(DEFAULT_WARMUP, steps - 1)
+    else:
+        warmup = _positive_int("WARMUP", a.warmup, f"pass a number of warm-up steps below STEPS, e.g. WARMUP=5")
+        if warmup >= steps:
+            raise UsageError(f"WARMUP={warmup} leaves no measured step of STEPS={steps}: "
+                             f"use WARMUP < STEPS, e.g. STEPS={warmup + 20} WARMUP={warmup}")
+    seed = _non_negative_int("SEED", a.seed)
+    if not a.prefix.strip():
+        raise UsageError(f"PREFIX is empty: name the output folder, {EXAMPLE}")
+
+    if a.device not in ("auto", "cuda", "cpu"):
+        raise UsageError(f"DEVICE={a.device!r} is not one of auto, cuda, cpu")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("DEVICE=cuda but PyTorch sees no CUDA GPU here: use DEVICE=cpu or DEVICE=auto, "
+                         "or install a CUDA build of PyTorch")
+    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+
+    model = a.model if a.model != "auto" else ("gpt2" if device == "cuda" else "tiny")
+    if model not in PRESETS:
+        raise UsageError(f"MODEL={model!r} is not a known model: use auto or one of {', '.join(PRESETS)}")
+    block = PRESETS[model].block_size
+    if a.seq_len is None:
+        seq_len = block
+    else:
+        seq_len = _positive_int("SEQ_LEN", a.seq_len, f"pass tokens per sequence, at most {block} for {model}")
+        if seq_len > block:
+            raise UsageError(f"SEQ_LEN={seq_len} is above {model}'s block size {block}: use SEQ_LEN<={block}")
+
+    data = a.data
+    if data not in ("auto", "shakespeare", "synthetic") and not os.path.isfile(data):
+        raise UsageError(f"DATA={data!r} is not a file: give a text file, or DATA=shakespeare, synthetic or auto")
+
+    return RunConfig(steps=steps, batch_size=batch, prefix=a.prefix, model=model, seq_len=seq_len,
+                     device=device, data=data, warmup=warmup, seed=seed, data_dir=a.data_dir)
+
+
+def fail(message, code=2):
+    print(f"error: {message}", file=sys.stderr)
+    return code

@@ -1,0 +1,152 @@
+"""Token source: tiny shakespeare through tiktoken's gpt2 encoding, random tokens, or a local text file.
+
+DATA=auto uses shakespeare and, when it cannot be had (offline with no copy on disk, no tokenizer),
+says so on stderr and falls back to synthetic tokens; the run records which data it used.
+"""
+import hashlib
+import os
+import sys
+import tempfile
+import urllib.request
+
+import numpy as np
+import torch
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+SHAKESPEARE_FILE = "tinyshakespeare.txt"
+TOKENS_FILE = "tinyshakespeare.gpt2.npy"
+SYNTHETIC_TOKENS = 1 << 20
+
+
+class DataError(Exception):
+    """The requested data cannot be had; the message is one line and names the fix."""
+
+
+def default_data_dir():
+    return os.environ.get("DATA_DIR") or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _atomic_write(path, write):
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def fetch_shakespeare(data_dir, url=None):
+    """Path to tiny shakespeare in data_dir, downloaded and checked against its sha256 if missing."""
+    url = url or os.environ.get("SHAKESPEARE_URL") or SHAKESPEARE_URL
+    path = os.path.join(data_dir, SHAKESPEARE_FILE)
+    if os.path.exists(path):
+        if _sha256(path) != SHAKESPEARE_SHA256:
+            raise DataError(f"{path} is not tiny shakespeare (sha256 differs): delete it to download it again")
+        return path
+    os.makedirs(data_dir, exist_ok=True)
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            body = r.read()
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot download tiny shakespeare from {url} ({e}): go online, or put "
+                        f"{SHAKESPEARE_FILE} in {data_dir}, or use DATA=synthetic")
+    if hashlib.sha256(body).hexdigest() != SHAKESPEARE_SHA256:
+        raise DataError(f"the file at {url} is not tiny shakespeare (sha256 differs)")
+    _atomic_write(path, lambda f: f.write(body))
+    return path
+
+
+def gpt2_encoding():
+    try:
+        import tiktoken
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:   # offline with no cache raises requests/OS errors of several kinds
+        raise DataError(f"tiktoken's gpt2 encoding is not available ({type(e).__name__}): go online once, "
+                        f"or set TIKTOKEN_CACHE_DIR to a folder holding its files")
+
+
+def tokenize(text):
+    return np.array(gpt2_encoding().encode_ordinary(text), dtype=np.uint16)   # 50257 tokens fit in 16 bits
+
+
+def shakespeare_tokens(data_dir):
+    cache = os.path.join(data_dir, TOKENS_FILE)
+    if os.path.exists(cache):
+        return np.load(cache)
+    path = fetch_shakespeare(data_dir)
+    with open(path, encoding="utf-8") as f:
+        tokens = tokenize(f.read())
+    try:
+        _atomic_write(cache, lambda f: np.save(f, tokens))
+    except OSError:
+        pass   # a read-only data folder only costs a tokenization next time
+    return tokens
+
+
+def synthetic_tokens(vocab_size, seed, n=SYNTHETIC_TOKENS):
+    g = np.random.default_rng(seed)
+    return g.integers(0, vocab_size, size=n, dtype=np.int64).astype(np.uint16 if vocab_size <= 65536 else np.int64)
+
+
+def load_tokens(data, vocab_size, seed, data_dir=None):
+    """(tokens, name): name is what the run records: shakespeare, synthetic, or the file's path."""
+    data_dir = data_dir or default_data_dir()
+    if data == "synthetic":
+        return synthetic_tokens(vocab_size, seed), "synthetic"
+    if data == "shakespeare":
+        return shakespeare_tokens(data_dir), "shakespeare"
+    if data == "auto":
+        try:
+            return shakespeare_tokens(data_dir), "shakespeare"
+        except DataError as e:
+            print(f"WARNING: DATA=auto falls back to synthetic tokens: {e}", file=sys.stderr)
+            return synthetic_tokens(vocab_size, seed), "synthetic"
+    if not os.path.isfile(data):
+        raise DataError(f"DATA={data} is not a file: give a text file, or DATA=shakespeare, synthetic or auto")
+    with open(data, encoding="utf-8", errors="replace") as f:
+        return tokenize(f.read()), os.path.abspath(data)
+
+
+class TokenLoader:
+    """Sequential (B, T+1) windows over the token stream: row b of a batch holds tokens
+    [p + bT, p + bT + T], so inputs are the first T and targets the last T. When fewer than B*T + 1
+    tokens remain, the stream starts again from its beginning."""
+
+    def __init__(self, tokens, batch_size, seq_len, pin_memory=False):
+        need = batch_size * seq_len + 1
+        if len(tokens) < need:
+            raise DataError(f"the data has {len(tokens):,} tokens, fewer than one batch needs "
+                            f"({batch_size} x {seq_len} + 1): use a smaller BATCH_SIZE or SEQ_LEN, or more text")
+        self.tokens = torch.from_numpy(tokens.astype(np.int64))
+        if pin_memory:
+            # Pinned once, so every window is a pinned view and its copy to the GPU can be asynchronous.
+            self.tokens = self.tokens.pin_memory()
+        self.B, self.T = batch_size, seq_len
+        self.pos = 0
+
+    def next_batch(self):
+        """A (B*T + 1,) view of the stream; split it with `inputs_targets` once it is on the device."""
+        n = self.B * self.T + 1
+        if self.pos + n > len(self.tokens):
+            self.pos = 0
+        window = self.tokens[self.pos:self.pos + n]
+        self.pos += self.B * self.T
+        return window
+
+
+def inputs_targets(window, batch_size, seq_len):
+    x = window[:-1].view(batch_size, seq_len)
+    y = window[1:].view(batch_size, seq_len)
+    return x, y

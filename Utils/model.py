@@ -1,0 +1,138 @@
+"""GPT-2 as in the paper and nanoGPT: learned position embeddings, pre-LayerNorm blocks, GELU (tanh),
+a token embedding tied to the output layer, no dropout. The attention implementation is a config
+field so that the ladder switches it without touching the model's mathematics."""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50257
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    attention: str = "manual"   # "manual" materializes the T x T scores; "sdpa" calls F.scaled_dot_product_attention
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
+        if self.attention not in ("manual", "sdpa"):
+            raise ValueError(f"attention must be 'manual' or 'sdpa', got {self.attention!r}")
+
+
+# The GPT-2 sizes from the paper (Radford et al. 2019, table 2), and a tiny one for CPUs and tests.
+PRESETS = {
+    "tiny": GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=64),
+    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.attention = config.attention
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_proj.residual_scale = True
+        if self.attention == "manual":
+            mask = torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool))
+            self.register_buffer("mask", mask.view(1, 1, config.block_size, config.block_size), persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            # The B x H x T x T scores live in memory, are read and written by the mask and the softmax:
+            # the memory traffic that FlashAttention removes.
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf"))
+            att = F.softmax(att, dim=-1)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_proj.residual_scale = True
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight   # tied, as in GPT-2
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        # GPT-2: N(0, 0.02), and residual projections scaled by 1/sqrt(2 * n_layer) because each block
+        # adds two of them to the residual stream.
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "residual_scale", False):
+                std *= (2 * self.config.n_layer) ** -0.5
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, exclude_position_embedding=True):
+        """Parameters counted once (the tied embedding once); without wpe for the FLOPs formula."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_position_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss

@@ -1,0 +1,161 @@
+"""The results contract: PREFIX/results.csv (a row per step) and PREFIX/runs.csv (a row per run).
+
+Rows are only ever appended. An append is whole or absent: the new rows are written next to the file
+with the old bytes in front of them and renamed over it, under an exclusive lock, with SIGINT and
+SIGTERM held back, so neither a Ctrl-C nor a second run appending at once can tear a row. A file whose
+header is not ours, or that ends mid-row, is refused with a one-line error and left as it is.
+"""
+import csv
+import fcntl
+import io
+import os
+import signal
+import tempfile
+from contextlib import contextmanager
+
+STEP_COLUMNS = ["run_id", "optimization", "step", "warmup", "step_ms", "tokens_per_s", "loss", "mfu"]
+
+RUN_COLUMNS = [
+    "run_id", "optimization", "status", "message", "started_at", "steps", "warmup_steps",
+    "batch_size", "seq_len", "model", "n_params", "data", "device", "gpu_name", "torch_version",
+    "cuda_version", "compile_s", "peak_mem_allocated_gib", "peak_mem_reserved_gib", "median_step_ms",
+    "iqr_step_ms", "median_tokens_per_s", "mfu", "final_loss", "notes", "git_commit", "command", "config",
+]
+
+STEPS_FILE = "results.csv"
+RUNS_FILE = "runs.csv"
+LOCK_FILE = ".results.lock"
+STATUSES = ("ok", "oom", "skipped", "failed", "interrupted")
+
+
+class ResultsError(Exception):
+    """A results file that cannot be trusted or written; the message is one line and names the fix."""
+
+
+def check_file(path, columns):
+    """Raise ResultsError unless `path` is absent, empty, or a complete file with our header."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb") as f:
+        raw = f.read()
+    if not raw:
+        return
+    name = os.path.basename(path)
+    if not raw.endswith(b"\n"):
+        raise ResultsError(f"{path} ends in the middle of a row (cut off?): move it aside or repair it; "
+                           f"it was not changed")
+    try:
+        rows = list(csv.reader(io.StringIO(raw.decode("utf-8"))))
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise ResultsError(f"{path} is not a readable CSV ({e}): move it aside; it was not changed")
+    if rows[0] != columns:
+        raise ResultsError(f"{path} has a header that is not the suite's {name} header: "
+                           f"use another PREFIX or move the file aside; it was not changed")
+    for i, row in enumerate(rows[1:], start=2):
+        if len(row) != len(columns):
+            raise ResultsError(f"{path} line {i} has {len(row)} fields, expected {len(columns)}: "
+                               f"the file is damaged; move it aside; it was not changed")
+
+
+def check_prefix(prefix):
+    """Make PREFIX if needed and prove it writable and its files ours, before any training starts."""
+    try:
+        os.makedirs(prefix, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=prefix, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise ResultsError(f"PREFIX={prefix} cannot be written ({e.strerror}): choose a folder you can write to")
+    check_file(os.path.join(prefix, STEPS_FILE), STEP_COLUMNS)
+    check_file(os.path.join(prefix, RUNS_FILE), RUN_COLUMNS)
+
+
+@contextmanager
+def _locked(prefix):
+    fd = os.open(os.path.join(prefix, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _format(rows, columns):
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n", extrasaction="raise")
+    for row in rows:
+        writer.writerow({k: _cell(row.get(k)) for k in columns})
+    return buf.getvalue()
+
+
+def _cell(value):
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return "" if value != value else f"{value:.6g}"
+    return str(value)
+
+
+def _append(path, columns, text):
+    """Old bytes + new rows into a temporary file beside `path`, then an atomic rename over it."""
+    old = b""
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            old = f.read()
+    header = b"" if old else (",".join(columns) + "\n").encode()
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=".csv")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(old + header + text.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(path):
+            os.chmod(tmp, os.stat(path).st_mode & 0o777)
+        else:
+            os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def append_run(prefix, run, steps):
+    """Append one run's step rows and its run row. Step rows go first: a run exists once runs.csv names it."""
+    if run.get("status") not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {run.get('status')!r}")
+    steps_path = os.path.join(prefix, STEPS_FILE)
+    runs_path = os.path.join(prefix, RUNS_FILE)
+    with _locked(prefix):
+        check_file(steps_path, STEP_COLUMNS)
+        check_file(runs_path, RUN_COLUMNS)
+        if steps:
+            _append(steps_path, STEP_COLUMNS, _format(steps, STEP_COLUMNS))
+        elif not os.path.exists(steps_path):
+            _append(steps_path, STEP_COLUMNS, "")
+        _append(runs_path, RUN_COLUMNS, _format([run], RUN_COLUMNS))
+
+
+def init_files(prefix):
+    """Create PREFIX with empty results files (headers only); existing files are checked, never touched."""
+    check_prefix(prefix)
+    with _locked(prefix):
+        for name, columns in ((STEPS_FILE, STEP_COLUMNS), (RUNS_FILE, RUN_COLUMNS)):
+            path = os.path.join(prefix, name)
+            if not os.path.exists(path) or os.path.getsize(path) == 0:
+                _append(path, columns, "")
+
+
+if __name__ == "__main__":
+    import sys
+    if len(sys.argv) != 3 or sys.argv[1] != "init":
+        sys.exit("usage: python -m Utils.results init PREFIX")
+    try:
+        init_files(sys.argv[2])
+    except ResultsError as e:
+        sys.exit(f"error: {e}")
+    print(f"{os.path.join(sys.argv[2], STEPS_FILE)} and {RUNS_FILE} are ready")

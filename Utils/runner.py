@@ -1,0 +1,232 @@
+"""The one training loop: builds data, model and optimizer from a recipe, times every step, records it.
+
+A step is timed whole: the batch's copy to the device, forward, backward, gradient clipping and the
+optimizer step, between two CUDA events (or perf_counter on a CPU, where work is synchronous).
+"""
+import gc
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import asdict
+from datetime import datetime, timezone
+
+import torch
+
+from Utils import metrics
+from Utils.cli import UsageError, fail, parse_args
+from Utils.data import DataError, TokenLoader, inputs_targets, load_tokens
+from Utils.model import GPT, PRESETS
+from Utils.recipes import (GRAD_CLIP, Unavailable, apply_attention, apply_compile, apply_optimizer, apply_tf32,
+                           autocast_context)
+from Utils.results import ResultsError, append_run, check_prefix
+
+EXIT_FAILED, EXIT_USAGE, EXIT_OOM, EXIT_SKIPPED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(recipe, argv=None):
+    """Entry point of every rung script: parse, check PREFIX, run, record. Returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        cfg = parse_args(argv, prog=os.path.basename(sys.argv[0]))
+        check_prefix(cfg.prefix)
+    except (UsageError, ResultsError) as e:
+        return fail(str(e))
+    command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.argv[0])] + argv)
+    return run(recipe, cfg, command)
+
+
+def environment(device):
+    cuda = device.type == "cuda"
+    return {
+        "device": device.type,
+        "gpu_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda if cuda else "",
+        "git_commit": git_commit(),
+    }
+
+
+def git_commit():
+    """The commit the code ran from; GIT_COMMIT wins for copies of the tree that carry no .git."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"{sha}-dirty" if sha and dirty else sha
+
+
+class StepTimer:
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def start(self):
+        if self.cuda:
+            self.begin.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop_ms(self):
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            return self.begin.elapsed_time(self.end)
+        return (time.perf_counter() - self.t0) * 1e3
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def train(recipe, cfg, device, tokens, run, rows, held):
+    """Build everything from the recipe and run cfg.steps timed steps, appending a dict per step to rows.
+    Objects that hold device memory go into `held` so the caller can release them on any exit."""
+    notes = [n for n in [apply_tf32(recipe, device)] if n]
+    config = apply_attention(PRESETS[cfg.model], recipe)
+    torch.manual_seed(cfg.seed)
+    model = held["model"] = GPT(config).to(device)
+    run["n_params"] = model.num_params(exclude_position_embedding=False)
+    flops_token = metrics.flops_per_token(model.num_params(), config.n_layer, config.n_head,
+                                          config.n_embd // config.n_head, cfg.seq_len)
+    peak = metrics.peak_bf16_flops(run["gpu_name"]) if device.type == "cuda" else None
+    autocast = lambda: autocast_context(recipe, device)   # noqa: E731  (raises Unavailable before training)
+    autocast()
+    step_model = held["compiled"] = apply_compile(model, recipe, device)
+    optimizer = held["optimizer"] = apply_optimizer(model, recipe, device)
+    loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda")
+    run["notes"] = "; ".join(notes)
+    for note in notes:
+        print(f"note: {note}")
+
+    timer = StepTimer(device)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    for step in range(cfg.steps):
+        timer.start()
+        window = loader.next_batch().to(device, non_blocking=True)
+        x, y = inputs_targets(window, cfg.batch_size, cfg.seq_len)
+        with autocast():
+            _, loss = step_model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ms = timer.stop_ms()
+        loss_value = loss.item()
+        tps = tokens_per_step / (ms / 1e3)
+        step_mfu = metrics.mfu(flops_token, tps, peak)
+        rows.append({"run_id": run["run_id"], "optimization": recipe.name, "step": step,
+                     "warmup": step < cfg.warmup, "step_ms": ms, "tokens_per_s": tps, "loss": loss_value,
+                     "mfu": step_mfu})
+        mfu_text = f"MFU {step_mfu:.1%}" if step_mfu is not None else "MFU n/a"
+        tag = " (warm-up)" if step < cfg.warmup else ""
+        print(f"step {step + 1}/{cfg.steps} | loss {loss_value:.4f} | {ms:.1f} ms | {tps:,.0f} tok/s | "
+              f"{mfu_text}{tag}", flush=True)
+
+
+def summarize(recipe, cfg, run, rows):
+    measured = [r for r in rows if not r["warmup"]]
+    if measured:
+        med, iqr = metrics.median_iqr([r["step_ms"] for r in measured])
+        run.update(median_step_ms=med, iqr_step_ms=iqr,
+                   median_tokens_per_s=cfg.batch_size * cfg.seq_len / (med / 1e3))
+        mfus = [r["mfu"] for r in measured if r["mfu"] is not None]
+        run["mfu"] = metrics.median_iqr(mfus)[0] if mfus else None
+        if recipe.compile and rows:
+            # The first step holds the compilation; what it took beyond a normal step is compile time.
+            run["compile_s"] = max(0.0, (rows[0]["step_ms"] - med) / 1e3)
+    if rows:
+        run["final_loss"] = rows[-1]["loss"]
+
+
+def summary_line(run):
+    def num(key, fmt, unit=""):
+        v = run.get(key)
+        return f"{v:{fmt}}{unit}" if isinstance(v, (int, float)) and v is not None else "n/a"
+    parts = [f"{run['optimization']}: {run['status']}",
+             f"median {num('median_step_ms', '.1f', ' ms')} (IQR {num('iqr_step_ms', '.1f', ' ms')})",
+             f"{num('median_tokens_per_s', ',.0f', ' tok/s')}",
+             f"MFU {num('mfu', '.1%')}",
+             f"peak mem {num('peak_mem_allocated_gib', '.2f', ' GiB')} alloc / "
+             f"{num('peak_mem_reserved_gib', '.2f', ' GiB')} reserved",
+             f"compile {num('compile_s', '.1f', ' s')}",
+             f"final loss {num('final_loss', '.4f')}"]
+    return "summary | " + " | ".join(parts)
+
+
+def _compile_failure(e):
+    return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
+def run(recipe, cfg, command):
+    device = torch.device(cfg.device)
+    try:
+        tokens, data_name = load_tokens(cfg.data, PRESETS[cfg.model].vocab_size, cfg.seed, cfg.data_dir)
+    except DataError as e:
+        return fail(str(e))
+    run = {"run_id": f"{datetime.now():%Y%m%d-%H%M%S}-{recipe.name}-{uuid.uuid4().hex[:6]}",
+           "optimization": recipe.name, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "steps": cfg.steps, "warmup_steps": cfg.warmup, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
+           "model": cfg.model, "data": data_name, "command": command,
+           "config": json.dumps({"run": cfg.as_dict(), "recipe": asdict(recipe)}, sort_keys=True),
+           **environment(device)}
+    print(f"{recipe.name} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {data_name} | "
+          f"{device.type} {run['gpu_name']} | tf32 {recipe.tf32}, bf16 {recipe.bf16}, compile {recipe.compile}, "
+          f"attention {recipe.attention}, optimizer {recipe.optimizer} | steps {cfg.steps} (warm-up {cfg.warmup}) "
+          f"| seed {cfg.seed}", flush=True)
+
+    rows, held = [], {}
+    status, message, code = "ok", "", 0
+    metrics.reset_peak_memory(device)
+    previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        train(recipe, cfg, device, tokens, run, rows, held)
+    except Unavailable as e:
+        status, message, code = "skipped", str(e), EXIT_SKIPPED
+    except torch.OutOfMemoryError:
+        peak = metrics.peak_memory_gib(device)[0] or 0.0
+        status, code = "oom", EXIT_OOM
+        message = (f"out of memory at BATCH_SIZE={cfg.batch_size} after {len(rows)} steps "
+                   f"(peak {peak:.1f} GiB allocated): try a smaller BATCH_SIZE, e.g. {max(1, cfg.batch_size // 2)}")
+    except KeyboardInterrupt:
+        status, code = "interrupted", EXIT_INTERRUPTED
+        message = f"interrupted after {len(rows)} of {cfg.steps} steps; the measured steps are kept"
+    except Exception as e:
+        if _compile_failure(e) and not rows:
+            status, code = "skipped", EXIT_SKIPPED
+            message = f"torch.compile cannot compile here: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        else:
+            traceback.print_exc()
+            status, code = "failed", EXIT_FAILED
+            message = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+
+    run["peak_mem_allocated_gib"], run["peak_mem_reserved_gib"] = metrics.peak_memory_gib(device)
+    held.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    run.update(status=status, message=message)
+    summarize(recipe, cfg, run, rows)
+    try:
+        append_run(cfg.prefix, run, rows)
+    except (ResultsError, OSError) as e:
+        return fail(f"results not written: {e}")
+    print(summary_line(run))
+    if status != "ok":
+        print(f"error: {recipe.name} {status}: {message}", file=sys.stderr)
+    return code

@@ -1,0 +1,320 @@
+"""plot_results.py on small results files written here: the numbers, the files, run matching, bad input."""
+import contextlib
+import io
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import plot_results  # noqa: E402
+from plot_results import main  # noqa: E402
+from Utils.results import RUN_COLUMNS, STEP_COLUMNS, append_run  # noqa: E402
+
+CHARTS = ["speedup.png", "step_time.png", "throughput.png", "memory.png", "loss.png"]
+OUTPUTS = CHARTS + ["summary.md"]
+BATCH, SEQ = 16, 64
+CONFIG = dict(batch_size=BATCH, seq_len=SEQ, model="gpt2", data="tiny", device="cuda", gpu_name="NVIDIA H200")
+
+
+def add_run(prefix, rung, step_ms=(), warmup=1, status="ok", run_id=None, mfu=None, message="", notes="",
+            mem=(10.0, 12.0), compile_s=None, **config):
+    """Append one run through the real writer; the first `warmup` entries of step_ms are warm-up."""
+    run_id = run_id or f"{rung}-{len(os.listdir(prefix)) if os.path.isdir(prefix) else 0}-{len(step_ms)}-{status}"
+    os.makedirs(prefix, exist_ok=True)
+    cfg = {**CONFIG, **config}
+    mfu = list(mfu) if mfu is not None else [0.4] * len(step_ms)
+    steps = [dict(run_id=run_id, optimization=rung, step=i, warmup=i < warmup, step_ms=ms,
+                  tokens_per_s=BATCH * SEQ / (ms / 1000) if ms and ms > 0 else None,
+                  loss=10.9 - 0.1 * i, mfu=mfu[i]) for i, ms in enumerate(step_ms)]
+    run = dict(run_id=run_id, optimization=rung, status=status, message=message,
+               started_at="2025-01-01T00:00:00", steps=len(step_ms), warmup_steps=warmup, n_params=124e6,
+               torch_version="2.5.1", cuda_version="12.4", compile_s=compile_s,
+               peak_mem_allocated_gib=mem[0], peak_mem_reserved_gib=mem[1],
+               median_step_ms=1.0, iqr_step_ms=99.0, notes=notes, git_commit="0123456789abcdef", **cfg)
+    append_run(prefix, run, steps)
+    return run_id
+
+
+def run_main(prefix):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["--prefix", str(prefix)])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def table(prefix):
+    """summary.md's table as {rung: {column header: cell}}."""
+    with open(os.path.join(prefix, "summary.md")) as f:
+        lines = [ln for ln in f.read().splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    return {r[0]: dict(zip(header, r)) for r in rows}
+
+
+def summary_text(prefix):
+    with open(os.path.join(prefix, "summary.md")) as f:
+        return f.read()
+
+
+# Step times with warm-up steps far off the measured ones, so that a warm-up step counted by mistake
+# moves the median and the IQR. Rounded as results.csv stores them (6 significant digits), so that
+# the hand computation sees the same numbers as the script.
+RNG = np.random.default_rng(7)
+MEASURED = {rung: np.array([float(f"{x:.6g}") for x in ms]) for rung, ms in {
+    "baseline": RNG.normal(300, 12, 21),
+    "tf32": RNG.normal(150, 6, 16),
+    "bf16": np.append(RNG.normal(100, 3, 24), 400.0),
+}.items()}
+MFU = {rung: np.round(RNG.uniform(0.2, 0.5, 2 + len(ms)), 4) for rung, ms in MEASURED.items()}
+MEM = {"baseline": (28.8, 30.1), "tf32": (28.8, 30.1), "bf16": (13.0, 14.2)}
+
+
+@pytest.fixture(scope="module")
+def ladder(tmp_path_factory):
+    prefix = str(tmp_path_factory.mktemp("ladder"))
+    for rung, ms in MEASURED.items():
+        add_run(prefix, rung, [9000.0, 700.0, *ms], warmup=2, mfu=MFU[rung], mem=MEM[rung],
+                compile_s=12.5 if rung == "bf16" else None,
+                notes="TF32 has no effect on a CPU" if rung == "tf32" else "")
+    rc, out, err = run_main(prefix)
+    return prefix, rc, out, err
+
+
+def test_summary_numbers_match_a_hand_computation(ladder):
+    prefix, rc, _, err = ladder
+    assert rc == 0, err
+    rows = table(prefix)
+    assert list(rows) == ["baseline", "tf32", "bf16"]
+    base_median = np.median(MEASURED["baseline"])
+    for rung, ms in MEASURED.items():
+        median = np.median(ms)
+        iqr = np.percentile(ms, 75) - np.percentile(ms, 25)
+        row = rows[rung]
+        assert row["median ms"] == f"{median:.1f}"
+        assert row["IQR ms"] == f"{iqr:.1f}"
+        assert row["speedup"] == f"{base_median / median:.2f}x"
+        assert row["tokens/s"] == f"{BATCH * SEQ / (median / 1000):,.0f}"
+        assert row["MFU"] == f"{100 * np.median(MFU[rung][2:]):.1f}%"
+        assert row["peak alloc GiB"] == f"{MEM[rung][0]:.1f}"
+        assert row["peak reserved GiB"] == f"{MEM[rung][1]:.1f}"
+        assert row["final loss"] == f"{10.9 - 0.1 * (len(ms) + 1):.3f}"
+        assert row["status"] == "ok"
+    assert rows["bf16"]["compile s"] == "12.5"
+    assert rows["baseline"]["compile s"] == "-"
+    assert "- tf32: TF32 has no effect on a CPU" in summary_text(prefix)
+
+
+def test_summarize_frame_holds_the_unrounded_numbers(ladder):
+    prefix = ladder[0]
+    steps, runs = plot_results.load(prefix)
+    frame = plot_results.summarize(steps, runs)
+    assert list(frame.index) == ["baseline", "tf32", "bf16"]
+    for rung, ms in MEASURED.items():
+        r = frame.loc[rung]
+        assert r["median_step_ms"] == pytest.approx(np.median(ms))
+        assert r["iqr_step_ms"] == pytest.approx(np.percentile(ms, 75) - np.percentile(ms, 25))
+        assert r["speedup"] == pytest.approx(np.median(MEASURED["baseline"]) / np.median(ms))
+        assert r["speedup_lo"] < r["speedup"] < r["speedup_hi"]
+        assert r["measured_steps"] == len(ms)
+    again = plot_results.summarize(steps, runs)
+    assert again.loc["tf32", "speedup_lo"] == frame.loc["tf32", "speedup_lo"], "bootstrap must be seeded"
+
+
+def test_every_chart_and_the_summary_are_written_whole(ladder):
+    prefix, rc, out, _ = ladder
+    assert rc == 0
+    for name in CHARTS:
+        with open(os.path.join(prefix, name), "rb") as f:
+            data = f.read()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000, name
+    assert os.path.getsize(os.path.join(prefix, "summary.md")) > 0
+    assert not [n for n in os.listdir(prefix) if n.startswith(".tmp-")]
+    assert "| baseline" in out and f"{np.median(MEASURED['tf32']):.1f}" in out
+
+
+def test_every_chart_names_what_it_measured(ladder):
+    report = plot_results.build_report(*plot_results.load(ladder[0]))
+    for name, plot in plot_results.CHARTS.items():
+        title = plot(report).get_suptitle()
+        for part in ("NVIDIA H200", "gpt2", f"batch {BATCH}", f"seq_len {SEQ}", "data tiny"):
+            assert part in title, (name, part)
+
+
+def test_step_time_axis_turns_logarithmic_past_a_tenfold_spread(tmp_path):
+    add_run(tmp_path, "baseline", [500.0, *[400.0] * 5])
+    add_run(tmp_path, "tf32", [500.0, *[100.0] * 5])
+    linear = plot_results.build_report(*plot_results.load(tmp_path))
+    assert plot_results.plot_step_time(linear).axes[0].get_yscale() == "linear"
+    add_run(tmp_path, "bf16", [500.0, *[30.0] * 5])
+    spread = plot_results.build_report(*plot_results.load(tmp_path))
+    assert plot_results.plot_step_time(spread).axes[0].get_yscale() == "log"
+
+
+def test_run_matching(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "baseline", [1, 100, 101, 99], run_id="base-old")
+    add_run(p, "baseline", [1, 200, 201, 199], run_id="base-new")
+    add_run(p, "tf32", [1, 50, 50, 50], run_id="tf32-match")
+    add_run(p, "tf32", [1, 40, 40, 40], run_id="tf32-batch8", batch_size=8)
+    add_run(p, "bf16", [1, 25, 25, 25], run_id="bf16-a100", gpu_name="NVIDIA A100")
+    add_run(p, "torch_compile", [1, 20, 20, 20], run_id="tc-other", seq_len=128, data="owt")
+    add_run(p, "flash", [], status="oom", run_id="flash-oom", message="CUDA out of memory")
+    add_run(p, "8bit", [], status="skipped", run_id="8bit-skip", message="bitsandbytes missing")
+    add_run(p, "max", [1, 10, 10, 10], run_id="max-1")
+    add_run(p, "max", [1, 10, 10, 10], run_id="max-2")
+    add_run(p, "max", [], status="failed", run_id="max-3", message="NaN loss")
+
+    steps, runs = plot_results.load(p)
+    chosen, excluded = plot_results.select_runs(runs, steps)
+    assert {r: row["run_id"] for r, row in chosen.items()} == {
+        "baseline": "base-new", "tf32": "tf32-match", "max": "max-2"}
+    reasons = {e.run_id: e.reason for e in excluded}
+    assert reasons == {"tf32-batch8": "batch 8 != 16",
+                       "bf16-a100": "gpu NVIDIA A100 != NVIDIA H200",
+                       "tc-other": "seq_len 128 != 64; data owt != tiny"}
+
+    rc, out, err = run_main(p)
+    assert rc == 0, err
+    rows = table(p)
+    assert list(rows) == ["baseline", "tf32", "bf16", "torch_compile", "flash", "8bit", "max"]
+    assert rows["baseline"]["median ms"] == "200.0"
+    assert rows["tf32"]["speedup"] == "4.00x"
+    assert rows["max"]["speedup"] == "20.00x"
+    for rung, status in (("bf16", "excluded"), ("torch_compile", "excluded"), ("flash", "oom"),
+                         ("8bit", "skipped")):
+        assert rows[rung]["status"] == status
+        assert rows[rung]["speedup"] == rows[rung]["median ms"] == "-"
+    text = summary_text(p)
+    assert "- tf32-batch8 (tf32): batch 8 != 16" in text
+    assert "- bf16-a100 (bf16): gpu NVIDIA A100 != NVIDIA H200" in text
+    assert "flash (oom): CUDA out of memory" in text
+    assert "8bit (skipped): bitsandbytes missing" in text
+    assert "max-3, ended failed: NaN loss" in text
+    assert "base-new" not in text.split("## Excluded runs")[1].split("## Notes")[0]
+
+
+def test_no_baseline_leaves_speedups_out_and_still_draws(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "baseline", [], status="failed", message="killed")
+    add_run(p, "tf32", [1, 50, 52, 51])
+    add_run(p, "bf16", [1, 30, 31, 29])
+    rc, out, err = run_main(p)
+    assert rc == 0, err
+    assert "no ok baseline run: speedups left out" in summary_text(p)
+    assert "no ok baseline run: speedups left out" in out
+    rows = table(p)
+    assert rows["baseline"]["status"] == "failed"
+    assert rows["tf32"]["median ms"] == "51.0" and rows["tf32"]["speedup"] == "-"
+    for name in CHARTS:
+        assert os.path.getsize(os.path.join(p, name)) > 0
+
+
+def test_nan_and_non_positive_step_times_exclude_the_run(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "baseline", [1, 100, 100, 100])
+    add_run(p, "tf32", [1, 50, 50, 50], run_id="tf32-good")
+    add_run(p, "tf32", [1, 40, float("nan"), 40], run_id="tf32-nan")
+    add_run(p, "bf16", [1, 30, -5.0, 0.0], run_id="bf16-neg")
+    rc, _, err = run_main(p)
+    assert rc == 0, err
+    rows = table(p)
+    assert rows["tf32"]["median ms"] == "50.0" and rows["tf32"]["speedup"] == "2.00x"
+    assert rows["bf16"]["status"] == "excluded" and rows["bf16"]["speedup"] == "-"
+    text = summary_text(p)
+    assert "- tf32-nan (tf32): 1 NaN or missing step_ms" in text
+    assert "- bf16-neg (bf16): 2 non-positive step_ms" in text
+
+
+def _valid(prefix):
+    add_run(prefix, "baseline", [1, 100, 100])
+
+
+def _write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _truncate(prefix):
+    _valid(prefix)
+    path = os.path.join(prefix, "results.csv")
+    with open(path, "rb") as f:
+        data = f.read()
+    _write(path, data[:-7])
+
+
+BAD_INPUTS = {
+    "prefix missing": (lambda p: None, "results.csv not found: run a rung first, e.g. make baseline"),
+    "no results": (lambda p: os.makedirs(p), "results.csv not found"),
+    "empty results": (lambda p: (os.makedirs(p), _write(os.path.join(p, "results.csv"), b"")),
+                      "results.csv is empty"),
+    "truncated results": (lambda p: (os.makedirs(p), _truncate(p)), "results.csv ends in the middle of a row"),
+    "foreign header": (lambda p: (os.makedirs(p), _write(os.path.join(p, "results.csv"), b"a,b,c\n1,2,3\n")),
+                       "results.csv has a header that is not the suite's"),
+    "runs.csv missing": (lambda p: (os.makedirs(p), _valid(p), os.remove(os.path.join(p, "runs.csv"))),
+                         "runs.csv not found"),
+    "no runs recorded": (lambda p: (os.makedirs(p),
+                                    _write(os.path.join(p, "results.csv"), (",".join(STEP_COLUMNS) + "\n").encode()),
+                                    _write(os.path.join(p, "runs.csv"), (",".join(RUN_COLUMNS) + "\n").encode())),
+                         "runs.csv records no runs"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_error_line_and_no_output(tmp_path, case):
+    prefix = str(tmp_path / "out")
+    make, expected = BAD_INPUTS[case]
+    make(prefix)
+    rc, out, err = run_main(prefix)
+    assert rc == 2
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert expected in err and prefix in err
+    assert "Traceback" not in err + out
+    for name in OUTPUTS:
+        assert not os.path.exists(os.path.join(prefix, name))
+
+
+@pytest.mark.parametrize("argv", [[], ["--prefix"], ["--prefix", "x", "--bogus"]])
+def test_bad_arguments_are_one_error_line(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_a_failed_write_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    p = str(tmp_path)
+    add_run(p, "baseline", [1, 100, 100, 100])
+    assert run_main(p)[0] == 0
+    with open(os.path.join(p, "speedup.png"), "rb") as f:
+        before = f.read()
+
+    def disk_full(self, fname, **kwargs):
+        fname.write(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plot_results.Figure, "savefig", disk_full)
+    rc, _, err = run_main(p)
+    assert rc == 2 and err.startswith("error: cannot write into") and err.count("\n") == 1
+    with open(os.path.join(p, "speedup.png"), "rb") as f:
+        assert f.read() == before
+    assert not [n for n in os.listdir(p) if n.startswith(".tmp-")]
+
+
+def test_rung_order_puts_unknown_rungs_last_alphabetically():
+    assert plot_results.rung_order(["zeta", "max", "8bit", "fused", "baseline", "tf32", "max"]) == [
+        "baseline", "tf32", "fused", "8bit", "max", "zeta"]
+
+
+def test_command_line(tmp_path):
+    add_run(tmp_path, "baseline", [1, 100, 100, 100])
+    add_run(tmp_path, "tf32", [1, 25, 25, 25])
+    done = subprocess.run([sys.executable, "plot_results.py", "--prefix", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "4.00x" in done.stdout and "wrote speedup.png" in done.stdout
+    assert table(tmp_path)["tf32"]["speedup"] == "4.00x"

@@ -53,7 +53,7 @@ all: require-run
 	@failed=""; \
 	for rung in $(RUNGS); do \
 		echo "=== $$rung ==="; \
-		$(PYTHON) $(script_$(rung)) $(RUN_ARGS) || failed="$$failed $$rung"; \
+		$(MAKE) --no-print-directory $$rung || failed="$$failed $$rung"; \
 	done; \
 	$(MAKE) --no-print-directory plots || failed="$$failed plots"; \
 	if [ -n "$$failed" ]; then echo "error: make all: not ok:$$failed (see runs.csv in $(PREFIX))" >&2; exit 1; fi

@@ -17,11 +17,12 @@ EXAMPLE := e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out
 opt = $(if $(filter undefined,$(origin $(1))),,$(2) '$($(1))')
 RUN_ARGS = --steps '$(STEPS)' --batch-size '$(BATCH_SIZE)' --prefix '$(PREFIX)' \
 	$(call opt,MODEL,--model) $(call opt,SEQ_LEN,--seq-len) $(call opt,DEVICE,--device) \
-	$(call opt,DATA,--data) $(call opt,WARMUP,--warmup) $(call opt,SEED,--seed) $(call opt,DATA_DIR,--data-dir)
+	$(call opt,DATA,--data) $(call opt,WARMUP,--warmup) $(call opt,SEED,--seed) $(call opt,DATA_DIR,--data-dir) \
+	$(if $(PROFILE),--profile)
 
 need = @if [ -z "$(strip $($(1)))" ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
 
-.PHONY: help all plots test init_results reset clean notebook $(RUNGS) require-run require-prefix
+.PHONY: help all profile plots test init_results reset clean notebook $(RUNGS) require-run require-prefix
 .DEFAULT_GOAL := help
 
 help:
@@ -30,9 +31,11 @@ help:
 	@echo "  make <rung> STEPS=n BATCH_SIZE=b PREFIX=dir   run one rung: $(RUNGS)"
 	@echo "  make all STEPS=n BATCH_SIZE=b PREFIX=dir      every rung in ladder order, then the charts"
 	@echo "  make plots PREFIX=dir                         charts and summary.md from PREFIX/results.csv"
+	@echo "  make profile STEPS=n BATCH_SIZE=b PREFIX=dir  compute / memory / overhead split of every rung"
 	@echo "  make init_results PREFIX=dir                  create PREFIX with empty results files"
-	@echo "  make clean PREFIX=dir                         remove the charts and summary.md from PREFIX"
+	@echo "  make clean PREFIX=dir                         remove the charts, summary.md and breakdown.md/.png"
 	@echo "  make reset PREFIX=dir                         remove every file the suite wrote in PREFIX, results too"
+	@echo "  make notebook [RESULTS=dir]                   execute notebooks/Optimizing_GPU_Utilization.ipynb in place"
 	@echo "  make test                                     the test suite (CPU, a few minutes)"
 	@echo ""
 	@echo "Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE=auto|cuda|cpu"
@@ -58,6 +61,16 @@ all: require-run
 	$(MAKE) --no-print-directory plots || failed="$$failed plots"; \
 	if [ -n "$$failed" ]; then echo "error: make all: not ok:$$failed (see runs.csv in $(PREFIX))" >&2; exit 1; fi
 
+# Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
+# breakdown files and a trace per rung, and leaves results.csv alone.
+profile: require-run
+	@failed=""; \
+	for rung in $(RUNGS); do \
+		echo "=== profile $$rung ==="; \
+		$(MAKE) --no-print-directory $$rung PROFILE=1 || failed="$$failed $$rung"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "error: make profile: not ok:$$failed" >&2; exit 1; fi
+
 plots: require-prefix
 	$(PYTHON) plot_results.py --prefix '$(PREFIX)'
 
@@ -65,12 +78,17 @@ init_results: require-prefix
 	$(PYTHON) -m Utils.results init '$(PREFIX)'
 
 # Only the files the suite writes, by name: anything else in PREFIX is left alone.
-CHARTS := speedup.png step_time.png throughput.png memory.png loss.png summary.md
+CHARTS := speedup.png step_time.png throughput.png memory.png loss.png summary.md \
+	breakdown.md breakdown.png
 clean: require-prefix
 	cd '$(PREFIX)' 2>/dev/null && rm -f $(CHARTS) .tmp-* || true
 
 reset: require-prefix
-	cd '$(PREFIX)' 2>/dev/null && rm -f $(CHARTS) results.csv runs.csv .results.lock .tmp-* || true
+	cd '$(PREFIX)' 2>/dev/null && rm -f $(CHARTS) results.csv runs.csv breakdown.csv trace_*.json.gz .results.lock .tmp-* || true
+
+# Re-executes the notebook in place against RESULTS (default results/h200-b16), saving its outputs.
+notebook:
+	$(PYTHON) notebooks/build_notebook.py $(if $(RESULTS),--results '$(RESULTS)')
 
 test:
 	$(PYTHON) -m pytest -q tests

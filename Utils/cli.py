@@ -14,6 +14,7 @@ from Utils.model import PRESETS
 
 EXAMPLE = "e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out"
 DEFAULT_WARMUP = 5
+PROFILE_STEPS = 3
 
 
 class UsageError(Exception):
@@ -32,6 +33,7 @@ class RunConfig:
     warmup: int
     seed: int
     data_dir: str | None = None
+    profile: bool = False
 
     def as_dict(self):
         return asdict(self)
@@ -57,6 +59,9 @@ def build_parser(prog=None):
     p.add_argument("--seed", default="1337", help="seed for the model's init and synthetic data")
     p.add_argument("--data-dir", default=None, help="where tiny shakespeare and its tokens are kept "
                                                     "(default: $DATA_DIR, else ./data)")
+    p.add_argument("--profile", action="store_true",
+                   help=f"after the timed steps, profile {PROFILE_STEPS} more under torch.profiler and write "
+                        f"breakdown.csv/.md/.png and trace_<rung>.json.gz; the run is not added to results.csv")
     return p
 
 
@@ -119,7 +124,8 @@ def parse_args(argv=None, prog=None):
         raise UsageError(f"DATA={data!r} is not a file: give a text file, or DATA=shakespeare, synthetic or auto")
 
     return RunConfig(steps=steps, batch_size=batch, prefix=a.prefix, model=model, seq_len=seq_len,
-                     device=device, data=data, warmup=warmup, seed=seed, data_dir=a.data_dir)
+                     device=device, data=data, warmup=warmup, seed=seed, data_dir=a.data_dir,
+                     profile=a.profile)
 
 
 def fail(message, code=2):

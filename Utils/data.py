@@ -4,6 +4,7 @@ DATA=auto uses shakespeare and, when it cannot be had (offline with no copy on d
 says so on stderr and falls back to synthetic tokens; the run records which data it used.
 """
 import hashlib
+import http.client
 import os
 import sys
 import tempfile
@@ -59,7 +60,7 @@ def fetch_shakespeare(data_dir, url=None):
     try:
         with urllib.request.urlopen(url, timeout=30) as r:
             body = r.read()
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, http.client.HTTPException) as e:
         raise DataError(f"cannot download tiny shakespeare from {url} ({e}): go online, or put "
                         f"{SHAKESPEARE_FILE} in {data_dir}, or use DATA=synthetic")
     if hashlib.sha256(body).hexdigest() != SHAKESPEARE_SHA256:
@@ -84,7 +85,10 @@ def tokenize(text):
 def shakespeare_tokens(data_dir):
     cache = os.path.join(data_dir, TOKENS_FILE)
     if os.path.exists(cache):
-        return np.load(cache)
+        try:
+            return np.load(cache)
+        except (OSError, ValueError):
+            pass   # a damaged cache is rebuilt from the text below
     path = fetch_shakespeare(data_dir)
     with open(path, encoding="utf-8") as f:
         tokens = tokenize(f.read())

@@ -18,8 +18,8 @@ from datetime import datetime, timezone
 
 import torch
 
-from Utils import metrics
-from Utils.cli import UsageError, fail, parse_args
+from Utils import breakdown, metrics
+from Utils.cli import PROFILE_STEPS, UsageError, fail, parse_args
 from Utils.data import DataError, TokenLoader, inputs_targets, load_tokens
 from Utils.model import GPT, PRESETS
 from Utils.recipes import (GRAD_CLIP, Unavailable, apply_attention, apply_compile, apply_optimizer, apply_tf32,
@@ -97,7 +97,8 @@ def train(recipe, cfg, device, tokens, run, rows, held):
     notes = [n for n in [apply_tf32(recipe, device)] if n]
     config = apply_attention(PRESETS[cfg.model], recipe)
     torch.manual_seed(cfg.seed)
-    model = held["model"] = GPT(config).to(device)
+    with device:   # initialized where it trains: no 124M-parameter init on the host, no copy
+        model = held["model"] = GPT(config)
     run["n_params"] = model.num_params(exclude_position_embedding=False)
     flops_token = metrics.flops_per_token(model.num_params(), config.n_layer, config.n_head,
                                           config.n_embd // config.n_head, cfg.seq_len)
@@ -113,7 +114,8 @@ def train(recipe, cfg, device, tokens, run, rows, held):
 
     timer = StepTimer(device)
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    for step in range(cfg.steps):
+
+    def step():
         timer.start()
         window = loader.next_batch().to(device, non_blocking=True)
         x, y = inputs_targets(window, cfg.batch_size, cfg.seq_len)
@@ -123,17 +125,45 @@ def train(recipe, cfg, device, tokens, run, rows, held):
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        ms = timer.stop_ms()
-        loss_value = loss.item()
+        return timer.stop_ms(), loss.item()
+
+    for i in range(cfg.steps):
+        ms, loss_value = step()
         tps = tokens_per_step / (ms / 1e3)
         step_mfu = metrics.mfu(flops_token, tps, peak)
-        rows.append({"run_id": run["run_id"], "optimization": recipe.name, "step": step,
-                     "warmup": step < cfg.warmup, "step_ms": ms, "tokens_per_s": tps, "loss": loss_value,
+        rows.append({"run_id": run["run_id"], "optimization": recipe.name, "step": i,
+                     "warmup": i < cfg.warmup, "step_ms": ms, "tokens_per_s": tps, "loss": loss_value,
                      "mfu": step_mfu})
         mfu_text = f"MFU {step_mfu:.1%}" if step_mfu is not None else "MFU n/a"
-        tag = " (warm-up)" if step < cfg.warmup else ""
-        print(f"step {step + 1}/{cfg.steps} | loss {loss_value:.4f} | {ms:.1f} ms | {tps:,.0f} tok/s | "
+        tag = " (warm-up)" if i < cfg.warmup else ""
+        print(f"step {i + 1}/{cfg.steps} | loss {loss_value:.4f} | {ms:.1f} ms | {tps:,.0f} tok/s | "
               f"{mfu_text}{tag}", flush=True)
+    if cfg.profile:
+        return profile_steps(step, recipe, cfg, device, run, flops_token * tokens_per_step, peak)
+    return None
+
+
+def profile_steps(step, recipe, cfg, device, run, flops_per_step, peak):
+    """PROFILE_STEPS more steps under torch.profiler (one more before them that the schedule discards),
+    exported as a gzipped Chrome trace and split into compute, memory and overhead."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    path = os.path.join(cfg.prefix, f"trace_{recipe.name}.json.gz")
+    tmp = os.path.join(cfg.prefix, f".tmp-trace_{recipe.name}.json.gz")
+
+    def export(prof):
+        prof.export_chrome_trace(tmp)   # torch gzips a name ending in .gz
+        os.replace(tmp, path)
+
+    # ProfilerStep#N windows exist only under a schedule; run_id metadata must be added inside the context.
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=PROFILE_STEPS, repeat=1),
+                 on_trace_ready=export) as prof:
+        prof.add_metadata("run_id", run["run_id"])
+        for _ in range(1 + PROFILE_STEPS):
+            step()
+            prof.step()
+    return breakdown.split(breakdown.load_trace(path), flops_per_step=flops_per_step, peak_flops=peak,
+                           peak_bandwidth=breakdown.peak_hbm_bandwidth(run["gpu_name"]))
 
 
 def summarize(recipe, cfg, run, rows):
@@ -166,6 +196,15 @@ def summary_line(run):
     return "summary | " + " | ".join(parts)
 
 
+def write_breakdown(cfg, recipe, run, profiled):
+    breakdown.append_breakdown_csv(cfg.prefix, recipe.name, run["run_id"], profiled, run.get("median_step_ms"))
+    context = f"{run['gpu_name']} · {cfg.model} · batch {cfg.batch_size} × seq_len {cfg.seq_len}"
+    breakdown.write_report(cfg.prefix, context=context)
+    split = ", ".join(f"{name} {ms:.1f} ms" for name, ms in profiled.ms.items())
+    print(f"profile | {recipe.name}: {split} per profiled step of {profiled.step_ms:.1f} ms"
+          + ("" if profiled.gpu else " (CPU run: the compute/memory split is GPU-only)"))
+
+
 def _compile_failure(e):
     return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
 
@@ -191,8 +230,9 @@ def run(recipe, cfg, command):
     status, message, code = "ok", "", 0
     metrics.reset_peak_memory(device)
     previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    profiled = None
     try:
-        train(recipe, cfg, device, tokens, run, rows, held)
+        profiled = train(recipe, cfg, device, tokens, run, rows, held)
     except Unavailable as e:
         status, message, code = "skipped", str(e), EXIT_SKIPPED
     except torch.OutOfMemoryError:
@@ -223,7 +263,10 @@ def run(recipe, cfg, command):
     run.update(status=status, message=message)
     summarize(recipe, cfg, run, rows)
     try:
-        append_run(cfg.prefix, run, rows)
+        if profiled is not None:
+            write_breakdown(cfg, recipe, run, profiled)
+        elif not cfg.profile:
+            append_run(cfg.prefix, run, rows)
     except (ResultsError, OSError) as e:
         return fail(f"results not written: {e}")
     print(summary_line(run))

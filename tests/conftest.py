@@ -1,0 +1,60 @@
+"""Shared fixtures. Local copies of the tokenizer files and of tiny shakespeare are found only through
+settings a user could set too: TEST_TIKTOKEN_CACHE_DIR and TEST_SHAKESPEARE, else ../shared beside the
+repository."""
+import csv
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared"))
+
+
+@pytest.fixture(scope="session")
+def repo_root():
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def tiktoken_cache():
+    """Points TIKTOKEN_CACHE_DIR at a local copy of tiktoken's gpt2 files for the session; their folder."""
+    path = os.environ.get("TEST_TIKTOKEN_CACHE_DIR") or os.path.join(SHARED, "tiktoken_cache")
+    path = os.path.abspath(path)
+    if not os.path.isdir(path) or not os.listdir(path):
+        pytest.fail(f"tiktoken's gpt2 files not found at {path}: set TEST_TIKTOKEN_CACHE_DIR to a folder "
+                    f"holding them (as tiktoken caches them)", pytrace=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", path)
+        yield path
+
+
+@pytest.fixture(scope="session")
+def shakespeare_path():
+    """Absolute path of a local copy of tiny shakespeare (read it, never write to it)."""
+    path = os.path.abspath(os.environ.get("TEST_SHAKESPEARE") or os.path.join(SHARED, "data", "tinyshakespeare.txt"))
+    if not os.path.isfile(path):
+        pytest.fail(f"tiny shakespeare not found at {path}: set TEST_SHAKESPEARE to a local copy of it",
+                    pytrace=False)
+    return path
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="session")
+def suite_env(tmp_path_factory, tiktoken_cache, shakespeare_path):
+    data_dir = tmp_path_factory.mktemp("data")
+    shutil.copy(shakespeare_path, data_dir / "tinyshakespeare.txt")
+    env = dict(os.environ, DATA_DIR=str(data_dir), TIKTOKEN_CACHE_DIR=tiktoken_cache, PYTHONUNBUFFERED="1")
+    env.pop("MAKEFLAGS", None)
+    return env
+
+
+def make(args, env, **kw):
+    return subprocess.run(["make", "--no-print-directory", f"PYTHON={sys.executable}"] + args, cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, **kw)

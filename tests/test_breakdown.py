@@ -1,0 +1,540 @@
+"""Utils/breakdown.py: the kernel classifier, the arithmetic of the split, a real CPU trace, the files."""
+import csv
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+from Utils import breakdown
+from Utils.breakdown import (BREAKDOWN_COLUMNS, KERNEL_CLASSES, TraceError, append_breakdown_csv, classify,
+                             load_breakdown, load_trace, plot_breakdown, split, write_report)
+from Utils.recipes import LADDER
+from Utils.results import ResultsError, append_run
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+# Kernel names as CUPTI reports them in PyTorch 2.x training traces on Hopper (and, for the older cuBLAS
+# and CUTLASS names, Ampere), with the (class, label) each must get.
+REAL_KERNELS = [
+    # cuBLAS / cuBLASLt / CUTLASS GEMMs
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "compute", "GEMM (cuBLAS)"),
+    ("nvjet_hsh_256x128_64x4_2x1_v_bz_TNN", "compute", "GEMM (cuBLAS)"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_"
+     "kernel__5x_cublas", "compute", "GEMM (cuBLAS)"),
+    ("sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize64x256x8_stage3_warpsize1x4x1_ffma_aligna4_alignc4_execute_"
+     "kernel__51_cublas", "compute", "GEMM (cuBLAS)"),
+    ("ampere_sgemm_128x64_tn", "compute", "GEMM (cuBLAS)"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_128x128_16x4_tn_align4>"
+     "(cutlass_80_tensorop_s1688gemm_128x128_16x4_tn_align4::Params)", "compute", "GEMM (CUTLASS)"),
+    ("void cutlass::device_kernel<cutlass3x_sm90_tensorop_s64x128x16gemm_bf16_bf16_f32_void_bf16_128x128x64_1x1x1_"
+     "0_tnn_align8_warpspecialized_cooperative_epi_tma>(cutlass3x_sm90_tensorop_s64x128x16gemm_bf16_bf16_f32_void_"
+     "bf16_128x128x64_1x1x1_0_tnn_align8_warpspecialized_cooperative_epi_tma::Params)", "compute", "GEMM (CUTLASS)"),
+    ("void gemmSN_TN_kernel<float, 128, 16, 2, 4, 8, 9, false, cublasGemvTensorStridedBatched<float const>, "
+     "cublasGemvTensorStridedBatched<float const>, cublasGemvTensorStridedBatched<float> >(cublasGemmSmallNParams<"
+     "cublasGemvTensorStridedBatched<float const>, cublasGemvTensorStridedBatched<float const>, "
+     "cublasGemvTensorStridedBatched<float>, float>)", "compute", "GEMM (cuBLAS)"),
+    ("void gemv2T_kernel_val<int, int, float, float, float, float, 128, 16, 4, 4, false, false, cublasGemvParamsEx<"
+     "int, cublasGemvTensorStridedBatched<float const>, cublasGemvTensorStridedBatched<float const>, "
+     "cublasGemvTensorStridedBatched<float>, float> >(cublasGemvParamsEx<int, cublasGemvTensorStridedBatched<float "
+     "const>, cublasGemvTensorStridedBatched<float const>, cublasGemvTensorStridedBatched<float>, float>, float, "
+     "float)", "compute", "GEMM (cuBLAS)"),
+    ("void gemmk1_kernel<int, float, 256, 5, false, false, false, false, cublasGemvTensorStridedBatched<float const>, "
+     "cublasGemvTensorStridedBatched<float const>, cublasGemvTensorStridedBatched<float>, float, 0>(cublasGemmk1Params<"
+     "float, cublasGemvTensorStridedBatched<float const>, cublasGemvTensorStridedBatched<float const>, "
+     "cublasGemvTensorStridedBatched<float>, float, biasType<cublasGemvTensorStridedBatched<float>::value_type, "
+     "float>::type>)", "compute", "GEMM (cuBLAS)"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, float, float, float, false, true, false>(cublasLt::"
+     "cublasSplitKParams<float>, float const*, float*, float const*, float const*, float const*)",
+     "compute", "GEMM (split-K reduce)"),
+    ("triton_tem_fused_mm_0", "compute", "GEMM (Triton template)"),
+    # attention
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::"
+     "bfloat16_t, Flash_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t> >, false, true, false, false, true, "
+     "true, false, false>(pytorch_flash::Flash_fwd_params)", "compute", "flash attention"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, 128, 8, 2, "
+     "4, 2, false, false, cutlass::bfloat16_t, Flash_kernel_traits<64, 128, 128, 8, cutlass::bfloat16_t> >, false, "
+     "true, false, false, true, true, false>(pytorch_flash::Flash_bwd_params)", "compute", "flash attention"),
+    ("void pytorch_flash::flash_bwd_dot_do_o_kernel<true, Flash_bwd_kernel_traits<64, 128, 128, 8, 2, 4, 2, false, "
+     "false, cutlass::bfloat16_t, Flash_kernel_traits<64, 128, 128, 8, cutlass::bfloat16_t> > >(pytorch_flash::"
+     "Flash_bwd_params)", "compute", "flash attention"),
+    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t, "
+     "cutlass::arch::Sm80, true, 64, 128, 128, true, true>::Params)", "compute", "attention (memory-efficient)"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0",
+     "compute", "attention (cuDNN)"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x1x1_kernel0_0",
+     "compute", "attention (cuDNN)"),
+    # Inductor
+    ("triton_poi_fused_add_mul_tanh_pow_0", "memory", "Triton fused (Inductor)"),
+    ("triton_red_fused__to_copy_add_native_layer_norm_native_layer_norm_backward_3", "memory",
+     "Triton fused (Inductor)"),
+    ("triton_per_fused__log_softmax__to_copy_nll_loss_forward_1", "memory", "Triton fused (Inductor)"),
+    # eager ATen kernels
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&, "
+     "at::native::GeluType)::{lambda()#2}::operator()() const::{lambda()#2}::operator()() const::{lambda(float)#1}, "
+     "at::detail::Array<char*, 2> >(int, at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&, at::native::"
+     "GeluType)::{lambda()#2}::operator()() const::{lambda()#2}::operator()() const::{lambda(float)#1}, "
+     "at::detail::Array<char*, 2>)", "memory", "elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, at::detail::Array<char*, 1> "
+     ">(int, at::native::FillFunctor<float>, at::detail::Array<char*, 1>)", "memory", "elementwise"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::"
+     "{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}, at::detail::Array<char*, "
+     "2>, TrivialOffsetCalculator<1, unsigned int>, TrivialOffsetCalculator<1, unsigned int>, at::native::memory::"
+     "LoadWithCast<1>, at::native::memory::StoreWithCast<1> >(int, at::native::direct_copy_kernel_cuda(at::"
+     "TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}, "
+     "at::detail::Array<char*, 2>, TrivialOffsetCalculator<1, unsigned int>, TrivialOffsetCalculator<1, unsigned "
+     "int>, at::native::memory::LoadWithCast<1>, at::native::memory::StoreWithCast<1>)", "memory", "elementwise"),
+    ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<"
+     "float, float, float, at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, at::native::"
+     "BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > const&)::{lambda(int)#1}>"
+     "(int, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, float, float, at::native::"
+     "binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, at::native::BinaryFunctor<float, float, float, "
+     "at::native::binary_internal::MulFunctor<float> > const&)::{lambda(int)#1})", "memory", "elementwise"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float, "
+     "at::native::sum_functor<float, float, float>::operator()(at::TensorIterator&)::{lambda(float, float)#1}>, "
+     "unsigned int, float, 4> >(at::native::ReduceOp<float, at::native::func_wrapper_t<float, at::native::"
+     "sum_functor<float, float, float>::operator()(at::TensorIterator&)::{lambda(float, float)#1}>, unsigned int, "
+     "float, 4>)", "memory", "reduction"),
+    ("void at::native::(anonymous namespace)::softmax_warp_forward<float, float, float, 10, false, false>(float*, "
+     "float const*, int, int, int, bool const*, int, bool)", "memory", "softmax"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous "
+     "namespace)::SoftMaxForwardEpilogue>(float*, float const*, int)", "memory", "softmax"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxBackward<4, float, float, float, at::native::(anonymous "
+     "namespace)::SoftMaxBackwardEpilogue>(float*, float const*, float const*, long)", "memory", "softmax"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous "
+     "namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)", "memory", "log-softmax (loss)"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxBackward<4, float, float, float, at::native::(anonymous "
+     "namespace)::LogSoftMaxBackwardEpilogue>(float*, float const*, float const*, long)", "memory",
+     "log-softmax (loss)"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>(int, float, float const*, "
+     "float const*, float const*, float*, float*, float*)", "memory", "layer norm"),
+    ("void at::native::(anonymous namespace)::layer_norm_grad_input_kernel_vectorized<float, float>(float const*, "
+     "float const*, float const*, float const*, float const*, float*, int)", "memory", "layer norm"),
+    ("void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernel_32x32<float, float>(long, long, float "
+     "const*, float const*, float const*, float const*, float*, float*)", "memory", "layer norm"),
+    ("void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>(float*, "
+     "float*, float const*, long const*, float const*, bool, long, long, long, long)", "memory", "cross-entropy loss"),
+    ("void at::native::(anonymous namespace)::nll_loss_backward_reduce_cuda_kernel_2d<float, long>(float*, float "
+     "const*, long const*, float const*, float const*, bool, int, int, long, long)", "memory", "cross-entropy loss"),
+    # optimizers and gradient clipping
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
+     "(at::native::ADAM_MODE)1, false>, double*, double, double, double, double, double, bool, float const*, float "
+     "const*>(at::native::(anonymous namespace)::FusedOptimizerTensorListMetadata<4>, at::native::(anonymous "
+     "namespace)::FusedAdamMathFunctor<float, 4, (at::native::ADAM_MODE)1, false>, double*, double, double, double, "
+     "double, double, bool, float const*, float const*)", "memory", "fused AdamW"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "TensorListMetadata<2>, at::native::(anonymous namespace)::BinaryOpListAlphaFunctor<float, 2, 2, 0>, "
+     "std::plus<float>, float>(at::native::(anonymous namespace)::TensorListMetadata<2>, at::native::(anonymous "
+     "namespace)::BinaryOpListAlphaFunctor<float, 2, 2, 0>, std::plus<float>, float)", "memory",
+     "foreach (multi-tensor)"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "TensorListMetadata<1>, at::native::(anonymous namespace)::LpNormFunctor<float, (at::native::(anonymous "
+     "namespace)::NormType)1, float, float>, float*, int>(at::native::(anonymous namespace)::TensorListMetadata<1>, "
+     "at::native::(anonymous namespace)::LpNormFunctor<float, (at::native::(anonymous namespace)::NormType)1, "
+     "float, float>, float*, int)", "memory", "gradient norm (clip)"),
+    ("void at::native::(anonymous namespace)::lpnorm_cleanup<float, (at::native::(anonymous namespace)::NormType)1, "
+     "float, float>(float const*, at::native::(anonymous namespace)::TensorListAddresses, int)", "memory",
+     "gradient norm (clip)"),
+    ("void kOptimizerStatic8bit2StateBlockwise<float, 0, 256, 1>(float*, float*, unsigned char*, unsigned char*, "
+     "float, float, float, float, float, int, float, float*, float*, float*, float*, float, float, bool, int)",
+     "memory", "8-bit AdamW (bitsandbytes)"),
+    ("void kOptimizer32bit2State<float, 0>(float*, float*, float*, float*, float*, float, float, float, float, float, "
+     "float, int, float, float, float, bool, int)", "memory", "8-bit AdamW (bitsandbytes)"),
+    ("void kPreconditionOptimizerStatic8bit2State<float, 0>(float*, float*, unsigned char*, unsigned char*, float*, "
+     "float*, float, float, float, int, float*, float*, float, int)", "memory", "8-bit AdamW (bitsandbytes)"),
+    # embedding, indexing, sort, cat, the causal mask
+    ("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int, 2, 2, -2, true>(at::"
+     "cuda::detail::TensorInfo<float, unsigned int>, at::cuda::detail::TensorInfo<float const, unsigned int>, at::"
+     "cuda::detail::TensorInfo<long const, unsigned int>, int, int, unsigned int, unsigned int, long)", "memory",
+     "embedding (index select)"),
+    ("void at::native::(anonymous namespace)::embedding_backward_feature_kernel<float, float, long>(long const*, "
+     "float const*, float*, int, long, int)", "memory", "embedding backward"),
+    ("void at::native::(anonymous namespace)::compute_grad_weight<float, long>(long const*, long const*, float "
+     "const*, long const*, long, long, long, long const*, long const*, float*, long)", "memory", "embedding backward"),
+    ("void at::native::(anonymous namespace)::sum_and_scatter<float, long>(long const*, float*, long, long const*, "
+     "long const*, float const*, long const*, long, long)", "memory", "embedding backward"),
+    ("void at::native::(anonymous namespace)::krn_partials_per_segment<long>(long*, long const*, long const*, long)",
+     "memory", "embedding backward"),
+    ("void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<at_cuda_detail::cub::DeviceRadixSortPolicy<long, long, "
+     "unsigned long long>::Policy900, false, long, long, unsigned long long, int, int>(int*, int*, unsigned long "
+     "long*, unsigned long long const*, long*, long const*, long*, long const*, int, int, int)", "memory",
+     "sort / scan"),
+    ("void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<at::native::index_kernel_impl<"
+     "at::native::OpaqueType<4> >(at::TensorIteratorBase&, c10::ArrayRef<long>, c10::ArrayRef<long>)::{lambda(char*, "
+     "char const*, long)#1}>(at::TensorIteratorBase&, c10::ArrayRef<long>, c10::ArrayRef<long>, at::native::"
+     "index_kernel_impl<at::native::OpaqueType<4> >(at::TensorIteratorBase&, c10::ArrayRef<long>, c10::ArrayRef<long>)"
+     "::{lambda(char*, char const*, long)#1} const&)::{lambda(int)#1}>(long, at::native::gpu_index_kernel<at::native::"
+     "index_kernel_impl<at::native::OpaqueType<4> >(at::TensorIteratorBase&, c10::ArrayRef<long>, c10::ArrayRef<long>)"
+     "::{lambda(char*, char const*, long)#1}>(at::TensorIteratorBase&, c10::ArrayRef<long>, c10::ArrayRef<long>, "
+     "at::native::index_kernel_impl<at::native::OpaqueType<4> >(at::TensorIteratorBase&, c10::ArrayRef<long>, "
+     "c10::ArrayRef<long>)::{lambda(char*, char const*, long)#1} const&)::{lambda(int)#1})", "memory",
+     "index / scatter / gather"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy_aligned16_contig<at::native::(anonymous namespace)"
+     "::OpaqueType<4u>, unsigned int, 3, 128, 1>(at::native::(anonymous namespace)::OpaqueType<4u>*, at::native::"
+     "(anonymous namespace)::CatArrInputTensorMetadata<at::native::(anonymous namespace)::OpaqueType<4u>, unsigned "
+     "int, 128, 1>, at::native::(anonymous namespace)::TensorSizeStride<unsigned int, 4u>, int, unsigned int)",
+     "memory", "cat"),
+    ("void at::native::triu_tril_kernel<bool, int, false, 4, true>(at::cuda::detail::TensorInfo<bool, int>, "
+     "at::cuda::detail::TensorInfo<bool const, int>, long, long, long, long)", "memory", "tril / triu"),
+]
+
+UNKNOWN_KERNELS = [
+    "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+    "void my_extension::custom_kernel<float>(float*, int)",
+    # A word in the template arguments does not decide the class: only the kernel's own name does.
+    "void my_extension::launch<at::native::softmax_functor<float>, gemm_config>(float*)",
+    "void cutlass::Kernel2<my_conv_fprop_kernel>(my_conv_fprop_kernel::Params)",
+    "",
+]
+
+
+@pytest.mark.parametrize("name,cls,label", REAL_KERNELS, ids=[n[:60] for n, _, _ in REAL_KERNELS])
+def test_real_kernel_names_are_classified(name, cls, label):
+    assert classify(name) == (cls, label)
+
+
+@pytest.mark.parametrize("name", UNKNOWN_KERNELS)
+def test_unknown_kernels_are_not_guessed(name):
+    assert classify(name) == (None, None)
+
+
+def test_every_table_entry_is_exercised_by_a_real_name():
+    """Each row of KERNEL_CLASSES is the first match of some real name: no row is dead or shadowed."""
+    hit = set()
+    for name, _, _ in REAL_KERNELS:
+        ident = breakdown.kernel_id(name)
+        hit.add(next(i for i, (pattern, _, _) in enumerate(breakdown._COMPILED) if pattern.search(ident)))
+    assert hit == set(range(len(KERNEL_CLASSES)))
+    assert {c for _, c, _ in KERNEL_CLASSES} == {"compute", "memory"}
+
+
+def test_inductor_kernels_are_classified_by_their_prefix_not_the_ops_they_fuse():
+    assert classify("triton_poi_fused__scaled_dot_product_flash_attention_backward_sdpa_3")[0] == "memory"
+    assert classify("triton_red_fused_addmm_gemm_sum_2")[0] == "memory"
+    assert classify("triton_tem_fused_addmm_gelu_1")[0] == "compute"
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(DATA, "trace_*.json*"))))
+def test_committed_gpu_traces_have_no_unknown_kernels(path):
+    """Every kernel of a committed real GPU trace has a class (none is listed as unknown)."""
+    bd = split(load_trace(path))
+    assert bd.gpu
+    assert bd.unknown == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The split's arithmetic on a trace written by hand (times in microseconds, as in Chrome traces)
+
+GEMM = "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT"
+FLASH = ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4> >"
+         "(pytorch_flash::Flash_fwd_params)")
+ADD = ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, "
+       "at::detail::Array<char*, 3> >(int, at::native::CUDAFunctor_add<float>, at::detail::Array<char*, 3>)")
+SOFTMAX = ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+           "at::native::(anonymous namespace)::SoftMaxForwardEpilogue>(float*, float const*, int)")
+MYSTERY, MYSTERY2 = "my_custom_kernel", "another_mystery_kernel"
+HTOD = "Memcpy HtoD (Pinned -> Device)"
+MEMSET = "Memset (Device)"
+
+
+def _x(cat, name, ts, dur, **args):
+    e = {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur}
+    if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+        e["args"] = {"device": 0, "stream": 7, "correlation": int(ts), **args}
+    return e
+
+
+def _step(n, ts, dur):
+    return {"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{n}", "pid": 4242, "tid": 4242,
+            "ts": ts, "dur": dur, "args": {"External id": n}}
+
+
+def hand_trace(shift=0.0):
+    """Two step windows with overlapping kernels, a copy, a memset and unknown kernels.
+
+    Window 1, [1000, 2000]: memcpy [1010, 1020]; GEMM [1100, 1300]; add [1250, 1350] (50 under the
+    GEMM); flash [1400, 1500]; mystery [1450, 1550] (50 under flash); softmax [1600, 1700]; mystery2
+    [1650, 1750] (50 under softmax).
+      compute 200 + 100 = 300; memory 10 + 50 + 100 = 160; unknown 50 + 50 = 100; overhead 1000 - 560 = 440.
+    Window 2, [2000, 2500]: GEMM [2100, 2200]; memset [2200, 2220]; add [2450, 2550] cut at 2500.
+      compute 100; memory 20 + 50 = 70; unknown 0; overhead 500 - 170 = 330.
+    Outside both windows (ignored): a GEMM at 500 and an add at 3000. Ignored everywhere: the GPU copy
+    of the step annotation, CPU ops, runtime calls, flow events.
+    """
+    s = shift
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "python"}},
+        _step(1, 1000 + s, 1000), _step(2, 2000 + s, 500),
+        _x("kernel", GEMM, 500 + s, 100),
+        _x("gpu_memcpy", HTOD, 1010 + s, 10, bytes=1_000_000, **{"memory bandwidth (GB/s)": 100.0}),
+        _x("kernel", GEMM, 1100 + s, 200, grid=[132, 1, 1], block=[384, 1, 1]),
+        _x("kernel", ADD, 1250 + s, 100),
+        _x("kernel", FLASH, 1400 + s, 100),
+        _x("kernel", MYSTERY, 1450 + s, 100),
+        _x("kernel", SOFTMAX, 1600 + s, 100),
+        _x("kernel", MYSTERY2, 1650 + s, 100),
+        _x("kernel", GEMM, 2100 + s, 100),
+        _x("gpu_memset", MEMSET, 2200 + s, 20, bytes=4096),
+        _x("kernel", ADD, 2450 + s, 100),
+        _x("kernel", ADD, 3000 + s, 100),
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#1", "pid": 0, "tid": 7,
+         "ts": 1000 + s, "dur": 1000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 4242, "tid": 4242, "ts": 1050 + s, "dur": 30},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 4242, "tid": 4242,
+         "ts": 1060 + s, "dur": 5},
+        {"ph": "s", "cat": "ac2g", "name": "ac2g", "id": 1, "pid": 4242, "tid": 4242, "ts": 1060 + s},
+    ]
+    return {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "NVIDIA H200", "computeMajor": 9}],
+            "traceEvents": events}
+
+
+def test_split_arithmetic_by_hand():
+    bd = split(hand_trace(), flops_per_step=1e9, peak_flops=1e15, peak_bandwidth=4.8e12)
+    assert bd.gpu and bd.gpu_name == "NVIDIA H200" and bd.steps == 2
+    per = {s["step"]: s for s in bd.per_step}
+    assert per["ProfilerStep#1"] == pytest.approx({"step": "ProfilerStep#1", "window_ms": 1.0, "compute": 0.3,
+                                                   "memory": 0.16, "unknown": 0.1, "overhead": 0.44})
+    assert per["ProfilerStep#2"] == pytest.approx({"step": "ProfilerStep#2", "window_ms": 0.5, "compute": 0.1,
+                                                   "memory": 0.07, "unknown": 0.0, "overhead": 0.33})
+    assert bd.step_ms == pytest.approx(0.75)
+    assert bd.ms == pytest.approx({"compute": 0.2, "memory": 0.115, "unknown": 0.05, "overhead": 0.385})
+    assert sum(bd.ms.values()) == pytest.approx(bd.step_ms)
+    assert sum(bd.shares.values()) == pytest.approx(1.0)
+    assert bd.shares["compute"] == pytest.approx(0.2 / 0.75)
+    # 1e9 FLOPs in 0.2 ms of compute: 5 TFLOP/s, 0.5% of a 1000 TFLOP/s peak.
+    assert bd.compute_flops == pytest.approx(5e12)
+    assert bd.compute_fraction_of_peak == pytest.approx(0.005)
+
+
+def test_split_kernel_totals_unknowns_and_transfers():
+    bd = split(hand_trace(), peak_bandwidth=4.8e12)
+    k = {s.name: s for s in bd.kernels}
+    # Per-kernel time is its own duration (overlap not removed), cut at the window's end, per step.
+    assert k[GEMM].ms_per_step == pytest.approx((200 + 100) / 1e3 / 2)
+    assert k[GEMM].calls_per_step == pytest.approx(1.0)
+    assert (k[GEMM].cls, k[GEMM].label) == ("compute", "GEMM (cuBLAS)")
+    assert k[ADD].ms_per_step == pytest.approx((100 + 50) / 1e3 / 2)
+    assert (k[HTOD].cls, k[HTOD].label) == ("memory", "memcpy")
+    assert (k[MEMSET].cls, k[MEMSET].label) == ("memory", "memset")
+    assert k[MYSTERY].cls is None
+    assert [s.name for s in bd.kernels][:2] == [GEMM, ADD]          # longest first
+    assert sorted(bd.unknown) == sorted([MYSTERY, MYSTERY2])
+    t = {x.name: x for x in bd.transfers}
+    assert t[HTOD].bytes_per_step == pytest.approx(500_000)
+    assert t[HTOD].bandwidth == pytest.approx(1e11)                 # 1 MB in 10 us
+    assert not t[HTOD].on_device and t[MEMSET].on_device
+    assert t[MEMSET].bandwidth == pytest.approx(4096 / 20e-6)
+
+
+def test_split_does_not_depend_on_the_clock_origin():
+    a, b = split(hand_trace()), split(hand_trace(shift=1.7e12))
+    assert b.ms == pytest.approx(a.ms, abs=1e-6)
+
+
+def test_overlap_goes_to_compute_first_and_the_parts_fill_the_window():
+    trace = {"traceEvents": [_step(1, 0, 100), _x("kernel", ADD, 0, 100), _x("kernel", MYSTERY, 0, 100),
+                             _x("kernel", GEMM, 20, 10)]}
+    bd = split(trace)
+    assert bd.ms == pytest.approx({"compute": 0.01, "memory": 0.09, "unknown": 0.0, "overhead": 0.0})
+
+
+def test_a_trace_without_step_annotations_is_refused_with_the_fix():
+    with pytest.raises(TraceError, match="schedule"):
+        split({"traceEvents": [_x("kernel", GEMM, 0, 10)]})
+
+
+def test_several_gpus_need_a_device():
+    trace = hand_trace()
+    other = _x("kernel", GEMM, 1010, 10)
+    other["args"]["device"] = 1
+    trace["traceEvents"].append(other)
+    with pytest.raises(TraceError, match="device"):
+        split(trace)
+    assert split(trace, device=0).ms == pytest.approx(split(hand_trace()).ms)
+
+
+def test_load_trace_reads_json_and_gzip(tmp_path):
+    trace = hand_trace()
+    (tmp_path / "t.json").write_text(json.dumps(trace))
+    (tmp_path / "t.json.gz").write_bytes(gzip.compress(json.dumps(trace).encode()))
+    assert load_trace(tmp_path / "t.json") == trace == load_trace(tmp_path / "t.json.gz")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(TraceError, match="not a Chrome trace"):
+        load_trace(tmp_path / "bad.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# A real trace from torch.profiler on this machine's CPU
+
+CPU_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def cpu_trace(tmp_path_factory):
+    """A trace exported by torch.profiler around a tiny nn.Linear training step, as the runner profiles."""
+    path = str(tmp_path_factory.mktemp("cpu") / "trace_baseline.json")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(32, 16)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=CPU_STEPS, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule,
+                                on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
+        for _ in range(1 + CPU_STEPS):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    return path
+
+
+def test_a_real_cpu_trace_is_split_into_cpu_ops_and_overhead(cpu_trace):
+    bd = split(load_trace(cpu_trace))
+    assert bd.gpu is False and bd.gpu_name == "cpu"
+    assert bd.steps == CPU_STEPS
+    assert set(bd.ms) == {"cpu_ops", "overhead"}
+    assert bd.ms["cpu_ops"] > 0 and bd.ms["overhead"] >= 0
+    assert sum(bd.ms.values()) == pytest.approx(bd.step_ms)
+    assert bd.kernels == [] and bd.compute_flops is None
+
+
+def test_a_cpu_run_reports_that_the_split_is_gpu_only(cpu_trace, tmp_path):
+    bd = split(load_trace(cpu_trace))
+    shutil.copy(cpu_trace, tmp_path / "trace_baseline.json")
+    append_breakdown_csv(str(tmp_path), "baseline", "cpu-run", bd, median_step_ms=bd.step_ms)
+    write_report(str(tmp_path))
+    md = (tmp_path / "breakdown.md").read_text()
+    assert "GPU-only" in md
+    rows = _rows(tmp_path / "breakdown.csv")
+    assert [r["class"] for r in rows] == ["cpu_ops", "overhead"]
+    assert rows[0]["compute_tflops"] == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# The files
+
+CONTEXT = dict(batch_size=16, seq_len=1024, model="gpt2", data="shakespeare", device="cuda", gpu_name="NVIDIA H200",
+               n_params=124439808)
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _record_run(prefix, run_id, rung):
+    append_run(prefix, {"run_id": run_id, "optimization": rung, "status": "ok", "message": "", **CONTEXT}, [])
+
+
+@pytest.fixture
+def profiled(tmp_path):
+    """PREFIX with two rungs profiled, flash first, and baseline twice: the second baseline run is the latest."""
+    prefix = str(tmp_path)
+    trace = hand_trace()
+    trace["run_id"] = "flash-1"
+    with gzip.open(os.path.join(prefix, "trace_flash.json.gz"), "wt") as f:
+        json.dump(trace, f)
+    bd = split(trace, flops_per_step=1e9, peak_flops=989.4e12)
+    _record_run(prefix, "flash-1", "flash")
+    append_breakdown_csv(prefix, "flash", "flash-1", bd, median_step_ms=0.74)
+    old = split(hand_trace(shift=5), flops_per_step=1e9, peak_flops=989.4e12)
+    append_breakdown_csv(prefix, "baseline", "baseline-old", old, median_step_ms=9.0)
+    trace = hand_trace()
+    trace["run_id"] = "baseline-2"
+    with open(os.path.join(prefix, "trace_baseline.json"), "w") as f:
+        json.dump(trace, f)
+    _record_run(prefix, "baseline-2", "baseline")
+    append_breakdown_csv(prefix, "baseline", "baseline-2", split(trace, flops_per_step=1e9, peak_flops=989.4e12),
+                         median_step_ms=0.5)     # the profiled 0.75 ms is 50% over: flagged
+    return prefix
+
+
+def test_breakdown_csv_rows(profiled):
+    path = os.path.join(profiled, "breakdown.csv")
+    with open(path) as f:
+        assert f.readline().rstrip("\n").split(",") == BREAKDOWN_COLUMNS
+    rows = _rows(path)
+    assert len(rows) == 3 * 4
+    flash = [r for r in rows if r["run_id"] == "flash-1"]
+    assert [r["class"] for r in flash] == ["compute", "memory", "unknown", "overhead"]
+    assert [float(r["ms_per_step"]) for r in flash] == pytest.approx([0.2, 0.115, 0.05, 0.385])
+    assert sum(float(r["share"]) for r in flash) == pytest.approx(1.0, abs=1e-5)
+    assert {r["profiled_step_ms"] for r in flash} == {"0.75"}
+    assert {r["median_step_ms"] for r in flash} == {"0.74"}
+    assert {r["profiled_steps"] for r in flash} == {"2"}
+    assert float(flash[0]["compute_tflops"]) == pytest.approx(5.0)
+    assert float(flash[0]["peak_tflops"]) == pytest.approx(989.4)
+
+
+def test_latest_run_per_rung_in_ladder_order(profiled):
+    df = load_breakdown(profiled)
+    assert list(dict.fromkeys(df["rung"])) == ["baseline", "flash"]
+    assert set(df.loc[df["rung"] == "baseline", "run_id"]) == {"baseline-2"}
+
+
+def test_report_files(profiled):
+    written = write_report(profiled)
+    assert [os.path.basename(p) for p in written] == ["breakdown.md", "breakdown.png"]
+    with open(os.path.join(profiled, "breakdown.png"), "rb") as f:
+        png = f.read()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    md = open(os.path.join(profiled, "breakdown.md")).read()
+    assert md.startswith("# Step-time breakdown: NVIDIA H200 · gpt2 (124M params) · batch 16 × seq_len 1024")
+    assert md.index("## baseline") < md.index("## flash")
+    assert "baseline-old" not in md
+    # Top kernels, with class and time; the unknown ones listed by name; the copies' bandwidth.
+    assert "`nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT`" in md
+    assert "at::native::cunn_SoftMaxForward<4, float, float, float, at::native::SoftMaxForwardEpilogue>" in md
+    assert re.search(r"\| 1 \| compute +\| GEMM \(cuBLAS\) +\| +1\.0 \| +0\.150 \| +20\.0% \| `nvjet_tst_", md)
+    assert "- `my_custom_kernel`: 0.050 ms/step" in md
+    assert "- `another_mystery_kernel`: 0.050 ms/step, 0.5 calls/step" in md
+    assert "Memcpy HtoD (Pinned -> Device)" in md and "host link" in md
+    assert "trace: trace_baseline.json (opens in Perfetto" in md
+    assert "trace: trace_flash.json.gz (opens in Perfetto" in md
+    assert "5.0 TFLOP/s, 0.5% of the 989 TFLOP/s dense bf16 peak" in md
+    assert "no bytes per kernel" in md
+    # baseline's profiled step (0.75 ms) is 50% over its median (0.5 ms); flash's is within 10%.
+    assert "+50% (over 10%)" in md and "+1%" in md
+    assert "baseline: the profiled step (0.8 ms) is more than 10% from the median" in md
+
+
+def test_report_notes_a_trace_from_another_run(profiled):
+    trace = load_trace(os.path.join(profiled, "trace_flash.json.gz"))
+    trace["run_id"] = "flash-0"
+    with gzip.open(os.path.join(profiled, "trace_flash.json.gz"), "wt") as f:
+        json.dump(trace, f)
+    os.remove(os.path.join(profiled, "trace_baseline.json"))
+    write_report(profiled)
+    md = open(os.path.join(profiled, "breakdown.md")).read()
+    assert "trace_flash.json.gz is from run flash-0, not flash-1" in md
+    assert "No readable trace_baseline.json in PREFIX" in md
+
+
+def test_chart_bars_follow_the_ladder(profiled):
+    df = load_breakdown(profiled)
+    fig = plot_breakdown(df, "ctx")
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == [r for r in LADDER if r in {"baseline", "flash"}]
+
+
+def test_a_foreign_breakdown_csv_is_refused_and_left_alone(tmp_path):
+    path = tmp_path / "breakdown.csv"
+    path.write_text("rung,seconds\nbaseline,1\n")
+    before = path.read_bytes()
+    with pytest.raises(ResultsError, match="header"):
+        append_breakdown_csv(str(tmp_path), "baseline", "r1", split(hand_trace()), 0.75)
+    with pytest.raises(ResultsError, match="header"):
+        write_report(str(tmp_path))
+    assert path.read_bytes() == before
+
+
+def test_write_report_without_a_breakdown_says_how_to_make_one(tmp_path):
+    with pytest.raises(ResultsError, match="make profile"):
+        write_report(str(tmp_path))

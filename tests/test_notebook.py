@@ -1,0 +1,188 @@
+"""The notebook: it runs top to bottom on a CPU with a plain kernel, and the figures it computes are the
+ones summary.md holds, for the committed H200 measurements and for a small set written here (with a
+skipped rung, a GPU missing from the notebook's datasheet, and the optional companion files present).
+The committed .ipynb must hold build_notebook.py's cells and outputs that are current."""
+import json
+import os
+import re
+import sys
+
+import nbformat
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = os.path.join(REPO, "notebooks")
+for path in (REPO, NOTEBOOKS):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import build_notebook  # noqa: E402
+import plot_results  # noqa: E402
+from Utils.breakdown import BREAKDOWN_COLUMNS, BREAKDOWN_FILE  # noqa: E402
+from Utils.results import append_run  # noqa: E402
+
+H200 = os.path.join(REPO, "results", "h200-b16")
+FIGURES_TAG = "NOTEBOOK_FIGURES "
+REBUILD = "python notebooks/build_notebook.py"
+
+# summary.md's column -> the notebook's key; the notebook rounds as summary.md does.
+COLUMNS = {"median ms": "median_step_ms", "IQR ms": "iqr_step_ms", "speedup": "speedup",
+           "tokens/s": "tokens_per_s", "MFU": "mfu_pct", "peak alloc GiB": "peak_mem_allocated_gib",
+           "peak reserved GiB": "peak_mem_reserved_gib", "compile s": "compile_s", "final loss": "final_loss"}
+
+
+def summary_table(prefix):
+    """summary.md's table as {rung: {column header: cell text}}, in table order."""
+    with open(os.path.join(prefix, "summary.md")) as f:
+        lines = [ln for ln in f.read().splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    return {r[0]: dict(zip(header, r)) for r in rows}
+
+
+def cell_number(text):
+    return None if text == "-" else float(text.rstrip("x%").replace(",", ""))
+
+
+def outputs_text(nb):
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                   if o.output_type == "stream")
+
+
+def notebook_figures(nb):
+    lines = [ln for ln in outputs_text(nb).splitlines() if ln.startswith(FIGURES_TAG)]
+    assert len(lines) == 1, f"expected one {FIGURES_TAG.strip()} line in the outputs, found {len(lines)}"
+    return json.loads(lines[0][len(FIGURES_TAG):])
+
+
+def assert_figures_match_summary(nb, prefix):
+    expected = summary_table(prefix)
+    figures = notebook_figures(nb)
+    assert list(figures) == list(expected), "the notebook and summary.md list different rungs"
+    for rung, row in expected.items():
+        for header, key in COLUMNS.items():
+            assert figures[rung][key] == cell_number(row[header]), \
+                f"{rung} {header}: notebook {figures[rung][key]}, summary.md {row[header]} ({prefix})"
+        assert figures[rung]["status"] == row["status"], rung
+
+
+def execute(tmp_path, results=None):
+    """Execute the committed notebook (a copy in memory) in notebooks/ with RESULTS set, or unset when
+    None; the executed copy is kept in tmp_path for a look when something fails."""
+    nb = nbformat.read(build_notebook.NOTEBOOK, as_version=4)
+    env = {k: v for k, v in os.environ.items() if k != "RESULTS"}
+    if results is not None:
+        env["RESULTS"] = results
+    build_notebook.execute(nb, cwd=NOTEBOOKS, env=env)
+    nbformat.write(nb, str(tmp_path / "executed.ipynb"))
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors
+    return nb
+
+
+# ---------------------------------------------------------------------------------------------
+# The committed notebook
+
+
+def test_committed_notebook_holds_the_built_cells():
+    committed = nbformat.read(build_notebook.NOTEBOOK, as_version=4)
+    nbformat.validate(committed)
+    built = build_notebook.build()
+    assert [(c.cell_type, c.source) for c in committed.cells] == [(c.cell_type, c.source) for c in built.cells], \
+        f"notebooks/Optimizing_GPU_Utilization.ipynb differs from build_notebook.py: run {REBUILD}"
+
+
+def test_committed_notebook_is_executed_without_errors():
+    nb = nbformat.read(build_notebook.NOTEBOOK, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count for c in code), f"the committed notebook is not executed: run {REBUILD}"
+    assert not [o for c in code for o in c.outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for c in code for o in c.outputs), "no chart in the outputs"
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(H200, "summary.md")), reason="results/h200-b16 not present")
+def test_committed_outputs_match_the_committed_summary():
+    nb = nbformat.read(build_notebook.NOTEBOOK, as_version=4)
+    assert_figures_match_summary(nb, H200)
+
+
+# ---------------------------------------------------------------------------------------------
+# Executing it
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(H200, "summary.md")), reason="results/h200-b16 not present")
+def test_runs_on_the_h200_results_by_default(tmp_path):
+    nb = execute(tmp_path, results=None)
+    text = " ".join(outputs_text(nb).split())
+    assert "RESULTS = results/h200-b16" in text
+    assert_figures_match_summary(nb, H200)
+    # The conclusions are computed: every measured rung gets a verdict naming the floor it sits against.
+    for rung, row in summary_table(H200).items():
+        if row["status"] == "ok":
+            assert re.search(rf"\b{re.escape(rung)}: {re.escape(row['median ms'])} ms measured; compute floor .*? "
+                             rf"sits against the (compute|memory) floor", text), rung
+
+
+BATCH, SEQ, GPU = 4, 256, "NVIDIA L4"     # L4: in Utils.metrics' table, not in the notebook's datasheet
+
+
+def add_run(prefix, rung, step_ms, status="ok", warmup=2, batch=BATCH, loss0=10.9, message="", compile_s=None,
+            mem=(6.0, 7.0)):
+    """Append one run through the suite's own writer."""
+    os.makedirs(prefix, exist_ok=True)
+    run_id = f"{rung}-{batch}-{len(step_ms)}-{status}-{len(os.listdir(prefix))}"
+    steps = [dict(run_id=run_id, optimization=rung, step=i, warmup=i < warmup, step_ms=ms,
+                  tokens_per_s=batch * SEQ / (ms / 1e3), loss=loss0 - 0.05 * i + 0.01 * np.sin(i), mfu=0.2)
+             for i, ms in enumerate(step_ms)]
+    run = dict(run_id=run_id, optimization=rung, status=status, message=message, started_at="2026-01-01T00:00:00",
+               steps=len(step_ms), warmup_steps=warmup, batch_size=batch, seq_len=SEQ, model="gpt2",
+               n_params=124439808, data="synthetic", device="cuda", gpu_name=GPU, torch_version="2.9.0",
+               cuda_version="12.8", compile_s=compile_s, peak_mem_allocated_gib=mem[0],
+               peak_mem_reserved_gib=mem[1], notes="", git_commit="abc123")
+    append_run(prefix, run, steps)
+
+
+def ladder(prefix, batch, steps=24, scale=1.0):
+    rng = np.random.default_rng(batch)
+    base = {"baseline": 300.0, "tf32": 140.0, "bf16": 120.0, "flash": 45.0, "fused": 43.0, "8bit": 50.0}
+    for rung, ms in base.items():
+        times = list(rng.normal(ms * scale, ms * scale * 0.02, steps).round(3))
+        add_run(prefix, rung, [5 * times[0]] + times[1:], batch=batch,
+                compile_s=20.0 if rung in ("flash", "fused", "8bit") else None,
+                mem=(9.0, 10.0) if rung in ("baseline", "tf32", "bf16") else (5.0, 6.0))
+    add_run(prefix, "torch_compile", [], status="skipped", batch=batch,
+            message="torch.compile needs Triton for this GPU, and Triton is not installed")
+
+
+@pytest.fixture(scope="module")
+def small_results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("results")
+    prefix = str(root / "l4-b4")
+    ladder(prefix, BATCH)
+    add_run(prefix, "tf32", [100.0] * 6, batch=8)     # another batch size: excluded from the comparison
+    with open(os.path.join(prefix, BREAKDOWN_FILE), "w") as f:
+        f.write(",".join(BREAKDOWN_COLUMNS) + "\n")
+        for rung, ms in (("baseline", 300.0), ("flash", 45.0), ("flash", 46.0)):   # flash profiled twice
+            for cls, share in (("compute", 0.5), ("memory", 0.3), ("unknown", 0.0), ("overhead", 0.2)):
+                row = dict(run_id=f"{rung}-{ms}", rung=rung, ms_per_step=ms * share, share=share,
+                           profiled_step_ms=ms, median_step_ms=ms, profiled_steps=5, compute_tflops="",
+                           peak_tflops="", **{"class": cls})
+                f.write(",".join(str(row[c]) for c in BREAKDOWN_COLUMNS) + "\n")
+    ladder(str(root / "l4-b64"), 64, scale=3.5)
+    ladder(str(root / "l4-loss"), BATCH, steps=80)
+    for folder in ("l4-b4", "l4-b64", "l4-loss"):
+        assert plot_results.main(["--prefix", str(root / folder)]) == 0
+    return prefix
+
+
+def test_runs_on_a_small_results_set_with_every_optional_part(small_results, tmp_path):
+    nb = execute(tmp_path, results=small_results)
+    assert_figures_match_summary(nb, small_results)
+    figures = notebook_figures(nb)
+    assert figures["torch_compile"]["status"] == "skipped" and figures["torch_compile"]["median_step_ms"] is None
+    text = outputs_text(nb)
+    assert "fp32 unknown" in text                           # L4: the floor it cannot compute is left out
+    assert "breakdown.csv: ms per profiled step by class" in text   # the optional files are read when present
+    assert "l4-b64:" in text and "mean loss over each run's last 50 steps" in text
+    assert "torch_compile has no usable run" in text

@@ -1,0 +1,116 @@
+"""End to end on the CPU: every make target and every rung script, checking the rows they write."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from Utils.recipes import LADDER
+
+from conftest import REPO_ROOT as REPO, make, read_csv
+SCRIPTS = {"baseline": "no_optimization.py", "tf32": "tensorFloat32.py", "bf16": "brainFloat16.py",
+           "torch_compile": "torch_compile.py", "flash": "flash_attention.py", "fused": "fused_optimizer.py",
+           "8bit": "8-bit_optimizer.py"}
+# Over the first 8 steps of the tiny model, every rung's loss stays within this many nats of the
+# baseline's: bf16 rounding and 8-bit optimizer states move it by about 1e-4 and 2e-3 on a CPU.
+LOSS_TOLERANCE = 0.01
+
+
+@pytest.fixture(scope="session")
+def make_all(tmp_path_factory, suite_env):
+    prefix = tmp_path_factory.mktemp("all")
+    r = make(["all", "STEPS=8", "BATCH_SIZE=4", f"PREFIX={prefix}", "DATA=shakespeare"], suite_env, timeout=900)
+    return prefix, r
+
+
+def test_make_all_writes_seven_ok_runs(make_all):
+    prefix, r = make_all
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    runs = read_csv(prefix / "runs.csv")
+    assert [x["optimization"] for x in runs] == LADDER
+    assert all(x["status"] == "ok" for x in runs)
+    for run in runs:
+        assert (run["steps"], run["batch_size"], run["seq_len"], run["model"], run["data"], run["device"]) == \
+               ("8", "4", "128", "tiny", "shakespeare", "cpu")
+        assert float(run["median_step_ms"]) > 0 and float(run["final_loss"]) > 0
+        assert run["command"].split()[0] == SCRIPTS[run["optimization"]]
+    steps = read_csv(prefix / "results.csv")
+    for run in runs:
+        mine = [s for s in steps if s["run_id"] == run["run_id"]]
+        assert [int(s["step"]) for s in mine] == list(range(8))
+        assert [s["warmup"] for s in mine] == ["1"] * 5 + ["0"] * 3
+        assert all(float(s["step_ms"]) > 0 and float(s["tokens_per_s"]) > 0 for s in mine)
+        assert all(s["mfu"] == "" for s in mine)   # a CPU has no known peak
+    notes = {x["optimization"]: x["notes"] for x in runs}
+    assert notes["baseline"] == "" and "TF32 has no effect on a CPU" in notes["tf32"]
+    assert all((prefix / name).stat().st_size > 0 for name in
+               ["speedup.png", "step_time.png", "throughput.png", "memory.png", "loss.png", "summary.md"])
+
+
+def test_every_rung_tracks_the_baseline_loss(make_all):
+    prefix, _ = make_all
+    losses = {}
+    for s in read_csv(prefix / "results.csv"):
+        losses.setdefault(s["optimization"], []).append(float(s["loss"]))
+    base = losses["baseline"]
+    assert abs(base[0] - 10.82) < 0.1          # ln(50257) at init
+    assert base[-1] < base[0] - 0.2            # and it learns
+    for rung in LADDER[1:]:
+        gaps = [abs(a - b) for a, b in zip(losses[rung], base)]
+        assert len(gaps) == 8 and max(gaps) < LOSS_TOLERANCE, (rung, gaps)
+
+
+def test_a_script_runs_on_its_own(tmp_path, suite_env):
+    r = subprocess.run([sys.executable, "brainFloat16.py", "--steps", "3", "--batch-size", "2", "--prefix",
+                        str(tmp_path), "--data", "synthetic", "--seq-len", "32"], cwd=REPO, env=suite_env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("bf16 | tiny | B=2 T=32 | data synthetic | cpu")
+    assert [l.split(" | ")[0] for l in lines if l.startswith("step ")] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert lines[-1].startswith("summary | bf16: ok | median ")
+    runs = read_csv(tmp_path / "runs.csv")
+    assert len(runs) == 1 and runs[0]["data"] == "synthetic" and runs[0]["warmup_steps"] == "2"
+    assert len(read_csv(tmp_path / "results.csv")) == 3
+
+
+def test_make_one_rung_appends_to_existing_results(make_all, tmp_path, suite_env):
+    prefix, _ = make_all
+    copy = tmp_path / "copy"
+    shutil.copytree(prefix, copy)
+    before = (copy / "results.csv").read_bytes()
+    r = make(["fused", "STEPS=3", "BATCH_SIZE=2", f"PREFIX={copy}", "SEQ_LEN=16", "WARMUP=1", "SEED=7"], suite_env,
+             timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert (copy / "results.csv").read_bytes().startswith(before)
+    last = read_csv(copy / "runs.csv")[-1]
+    assert (last["optimization"], last["seq_len"], last["warmup_steps"]) == ("fused", "16", "1")
+    assert '"seed": 7' in last["config"]
+
+
+def test_init_results_reset_and_clean_touch_only_suite_files(make_all, tmp_path, suite_env):
+    prefix, _ = make_all
+    copy = tmp_path / "copy"
+    shutil.copytree(prefix, copy)
+    (copy / "mine.txt").write_text("not the suite's")
+    assert make(["clean", f"PREFIX={copy}"], suite_env).returncode == 0
+    assert not (copy / "speedup.png").exists() and not (copy / "summary.md").exists()
+    assert (copy / "results.csv").exists() and (copy / "mine.txt").exists()
+    assert make(["reset", f"PREFIX={copy}"], suite_env).returncode == 0
+    assert sorted(os.listdir(copy)) == ["mine.txt"]
+    assert make(["init_results", f"PREFIX={copy}"], suite_env).returncode == 0
+    assert read_csv(copy / "runs.csv") == [] and (copy / "results.csv").read_text().startswith("run_id,")
+
+
+def test_profile_writes_the_breakdown_and_leaves_results_alone(tmp_path, suite_env):
+    r = make(["fused", "STEPS=3", "BATCH_SIZE=2", "SEQ_LEN=32", "DATA=synthetic", f"PREFIX={tmp_path}",
+              "PROFILE=1"], suite_env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "profile | fused: cpu_ops" in r.stdout and "the compute/memory split is GPU-only" in r.stdout
+    assert not (tmp_path / "results.csv").exists() and not (tmp_path / "runs.csv").exists()
+    rows = read_csv(tmp_path / "breakdown.csv")
+    assert [x["class"] for x in rows] == ["cpu_ops", "overhead"] and {x["rung"] for x in rows} == {"fused"}
+    assert abs(sum(float(x["share"]) for x in rows) - 1) < 1e-6
+    assert (tmp_path / "trace_fused.json.gz").stat().st_size > 0
+    assert (tmp_path / "breakdown.png").stat().st_size > 0 and "fused" in (tmp_path / "breakdown.md").read_text()

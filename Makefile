@@ -1,6 +1,7 @@
 # The suite's one entry point. `make help` lists the targets and variables.
 PYTHON ?= python3
-RUNGS := baseline tf32 bf16 torch_compile flash fused 8bit
+RUNGS := baseline tf32 bf16 torch_compile flash fused 8bit max
+ADDITIONS := vocab_multiple loss prefetch sync_every compile_mode
 
 script_baseline := no_optimization.py
 script_tf32 := tensorFloat32.py
@@ -9,6 +10,7 @@ script_torch_compile := torch_compile.py
 script_flash := flash_attention.py
 script_fused := fused_optimizer.py
 script_8bit := 8-bit_optimizer.py
+script_max := max_throughput.py
 
 EXAMPLE := e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out
 
@@ -22,7 +24,7 @@ RUN_ARGS = --steps '$(STEPS)' --batch-size '$(BATCH_SIZE)' --prefix '$(PREFIX)' 
 
 need = @if [ -z "$(strip $($(1)))" ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
 
-.PHONY: help all profile plots test init_results reset clean notebook $(RUNGS) require-run require-prefix
+.PHONY: help all ablation profile plots test init_results reset clean notebook $(RUNGS) require-run require-prefix
 .DEFAULT_GOAL := help
 
 help:
@@ -30,6 +32,7 @@ help:
 	@echo ""
 	@echo "  make <rung> STEPS=n BATCH_SIZE=b PREFIX=dir   run one rung: $(RUNGS)"
 	@echo "  make all STEPS=n BATCH_SIZE=b PREFIX=dir      every rung in ladder order, then the charts"
+	@echo "  make ablation STEPS=n BATCH_SIZE=b PREFIX=dir each addition of the max rung alone on the fused rung"
 	@echo "  make plots PREFIX=dir                         charts and summary.md from PREFIX/results.csv"
 	@echo "  make profile STEPS=n BATCH_SIZE=b PREFIX=dir  compute / memory / overhead split of every rung"
 	@echo "  make init_results PREFIX=dir                  create PREFIX with empty results files"
@@ -60,6 +63,15 @@ all: require-run
 	done; \
 	$(MAKE) --no-print-directory plots || failed="$$failed plots"; \
 	if [ -n "$$failed" ]; then echo "error: make all: not ok:$$failed (see runs.csv in $(PREFIX))" >&2; exit 1; fi
+
+# Each of the max rung's additions alone on top of the fused rung, as rungs fused+<addition>.
+ablation: require-run
+	@failed=""; \
+	for add in $(ADDITIONS); do \
+		echo "=== fused+$$add ==="; \
+		$(PYTHON) ablation.py --add $$add $(RUN_ARGS) || failed="$$failed $$add"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "error: make ablation: not ok:$$failed" >&2; exit 1; fi
 
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
 # breakdown files and a trace per rung, and leaves results.csv alone.

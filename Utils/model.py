@@ -17,15 +17,23 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     attention: str = "manual"   # "manual" materializes the T x T scores; "sdpa" calls F.scaled_dot_product_attention
+    vocab_multiple: int = 1     # embedding rows padded to a multiple of this; the padding never reaches the loss
+    loss: str = "full"          # "full": logits then cross-entropy; "chunked": see chunked_cross_entropy
+
+    @property
+    def padded_vocab_size(self):
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     def __post_init__(self):
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "vocab_multiple"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
         if self.attention not in ("manual", "sdpa"):
             raise ValueError(f"attention must be 'manual' or 'sdpa', got {self.attention!r}")
+        if self.loss not in ("full", "chunked"):
+            raise ValueError(f"loss must be 'full' or 'chunked', got {self.loss!r}")
 
 
 # The GPT-2 sizes from the paper (Radford et al. 2019, table 2), and a tiny one for CPUs and tests.
@@ -105,6 +113,14 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight   # tied, as in GPT-2
         self.apply(self._init_weights)
+        if config.padded_vocab_size != config.vocab_size:
+            # Padded after the init, so that every weight is drawn exactly as without padding. The extra rows
+            # are zeros, are cut from the logits before the loss, and so never receive a gradient.
+            wte = self.transformer.wte
+            pad = wte.weight.new_zeros(config.padded_vocab_size - config.vocab_size, config.n_embd)
+            wte.weight = nn.Parameter(torch.cat([wte.weight.detach(), pad]))
+            wte.num_embeddings = self.lm_head.out_features = config.padded_vocab_size
+            self.lm_head.weight = wte.weight
 
     def _init_weights(self, module):
         # GPT-2: N(0, 0.02), and residual projections scaled by 1/sqrt(2 * n_layer) because each block
@@ -120,8 +136,10 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self, exclude_position_embedding=True):
-        """Parameters counted once (the tied embedding once); without wpe for the FLOPs formula."""
+        """Parameters counted once (the tied embedding once, its padding rows not at all); without wpe for
+        the FLOPs formula."""
         n = sum(p.numel() for p in self.parameters())
+        n -= (self.config.padded_vocab_size - self.config.vocab_size) * self.config.n_embd   # padding is not model
         if exclude_position_embedding:
             n -= self.transformer.wpe.weight.numel()
         return n
@@ -134,8 +152,59 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for block in self.transformer.h:
             x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
+        h = self.transformer.ln_f(x)
+        V = self.config.vocab_size
+        if targets is not None and self.config.loss == "chunked":
+            return None, chunked_cross_entropy(h.reshape(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1), V)
+        logits = self.lm_head(h)[..., :V]   # a full slice, a no-op, unless the vocabulary is padded
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+            loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
         return logits, loss
+
+
+CHUNK_ROWS = 4096
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of h @ W[:V].T against targets, CHUNK_ROWS tokens at a time.
+
+    Each chunk's logits are made, reduced and turned into their gradient (softmax minus one-hot) at once,
+    and the gradients with respect to h and W are accumulated in the forward pass: the B x T x V logits
+    never exist whole, in fp32 or in bf16. Backward only scales the stored gradients."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, vocab_size):
+        device_type = h.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
+        w = weight[:vocab_size].to(dtype)
+        n = h.size(0)
+        loss = h.new_zeros((), dtype=torch.float32)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+        with torch.autocast(device_type, enabled=False):
+            for i in range(0, n, CHUNK_ROWS):
+                hc, tc = h[i:i + CHUNK_ROWS].to(dtype), targets[i:i + CHUNK_ROWS]
+                logits = (hc @ w.t()).float()
+                lse = torch.logsumexp(logits, dim=-1)
+                loss = loss + (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+                grad = torch.exp(logits - lse[:, None])
+                grad.scatter_add_(1, tc[:, None], grad.new_full((hc.size(0), 1), -1.0))
+                grad = grad.to(dtype)
+                grad_h[i:i + CHUNK_ROWS] = (grad @ w).to(h.dtype)
+                grad_w[:vocab_size] += (grad.t() @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.n, ctx.weight_dtype = n, weight.dtype
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        scale = grad_out / ctx.n
+        return grad_h * scale, (grad_w * scale).to(ctx.weight_dtype), None, None
+
+
+def chunked_cross_entropy(h, weight, targets, vocab_size):
+    """Cross-entropy of the output layer without materializing the logits; equals
+    F.cross_entropy((h @ weight[:vocab_size].T), targets) up to the rounding of the matmul dtype."""
+    return _ChunkedCrossEntropy.apply(h, weight, targets, vocab_size)

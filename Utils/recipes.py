@@ -10,6 +10,10 @@ from dataclasses import dataclass, replace
 import torch
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str
@@ -18,12 +22,25 @@ class Recipe:
     compile: bool = False
     attention: str = "manual"      # "manual": scores written out; "sdpa": F.scaled_dot_product_attention
     optimizer: str = "adamw"       # "adamw" (torch default implementation), "adamw_fused", "adamw8bit"
+    vocab_multiple: int = 1        # pad the embedding's rows to a multiple of this (128: 50257 -> 50304)
+    loss: str = "full"             # "full" or "chunked" cross-entropy (Utils.model.chunked_cross_entropy)
+    prefetch: bool = False         # copy the next batch to the GPU on a side stream during the current step
+    sync_every: int = 1            # steps between host-device synchronizations (loss and timing read-back)
+    compile_mode: str = "default"  # torch.compile mode: default, reduce-overhead (CUDA graphs), max-autotune...
 
     def __post_init__(self):
         if self.attention not in ("manual", "sdpa"):
             raise ValueError(f"attention must be 'manual' or 'sdpa', got {self.attention!r}")
         if self.optimizer not in ("adamw", "adamw_fused", "adamw8bit"):
             raise ValueError(f"optimizer must be adamw, adamw_fused or adamw8bit, got {self.optimizer!r}")
+        if self.loss not in ("full", "chunked"):
+            raise ValueError(f"loss must be 'full' or 'chunked', got {self.loss!r}")
+        if self.vocab_multiple < 1 or self.sync_every < 1:
+            raise ValueError("vocab_multiple and sync_every must be at least 1")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"compile_mode={self.compile_mode!r} needs compile=True")
 
 
 BASELINE = Recipe("baseline")
@@ -33,8 +50,12 @@ TORCH_COMPILE = replace(BF16, name="torch_compile", compile=True)
 FLASH = replace(TORCH_COMPILE, name="flash", attention="sdpa")
 FUSED = replace(FLASH, name="fused", optimizer="adamw_fused")
 EIGHT_BIT = replace(FLASH, name="8bit", optimizer="adamw8bit")
+# Beyond the seven: the fused rung with every further change that keeps the model's mathematics.
+MAX_ADDITIONS = {"vocab_multiple": 128, "loss": "chunked", "prefetch": True, "sync_every": 10,
+                 "compile_mode": "reduce-overhead"}
+MAX = replace(FUSED, name="max", **MAX_ADDITIONS)
 
-RECIPES = {r.name: r for r in (BASELINE, TF32, BF16, TORCH_COMPILE, FLASH, FUSED, EIGHT_BIT)}
+RECIPES = {r.name: r for r in (BASELINE, TF32, BF16, TORCH_COMPILE, FLASH, FUSED, EIGHT_BIT, MAX)}
 LADDER = list(RECIPES)
 
 # Identical on every rung (nanoGPT's GPT-2 124M settings), so that only the recipe differs.
@@ -74,17 +95,41 @@ def apply_attention(config, recipe):
     return replace(config, attention=recipe.attention)
 
 
+def apply_vocab_padding(config, recipe):
+    """50257 rows leave the output layer's GEMM without aligned tiles; 50304 = 393 x 128 tiles evenly."""
+    return replace(config, vocab_multiple=recipe.vocab_multiple)
+
+
+def apply_loss(config, recipe):
+    """The chunked loss never holds the B x T x vocab logits: about 1.6 GB at batch 16 in bf16."""
+    return replace(config, loss=recipe.loss)
+
+
+def apply_prefetch(loader, recipe, device):
+    """(batch source, note): a side-stream prefetcher on a GPU, the loader itself otherwise."""
+    if not recipe.prefetch:
+        return loader, None
+    if device.type != "cuda":
+        return loader, "prefetch has no effect on a CPU"
+    from Utils.data import Prefetcher
+    return Prefetcher(loader, device), None
+
+
 def apply_compile(model, recipe, device):
-    """torch.compile fuses elementwise work into few Triton (GPU) or C++ (CPU) kernels."""
+    """torch.compile fuses elementwise work into few Triton (GPU) or C++ (CPU) kernels; its CUDA-graph
+    modes replay a whole step's launches as one. Returns (model, note)."""
     if not recipe.compile:
-        return model
+        return model, None
     if device.type == "cuda":
         from torch.utils._triton import has_triton
         if not has_triton():
             raise Unavailable("torch.compile needs Triton for this GPU, and Triton is not installed")
     elif not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
         raise Unavailable("torch.compile on a CPU needs a C++ compiler (g++ or clang++) on the PATH")
-    return torch.compile(model)
+    mode, note = recipe.compile_mode, None
+    if device.type != "cuda" and mode in CUDAGRAPH_MODES:
+        mode, note = "default", f"CUDA graphs need a GPU: compiled in the default mode, not {recipe.compile_mode}"
+    return torch.compile(model, mode=None if mode == "default" else mode), note
 
 
 def _param_groups(model):

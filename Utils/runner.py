@@ -22,8 +22,8 @@ from Utils import breakdown, metrics
 from Utils.cli import PROFILE_STEPS, UsageError, fail, parse_args
 from Utils.data import DataError, TokenLoader, inputs_targets, load_tokens
 from Utils.model import GPT, PRESETS
-from Utils.recipes import (GRAD_CLIP, Unavailable, apply_attention, apply_compile, apply_optimizer, apply_tf32,
-                           autocast_context)
+from Utils.recipes import (CUDAGRAPH_MODES, GRAD_CLIP, Unavailable, apply_attention, apply_compile, apply_loss,
+                           apply_optimizer, apply_prefetch, apply_tf32, apply_vocab_padding, autocast_context)
 from Utils.results import ResultsError, append_run, check_prefix
 
 EXIT_FAILED, EXIT_USAGE, EXIT_OOM, EXIT_SKIPPED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
@@ -68,23 +68,33 @@ def git_commit():
 
 
 class StepTimer:
+    """start() and stop() bracket a step without waiting for the device; elapsed_ms() waits for that
+    step only. On a CPU, work is synchronous and the host clock is the step's clock."""
+
     def __init__(self, device):
         self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def start(self):
-        if self.cuda:
-            self.begin.record()
-        else:
-            self.t0 = time.perf_counter()
+        if not self.cuda:
+            return [time.perf_counter()]
+        begin = torch.cuda.Event(enable_timing=True)
+        begin.record()
+        return [begin]
 
-    def stop_ms(self):
+    def stop(self, mark):
         if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            return self.begin.elapsed_time(self.end)
-        return (time.perf_counter() - self.t0) * 1e3
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            mark.append(end)
+        else:
+            mark.append(time.perf_counter())
+        return mark
+
+    def elapsed_ms(self, mark):
+        if self.cuda:
+            mark[1].synchronize()
+            return mark[0].elapsed_time(mark[1])
+        return (mark[1] - mark[0]) * 1e3
 
 
 def _raise_interrupt(signum, frame):
@@ -95,7 +105,7 @@ def train(recipe, cfg, device, tokens, run, rows, held):
     """Build everything from the recipe and run cfg.steps timed steps, appending a dict per step to rows.
     Objects that hold device memory go into `held` so the caller can release them on any exit."""
     notes = [n for n in [apply_tf32(recipe, device)] if n]
-    config = apply_attention(PRESETS[cfg.model], recipe)
+    config = apply_loss(apply_vocab_padding(apply_attention(PRESETS[cfg.model], recipe), recipe), recipe)
     torch.manual_seed(cfg.seed)
     with device:   # initialized where it trains: no 124M-parameter init on the host, no copy
         model = held["model"] = GPT(config)
@@ -105,19 +115,29 @@ def train(recipe, cfg, device, tokens, run, rows, held):
     peak = metrics.peak_bf16_flops(run["gpu_name"]) if device.type == "cuda" else None
     autocast = lambda: autocast_context(recipe, device)   # noqa: E731  (raises Unavailable before training)
     autocast()
-    step_model = held["compiled"] = apply_compile(model, recipe, device)
+    step_model, note = apply_compile(model, recipe, device)
+    held["compiled"] = step_model
     optimizer = held["optimizer"] = apply_optimizer(model, recipe, device)
     loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda")
+    source, prefetch_note = apply_prefetch(loader, recipe, device)
+    notes += [n for n in (note, prefetch_note) if n]
+    if recipe.sync_every > 1 and device.type != "cuda":
+        notes.append("deferred synchronization has no effect on a CPU, where every operation is synchronous")
     run["notes"] = "; ".join(notes)
-    for note in notes:
-        print(f"note: {note}")
+    for n in notes:
+        print(f"note: {n}")
 
     timer = StepTimer(device)
     tokens_per_step = cfg.batch_size * cfg.seq_len
+    cudagraphs = recipe.compile and recipe.compile_mode in CUDAGRAPH_MODES and device.type == "cuda"
+    deferred = recipe.sync_every > 1
 
     def step():
-        timer.start()
-        window = loader.next_batch().to(device, non_blocking=True)
+        """One training step, timed whole; returns (timing mark, loss tensor) without synchronizing."""
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        mark = timer.start()
+        window = source.next_batch().to(device, non_blocking=True)
         x, y = inputs_targets(window, cfg.batch_size, cfg.seq_len)
         with autocast():
             _, loss = step_model(x, y)
@@ -125,10 +145,11 @@ def train(recipe, cfg, device, tokens, run, rows, held):
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return timer.stop_ms(), loss.item()
+        # A loss read later must survive the next step (a CUDA graph replay reuses its output's memory).
+        return timer.stop(mark), (loss.detach().clone() if deferred else loss)
 
-    for i in range(cfg.steps):
-        ms, loss_value = step()
+    def record(i, mark, loss):
+        ms, loss_value = timer.elapsed_ms(mark), loss.item()
         tps = tokens_per_step / (ms / 1e3)
         step_mfu = metrics.mfu(flops_token, tps, peak)
         rows.append({"run_id": run["run_id"], "optimization": recipe.name, "step": i,
@@ -138,12 +159,22 @@ def train(recipe, cfg, device, tokens, run, rows, held):
         tag = " (warm-up)" if i < cfg.warmup else ""
         print(f"step {i + 1}/{cfg.steps} | loss {loss_value:.4f} | {ms:.1f} ms | {tps:,.0f} tok/s | "
               f"{mfu_text}{tag}", flush=True)
+
+    # The host reads timings and losses back every sync_every steps, so between read-backs the CPU queues
+    # work ahead of the GPU and no step waits for the host.
+    pending = []
+    for i in range(cfg.steps):
+        pending.append((i, *step()))
+        if len(pending) == recipe.sync_every or i == cfg.steps - 1:
+            for entry in pending:
+                record(*entry)
+            pending.clear()
     if cfg.profile:
-        return profile_steps(step, recipe, cfg, device, run, flops_token * tokens_per_step, peak)
+        return profile_steps(step, timer, recipe, cfg, device, run, flops_token * tokens_per_step, peak)
     return None
 
 
-def profile_steps(step, recipe, cfg, device, run, flops_per_step, peak):
+def profile_steps(step, timer, recipe, cfg, device, run, flops_per_step, peak):
     """PROFILE_STEPS more steps under torch.profiler (one more before them that the schedule discards),
     exported as a gzipped Chrome trace and split into compute, memory and overhead."""
     from torch.profiler import ProfilerActivity, profile, schedule
@@ -160,7 +191,8 @@ def profile_steps(step, recipe, cfg, device, run, flops_per_step, peak):
                  on_trace_ready=export) as prof:
         prof.add_metadata("run_id", run["run_id"])
         for _ in range(1 + PROFILE_STEPS):
-            step()
+            mark, loss = step()
+            timer.elapsed_ms(mark), loss.item()
             prof.step()
     return breakdown.split(breakdown.load_trace(path), flops_per_step=flops_per_step, peak_flops=peak,
                            peak_bandwidth=breakdown.peak_hbm_bandwidth(run["gpu_name"]))
@@ -221,9 +253,9 @@ def run(recipe, cfg, command):
            "model": cfg.model, "data": data_name, "command": command,
            "config": json.dumps({"run": cfg.as_dict(), "recipe": asdict(recipe)}, sort_keys=True),
            **environment(device)}
+    changes = ", ".join(f"{k} {v}" for k, v in asdict(recipe).items() if k != "name")
     print(f"{recipe.name} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {data_name} | "
-          f"{device.type} {run['gpu_name']} | tf32 {recipe.tf32}, bf16 {recipe.bf16}, compile {recipe.compile}, "
-          f"attention {recipe.attention}, optimizer {recipe.optimizer} | steps {cfg.steps} (warm-up {cfg.warmup}) "
+          f"{device.type} {run['gpu_name']} | {changes} | steps {cfg.steps} (warm-up {cfg.warmup}) "
           f"| seed {cfg.seed}", flush=True)
 
     rows, held = [], {}

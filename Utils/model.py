@@ -177,22 +177,23 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, targets, vocab_size):
         device_type = h.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
+        acc = torch.promote_types(h.dtype, torch.float32)   # the softmax and the sums: fp32 at least
         w = weight[:vocab_size].to(dtype)
         n = h.size(0)
-        loss = h.new_zeros((), dtype=torch.float32)
+        loss = h.new_zeros((), dtype=acc)
         grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device)
         with torch.autocast(device_type, enabled=False):
             for i in range(0, n, CHUNK_ROWS):
                 hc, tc = h[i:i + CHUNK_ROWS].to(dtype), targets[i:i + CHUNK_ROWS]
-                logits = (hc @ w.t()).float()
+                logits = (hc @ w.t()).to(acc)
                 lse = torch.logsumexp(logits, dim=-1)
                 loss = loss + (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
                 grad = torch.exp(logits - lse[:, None])
                 grad.scatter_add_(1, tc[:, None], grad.new_full((hc.size(0), 1), -1.0))
                 grad = grad.to(dtype)
                 grad_h[i:i + CHUNK_ROWS] = (grad @ w).to(h.dtype)
-                grad_w[:vocab_size] += (grad.t() @ hc).float()
+                grad_w[:vocab_size] += (grad.t() @ hc).to(acc)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.n, ctx.weight_dtype = n, weight.dtype
         return loss / n

@@ -250,3 +250,64 @@ def test_presets_are_valid_configs():
         assert config.n_embd % config.n_head == 0, name
         assert config.vocab_size == 50257 and config.attention == "manual", name
         assert replace(config, attention="sdpa").attention == "sdpa"
+
+
+# ---------------------------------------------------------------------------------------------
+# The max rung's model changes keep the mathematics: padded vocabulary and chunked cross-entropy
+
+def _pair(**variant):
+    from dataclasses import replace
+    torch.manual_seed(0)
+    plain = GPT(PRESETS["tiny"]).double()
+    torch.manual_seed(0)
+    other = GPT(replace(PRESETS["tiny"], **variant)).double()
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 50257, (3, 40), generator=g)
+    y = torch.randint(0, 50257, (3, 40), generator=g)
+    return plain, other, idx, y
+
+
+@pytest.mark.parametrize("variant", [dict(vocab_multiple=128), dict(loss="chunked"),
+                                     dict(vocab_multiple=128, loss="chunked")])
+def test_padding_and_chunked_loss_change_nothing_but_rounding(variant, monkeypatch):
+    import Utils.model as model_module
+    monkeypatch.setattr(model_module, "CHUNK_ROWS", 37)   # several chunks, the last one short
+    plain, other, idx, y = _pair(**variant)
+    V = 50257
+    for (name, p), q in zip(plain.named_parameters(), other.parameters()):
+        assert torch.equal(p, q[:p.shape[0]]), name        # the same init, padding rows aside
+    loss_a, loss_b = plain(idx, y)[1], other(idx, y)[1]
+    loss_a.backward()
+    loss_b.backward()
+    assert torch.allclose(loss_a, loss_b, rtol=1e-12, atol=0)
+    for (name, p), q in zip(plain.named_parameters(), other.parameters()):
+        assert torch.allclose(p.grad, q.grad[:p.shape[0]], rtol=1e-9, atol=1e-15), name
+    wte = other.transformer.wte.weight
+    if other.config.padded_vocab_size > V:
+        assert wte.shape[0] == 50304 and torch.count_nonzero(wte.grad[V:]) == 0
+        assert other.num_params() == plain.num_params()      # padding is not counted as model
+        assert other.lm_head.weight is wte
+
+
+def test_padded_logits_are_cut_to_the_vocabulary():
+    _, padded, idx, _ = _pair(vocab_multiple=128)
+    assert padded(idx)[0].shape == (3, 40, 50257)
+
+
+def test_chunked_loss_under_bf16_autocast_is_close(monkeypatch):
+    import Utils.model as model_module
+    monkeypatch.setattr(model_module, "CHUNK_ROWS", 50)
+    torch.manual_seed(0)
+    full = GPT(PRESETS["tiny"])
+    torch.manual_seed(0)
+    from dataclasses import replace
+    chunked = GPT(replace(PRESETS["tiny"], loss="chunked"))
+    idx = torch.randint(0, 50257, (2, 64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = full(idx, idx)[1], chunked(idx, idx)[1]
+    a.backward()
+    b.backward()
+    assert a.dtype == b.dtype == torch.float32
+    assert abs(a.item() - b.item()) < 5e-3
+    ga, gb = full.transformer.wte.weight.grad, chunked.transformer.wte.weight.grad
+    assert (ga - gb).norm() / ga.norm() < 2e-2

@@ -11,7 +11,7 @@ from Utils.recipes import LADDER
 from conftest import REPO_ROOT as REPO, make, read_csv
 SCRIPTS = {"baseline": "no_optimization.py", "tf32": "tensorFloat32.py", "bf16": "brainFloat16.py",
            "torch_compile": "torch_compile.py", "flash": "flash_attention.py", "fused": "fused_optimizer.py",
-           "8bit": "8-bit_optimizer.py"}
+           "8bit": "8-bit_optimizer.py", "max": "max_throughput.py"}
 # Over the first 8 steps of the tiny model, every rung's loss stays within this many nats of the
 # baseline's: bf16 rounding and 8-bit optimizer states move it by about 1e-4 and 2e-3 on a CPU.
 LOSS_TOLERANCE = 0.01
@@ -24,7 +24,7 @@ def make_all(tmp_path_factory, suite_env):
     return prefix, r
 
 
-def test_make_all_writes_seven_ok_runs(make_all):
+def test_make_all_writes_an_ok_run_per_rung(make_all):
     prefix, r = make_all
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     runs = read_csv(prefix / "runs.csv")

@@ -56,6 +56,7 @@ $(RUNGS): require-run
 	$(PYTHON) $(script_$@) $(RUN_ARGS)
 
 all: require-run
+	@$(PYTHON) -m Utils.cli $(RUN_ARGS)
 	@failed=""; \
 	for rung in $(RUNGS); do \
 		echo "=== $$rung ==="; \
@@ -66,6 +67,7 @@ all: require-run
 
 # Each of the max rung's additions alone on top of the fused rung, as rungs fused+<addition>.
 ablation: require-run
+	@$(PYTHON) -m Utils.cli $(RUN_ARGS)
 	@failed=""; \
 	for add in $(ADDITIONS); do \
 		echo "=== fused+$$add ==="; \
@@ -76,6 +78,7 @@ ablation: require-run
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
 # breakdown files and a trace per rung, and leaves results.csv alone.
 profile: require-run
+	@$(PYTHON) -m Utils.cli $(RUN_ARGS)
 	@failed=""; \
 	for rung in $(RUNGS); do \
 		echo "=== profile $$rung ==="; \

@@ -121,7 +121,14 @@ def _read_csv(path, numeric):
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
         raise ResultsError(f"{path} is not a readable CSV ({str(e).splitlines()[0]}): move it aside")
     for col in numeric:
-        df[col] = pd.to_numeric(df[col].str.strip(), errors="coerce").astype(float)
+        text = df[col].str.strip()
+        values = pd.to_numeric(text, errors="coerce")
+        bad = values.isna() & ~text.isin(["", "nan", "NaN"])
+        if bad.any():
+            line = int(bad.idxmax()) + 2   # the header is line 1
+            raise ResultsError(f"{path} line {line}: {col}={text[bad].iloc[0]!r} is not a number: the file is "
+                               f"damaged; move it aside or repair that line")
+        df[col] = values.astype(float)
     return df.reset_index(drop=True)
 
 

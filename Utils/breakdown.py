@@ -15,7 +15,7 @@ memory, then unknown. A trace without GPU activity (a CPU run) gets the time ins
 (cpu_ops) and the rest (overhead) instead: the split is GPU-only.
 
 Outputs in PREFIX: breakdown.csv (rows appended per profiled run), and breakdown.md and breakdown.png,
-redrawn from the latest run of each rung in breakdown.csv and from its trace_<rung>.json.
+redrawn from the latest run of each rung in breakdown.csv and from its trace_<rung>.json.gz.
 """
 import bisect
 import contextlib
@@ -48,7 +48,7 @@ BREAKDOWN_COLUMNS = ["run_id", "rung", "class", "ms_per_step", "share", "profile
                      "profiled_steps", "compute_tflops", "peak_tflops"]
 NUMERIC_COLUMNS = BREAKDOWN_COLUMNS[3:]
 
-# The issue's tolerance: a profiled step may differ from the unprofiled median by this much before the
+# A profiled step may differ from the unprofiled median by this much before the
 # report says so (the profiler adds a little launch overhead of its own).
 MATCH_TOLERANCE = 0.10
 TOP_KERNELS = 10
@@ -388,7 +388,7 @@ def split(trace, flops_per_step=None, peak_flops=None, peak_bandwidth=None, devi
 
 
 def trace_path(prefix, rung):
-    """PREFIX/trace_<rung>.json, or its .json.gz when only that exists."""
+    """PREFIX/trace_<rung>.json.gz, or its .json.gz when only that exists."""
     path = os.path.join(prefix, f"trace_{rung}.json")
     return path + ".gz" if not os.path.exists(path) and os.path.exists(path + ".gz") else path
 
@@ -599,7 +599,7 @@ def _kernel_section(bd, top=TOP_KERNELS):
 
 def render_report(df, breakdowns, context="", notes=(), trace_files=None):
     """breakdown.md's text from load_breakdown()'s frame, {rung: Breakdown or None} for the kernel tables,
-    and {rung: trace file name} where it is not trace_<rung>.json."""
+    and {rung: trace file name} where it is not trace_<rung>.json.gz."""
     lines = [f"# Step-time breakdown{': ' + context if context else ''}", ""]
     lines += [_summary_table(df), ""]
     peak_bw = next((bd.peak_bandwidth for bd in breakdowns.values() if bd and bd.peak_bandwidth), None)
@@ -694,7 +694,7 @@ def _context(prefix, df, breakdowns):
 
 def write_report(prefix, context=None):
     """Write PREFIX/breakdown.md and PREFIX/breakdown.png from the latest run of each rung in
-    breakdown.csv and the rungs' trace_<rung>.json; return the written paths. context (GPU, model,
+    breakdown.csv and the rungs' trace_<rung>.json.gz; return the written paths. context (GPU, model,
     batch, seq_len) defaults to what runs.csv records for those runs. Raises ResultsError when
     breakdown.csv is missing, foreign or empty."""
     df = load_breakdown(prefix)

@@ -90,6 +90,9 @@ def parse_args(argv=None, prog=None):
     a = build_parser(prog).parse_args(argv)
     steps = _positive_int("STEPS", a.steps, f"pass the number of steps to time, {EXAMPLE}")
     batch = _positive_int("BATCH_SIZE", a.batch_size, f"pass sequences per step, {EXAMPLE}")
+    if steps < 2:
+        raise UsageError(f"STEPS={steps} leaves no measured step after the first, which is a warm-up step "
+                         f"(compilation, allocation): use STEPS >= 2, e.g. STEPS=20")
     if a.warmup is None:
         warmup = min(DEFAULT_WARMUP, steps - 1)
     else:
@@ -128,6 +131,20 @@ def parse_args(argv=None, prog=None):
                      profile=a.profile)
 
 
+def check(argv):
+    """Validate a run's arguments and its PREFIX without running anything (for make all and make profile)."""
+    from Utils.results import ResultsError, check_prefix
+    try:
+        check_prefix(parse_args(argv).prefix)
+    except (UsageError, ResultsError) as e:
+        return fail(str(e))
+    return 0
+
+
 def fail(message, code=2):
     print(f"error: {message}", file=sys.stderr)
     return code
+
+
+if __name__ == "__main__":
+    sys.exit(check(sys.argv[1:]))

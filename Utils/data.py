@@ -56,7 +56,6 @@ def fetch_shakespeare(data_dir, url=None):
         if _sha256(path) != SHAKESPEARE_SHA256:
             raise DataError(f"{path} is not tiny shakespeare (sha256 differs): delete it to download it again")
         return path
-    os.makedirs(data_dir, exist_ok=True)
     try:
         with urllib.request.urlopen(url, timeout=30) as r:
             body = r.read()
@@ -65,7 +64,11 @@ def fetch_shakespeare(data_dir, url=None):
                         f"{SHAKESPEARE_FILE} in {data_dir}, or use DATA=synthetic")
     if hashlib.sha256(body).hexdigest() != SHAKESPEARE_SHA256:
         raise DataError(f"the file at {url} is not tiny shakespeare (sha256 differs)")
-    _atomic_write(path, lambda f: f.write(body))
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        _atomic_write(path, lambda f: f.write(body))
+    except OSError as e:
+        raise DataError(f"cannot write {path} ({e.strerror}): set DATA_DIR to a folder you can write to")
     return path
 
 

@@ -8,11 +8,12 @@ GIB = 1024 ** 3
 # for every rung, fp32 ones included, so that MFU ranks rungs the way their step times do.
 # Checked in order: the first name fragment found in the GPU's name wins.
 PEAK_BF16_FLOPS = [
+    ("GH200", 989.4e12),
+    ("H200 NVL", 835.5e12),
     ("H200", 989.4e12),           # H200 SXM
     ("H100 PCIe", 756.5e12),
     ("H100 NVL", 835.5e12),
     ("H100", 989.4e12),           # H100 SXM
-    ("GH200", 989.4e12),
     ("B200", 2250e12),
     ("A100", 312e12),
     ("A800", 312e12),

@@ -4,6 +4,7 @@ The ladder is cumulative: every rung is the one before it plus one change, excep
 flash rung with bitsandbytes' AdamW8bit in place of torch's AdamW. Each apply_* function returns a
 note when its change cannot take effect on this machine, so that the run record says so.
 """
+import logging
 import shutil
 from dataclasses import dataclass, replace
 
@@ -148,6 +149,9 @@ def apply_optimizer(model, recipe, device):
         return torch.optim.AdamW(groups, lr=LEARNING_RATE, betas=BETAS, eps=EPS)
     if recipe.optimizer == "adamw_fused":
         return torch.optim.AdamW(groups, lr=LEARNING_RATE, betas=BETAS, eps=EPS, fused=True)
+    # On CPUs with AVX512-BF16, bitsandbytes warns at import that a 4-bit matmul kernel is missing:
+    # 4-bit matmuls are not used here, so that warning would only be noise in every 8bit run.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         import bitsandbytes as bnb
     except Exception as e:  # ImportError, or a broken native library raising something else

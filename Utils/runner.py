@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from Utils import breakdown, metrics
+from Utils import metrics
 from Utils.cli import PROFILE_STEPS, UsageError, fail, parse_args
 from Utils.data import DataError, TokenLoader, inputs_targets, load_tokens
 from Utils.model import GPT, PRESETS
@@ -178,6 +178,8 @@ def profile_steps(step, timer, recipe, cfg, device, run, flops_per_step, peak):
     """PROFILE_STEPS more steps under torch.profiler (one more before them that the schedule discards),
     exported as a gzipped Chrome trace and split into compute, memory and overhead."""
     from torch.profiler import ProfilerActivity, profile, schedule
+
+    from Utils import breakdown
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     path = os.path.join(cfg.prefix, f"trace_{recipe.name}.json.gz")
     tmp = os.path.join(cfg.prefix, f".tmp-trace_{recipe.name}.json.gz")
@@ -192,7 +194,7 @@ def profile_steps(step, timer, recipe, cfg, device, run, flops_per_step, peak):
         prof.add_metadata("run_id", run["run_id"])
         for _ in range(1 + PROFILE_STEPS):
             mark, loss = step()
-            timer.elapsed_ms(mark), loss.item()
+            timer.elapsed_ms(mark)   # waits for the step, so that each profiler window holds one whole step
             prof.step()
     return breakdown.split(breakdown.load_trace(path), flops_per_step=flops_per_step, peak_flops=peak,
                            peak_bandwidth=breakdown.peak_hbm_bandwidth(run["gpu_name"]))
@@ -216,7 +218,7 @@ def summarize(recipe, cfg, run, rows):
 def summary_line(run):
     def num(key, fmt, unit=""):
         v = run.get(key)
-        return f"{v:{fmt}}{unit}" if isinstance(v, (int, float)) and v is not None else "n/a"
+        return f"{v:{fmt}}{unit}" if isinstance(v, (int, float)) else "n/a"
     parts = [f"{run['optimization']}: {run['status']}",
              f"median {num('median_step_ms', '.1f', ' ms')} (IQR {num('iqr_step_ms', '.1f', ' ms')})",
              f"{num('median_tokens_per_s', ',.0f', ' tok/s')}",
@@ -229,8 +231,10 @@ def summary_line(run):
 
 
 def write_breakdown(cfg, recipe, run, profiled):
+    from Utils import breakdown   # pandas and matplotlib: only profiled runs pay their import
     breakdown.append_breakdown_csv(cfg.prefix, recipe.name, run["run_id"], profiled, run.get("median_step_ms"))
-    context = f"{run['gpu_name']} · {cfg.model} · batch {cfg.batch_size} × seq_len {cfg.seq_len}"
+    context = (f"{run['gpu_name']} · {cfg.model} ({run['n_params'] / 1e6:.0f}M params) · batch {cfg.batch_size} "
+               f"× seq_len {cfg.seq_len} · data {run['data']}")
     breakdown.write_report(cfg.prefix, context=context)
     split = ", ".join(f"{name} {ms:.1f} ms" for name, ms in profiled.ms.items())
     print(f"profile | {recipe.name}: {split} per profiled step of {profiled.step_ms:.1f} ms"
@@ -247,6 +251,10 @@ def run(recipe, cfg, command):
         tokens, data_name = load_tokens(cfg.data, PRESETS[cfg.model].vocab_size, cfg.seed, cfg.data_dir)
     except DataError as e:
         return fail(str(e))
+    if len(tokens) < cfg.batch_size * cfg.seq_len + 1:
+        return fail(f"DATA={data_name} has {len(tokens):,} tokens, fewer than one batch needs "
+                    f"(BATCH_SIZE={cfg.batch_size} x SEQ_LEN={cfg.seq_len} + 1): use a smaller BATCH_SIZE or "
+                    f"SEQ_LEN, or more text")
     run = {"run_id": f"{datetime.now():%Y%m%d-%H%M%S}-{recipe.name}-{uuid.uuid4().hex[:6]}",
            "optimization": recipe.name, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "steps": cfg.steps, "warmup_steps": cfg.warmup, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,

@@ -18,6 +18,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NOTEBOOK = os.path.join(HERE, "Optimizing_GPU_Utilization.ipynb")
+REPO = os.path.dirname(HERE)
 CELL_TIMEOUT_S = 300
 
 
@@ -1103,6 +1104,15 @@ def main(argv=None):
     parser.add_argument("--results", help="results folder to read (default: $RESULTS, else results/h200-b16)")
     parser.add_argument("--output", default=NOTEBOOK, help="where to write the notebook")
     args = parser.parse_args(argv)
+    results = args.results or os.environ.get("RESULTS")
+    if results and not args.no_execute:
+        candidates = (results, os.path.join(REPO, results))
+        found = next((p for p in candidates if os.path.isfile(os.path.join(p, "results.csv"))), None)
+        if found is None:
+            print(f"error: RESULTS={results} holds no results.csv: point it at a folder that make all wrote into",
+                  file=sys.stderr)
+            return 2
+        args.results = found
     nb = build()
     if not args.no_execute:
         env = {**os.environ, "RESULTS": os.path.abspath(args.results)} if args.results else None

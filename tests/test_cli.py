@@ -102,3 +102,32 @@ def test_make_names_a_missing_variable(target, missing):
                        text=True)
     assert r.returncode != 0
     assert f"error: {missing} is required (e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out)" in r.stderr
+
+
+def test_steps_must_leave_a_measured_step(capsys, tmp_path):
+    assert main(BASELINE, ["--steps", "1", "--batch-size", "1", "--prefix", str(tmp_path)]) == 2
+    assert "STEPS=1 leaves no measured step" in capsys.readouterr().err
+    assert not (tmp_path / "results.csv").exists()
+
+
+def test_a_batch_larger_than_the_data_is_refused_before_anything_is_written(prefix_with_results, capsys, tmp_path,
+                                                                              tiktoken_cache):
+    before = (prefix_with_results / "runs.csv").read_bytes()
+    text = tmp_path / "short.txt"
+    text.write_text("To be, or not to be.")
+    capsys.readouterr()
+    assert main(BASELINE, ["--steps", "2", "--batch-size", "4", "--prefix", str(prefix_with_results), "--data",
+                           str(text)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "fewer than one batch needs (BATCH_SIZE=4 x SEQ_LEN=128 + 1)" in err[0]
+    assert (prefix_with_results / "runs.csv").read_bytes() == before
+
+
+def test_make_all_checks_its_arguments_once(tmp_path):
+    r = subprocess.run(["make", "--no-print-directory", "all", "STEPS=0", "BATCH_SIZE=2", f"PREFIX={tmp_path}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert errors == ["error: STEPS='0' is not a positive integer: pass the number of steps to time, "
+                      "e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out"]
+    assert not (tmp_path / "results.csv").exists()

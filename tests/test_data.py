@@ -191,7 +191,7 @@ def test_fetch_rejects_content_with_the_wrong_sha256(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="sha256") as err:
         fetch_shakespeare(str(d))
     assert fake.as_uri() in str(err.value)
-    assert os.listdir(d) == []    # neither the file nor a temporary one is left
+    assert not os.path.exists(d) or os.listdir(d) == []    # neither the file nor a temporary one is left
 
 
 def test_fetch_unreachable_url_is_a_data_error_naming_the_fixes(tmp_path, monkeypatch):
@@ -202,7 +202,7 @@ def test_fetch_unreachable_url_is_a_data_error_naming_the_fixes(tmp_path, monkey
     message = str(err.value)
     assert "file:///nonexistent/tinyshakespeare.txt" in message
     assert SHAKESPEARE_FILE in message and str(d) in message and "DATA=synthetic" in message
-    assert os.listdir(d) == []
+    assert not d.exists()   # a failed download leaves nothing behind, not even the folder
 
 
 def test_fetch_refuses_a_wrong_file_already_in_the_data_dir(tmp_path, shakespeare_url):
@@ -356,3 +356,12 @@ def test_load_tokens_missing_file_is_a_data_error(tmp_path):
     assert str(missing) in str(err.value)
     with pytest.raises(DataError):
         load_tokens(str(tmp_path), VOCAB, 0, data_dir=str(tmp_path))    # a folder is not a file either
+
+
+def test_an_unwritable_data_dir_is_a_data_error(tmp_path, monkeypatch, shakespeare_path):
+    import pathlib
+    monkeypatch.setenv("SHAKESPEARE_URL", pathlib.Path(shakespeare_path).as_uri())
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(DataError, match="set DATA_DIR to a folder you can write to"):
+        fetch_shakespeare(str(blocker / "data"))

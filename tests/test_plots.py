@@ -318,3 +318,19 @@ def test_command_line(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "4.00x" in done.stdout and "wrote speedup.png" in done.stdout
     assert table(tmp_path)["tf32"]["speedup"] == "4.00x"
+
+
+def test_a_damaged_number_is_named_not_dropped(tmp_path, capsys):
+    from Utils.results import append_run
+    import plot_results
+    steps = [{"run_id": "r1", "optimization": "baseline", "step": i, "warmup": i == 0, "step_ms": 10.0 + i,
+              "tokens_per_s": 1.0, "loss": 5.0, "mfu": None} for i in range(4)]
+    append_run(tmp_path, {"run_id": "r1", "optimization": "baseline", "status": "ok", "batch_size": 2,
+                          "seq_len": 8, "model": "tiny", "data": "synthetic", "device": "cpu", "gpu_name": "cpu"},
+               steps)
+    path = tmp_path / "results.csv"
+    path.write_text(path.read_text().replace(",12,", ",abc,", 1))
+    assert plot_results.main(["--prefix", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "line 4: step_ms='abc' is not a number" in err[0]
+    assert not (tmp_path / "summary.md").exists()

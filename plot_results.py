@@ -23,10 +23,8 @@ Exit codes: 0 when everything was written; 2 for bad arguments, unusable input o
 PREFIX, with a single "error: ..." line on stderr.
 """
 import argparse
-import contextlib
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -36,7 +34,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
-from Utils.recipes import LADDER
+from Utils.files import write_atomic
+from Utils.recipes import LADDER, rung_order
 from Utils.results import RUN_COLUMNS, RUNS_FILE, STEP_COLUMNS, STEPS_FILE, ResultsError, check_file
 
 # pyplot is never imported: figures are plain Figure objects rendered by Agg on savefig, so the
@@ -134,12 +133,6 @@ def _read_csv(path, numeric):
 
 # ---------------------------------------------------------------------------------------------
 # Choosing the runs to compare
-
-
-def rung_order(rungs):
-    """Rung ids in ladder order; ids the ladder does not know (e.g. "max") follow, alphabetically."""
-    present = set(rungs)
-    return [r for r in LADDER if r in present] + sorted(present - set(LADDER))
 
 
 def _norm(value):
@@ -450,7 +443,7 @@ def _environment(runs):
 def write_summary(report, path):
     """Write render_summary(report) to path through a temporary file; return the text."""
     text = render_summary(report)
-    _write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
     return text
 
 
@@ -653,12 +646,15 @@ def plot_memory(report):
 
 
 def plot_loss(report):
-    """Training loss against step for every compared rung on one axis."""
-    fig, (ax,) = _figure("Training loss (the same learning on every rung should overlap)", report, 5.2)
+    """Training loss against step for every compared rung on one axis, and beside it each rung's loss
+    minus the baseline's at the same step, where curves that overlap can be told apart."""
+    fig, (ax, gap_ax) = _figure("Training loss (the same learning on every rung should overlap)", report, 5.2,
+                                width=13.0, ncols=2)
     rungs = report.rungs_with_steps()
     steps = report.steps.dropna(subset=["loss"]) if len(report.steps) else report.steps
     if not rungs or steps.empty:
         _empty(ax, "no loss recorded to plot")
+        _empty(gap_ax, "")
         return fig
     colors = rung_colors(report.table.index)
     for rung in rungs:
@@ -667,7 +663,21 @@ def plot_loss(report):
     ax.set_xlabel("step (warm-up steps included)")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9, frameon=False)
+    if "baseline" in rungs:
+        base = steps[steps["optimization"] == "baseline"].set_index("step")["loss"]
+        for rung in rungs:
+            if rung == "baseline":
+                continue
+            g = steps[steps["optimization"] == rung].set_index("step")["loss"]
+            gap = (g - base).dropna()
+            gap_ax.plot(gap.index, gap.values, color=colors[rung], lw=1.0, alpha=0.9, label=rung)
+        gap_ax.axhline(0, color="#333333", lw=0.8)
+        gap_ax.set_xlabel("step")
+        gap_ax.set_ylabel("loss − baseline's loss at the same step")
+        gap_ax.grid(alpha=0.3)
+    else:
+        _empty(gap_ax, "no ok baseline run: no gap to the baseline")
+    ax.legend(loc="upper right", fontsize=9, frameon=False)
     return fig
 
 
@@ -684,26 +694,9 @@ CHARTS = {
 # Writing
 
 
-def _write_atomic(path, write):
-    """Write through a temporary file beside `path` and rename it over: `path` is whole or untouched."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-",
-                               suffix=os.path.splitext(path)[1])
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def save_figure(fig, path):
     """Render fig as PNG to path through a temporary file."""
-    _write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=DPI))
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=DPI))
 
 
 def write_outputs(prefix, report):

@@ -24,7 +24,6 @@ import gzip
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,8 +31,9 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from Utils.recipes import LADDER
-from Utils.results import RUN_COLUMNS, RUNS_FILE, ResultsError, _append, _format, _locked, check_file
+from Utils.files import write_atomic
+from Utils.recipes import rung_order
+from Utils.results import RUN_COLUMNS, RUNS_FILE, ResultsError, append_rows, check_file
 
 # pyplot is never imported: the figure is a plain Figure rendered by Agg on savefig (as in plot_results.py).
 
@@ -404,16 +404,7 @@ def append_breakdown_csv(prefix, rung, run_id, breakdown, median_step_ms):
               "peak_tflops": breakdown.peak_flops / 1e12 if breakdown.peak_flops else None}
     shares = breakdown.shares
     rows = [{**common, "class": c, "ms_per_step": breakdown.ms[c], "share": shares[c]} for c in breakdown.classes]
-    path = os.path.join(prefix, BREAKDOWN_FILE)
-    with _locked(prefix):
-        check_file(path, BREAKDOWN_COLUMNS)
-        _append(path, BREAKDOWN_COLUMNS, _format(rows, BREAKDOWN_COLUMNS))
-
-
-def rung_order(rungs):
-    """Rung ids in ladder order; ids the ladder does not know follow, alphabetically."""
-    present = set(rungs)
-    return [r for r in LADDER if r in present] + sorted(present - set(LADDER))
+    append_rows(prefix, BREAKDOWN_FILE, BREAKDOWN_COLUMNS, rows)
 
 
 def load_breakdown(prefix):
@@ -652,22 +643,6 @@ def render_report(df, breakdowns, context="", notes=(), trace_files=None):
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def _write_atomic(path, write):
-    """Write through a temporary file beside `path` and rename it over: `path` is whole or untouched."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=os.path.splitext(path)[1])
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def _context(prefix, df, breakdowns):
     """"GPU · model (N params) · batch B × seq_len T" from runs.csv's rows of the shown runs."""
     runs = None
@@ -729,7 +704,7 @@ def write_report(prefix, context=None):
         context = _context(prefix, df, breakdowns)
     text = render_report(df, breakdowns, context, notes, trace_files)
     md_path, png_path = os.path.join(prefix, REPORT_FILE), os.path.join(prefix, CHART_FILE)
-    _write_atomic(md_path, lambda f: f.write(text.encode("utf-8")))
+    write_atomic(md_path, lambda f: f.write(text.encode("utf-8")))
     fig = plot_breakdown(df, context)
-    _write_atomic(png_path, lambda f: fig.savefig(f, format="png", dpi=DPI))
+    write_atomic(png_path, lambda f: fig.savefig(f, format="png", dpi=DPI))
     return [md_path, png_path]

@@ -96,7 +96,7 @@ def parse_args(argv=None, prog=None):
     if a.warmup is None:
         warmup = min(DEFAULT_WARMUP, steps - 1)
     else:
-        warmup = _positive_int("WARMUP", a.warmup, f"pass a number of warm-up steps below STEPS, e.g. WARMUP=5")
+        warmup = _positive_int("WARMUP", a.warmup, "pass a number of warm-up steps below STEPS, e.g. WARMUP=5")
         if warmup >= steps:
             raise UsageError(f"WARMUP={warmup} leaves no measured step of STEPS={steps}: "
                              f"use WARMUP < STEPS, e.g. STEPS={warmup + 20} WARMUP={warmup}")

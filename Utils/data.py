@@ -7,11 +7,12 @@ import hashlib
 import http.client
 import os
 import sys
-import tempfile
 import urllib.request
 
 import numpy as np
 import torch
+
+from Utils.files import write_atomic
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -36,18 +37,6 @@ def _sha256(path):
     return h.hexdigest()
 
 
-def _atomic_write(path, write):
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def fetch_shakespeare(data_dir, url=None):
     """Path to tiny shakespeare in data_dir, downloaded and checked against its sha256 if missing."""
     url = url or os.environ.get("SHAKESPEARE_URL") or SHAKESPEARE_URL
@@ -66,7 +55,7 @@ def fetch_shakespeare(data_dir, url=None):
         raise DataError(f"the file at {url} is not tiny shakespeare (sha256 differs)")
     try:
         os.makedirs(data_dir, exist_ok=True)
-        _atomic_write(path, lambda f: f.write(body))
+        write_atomic(path, lambda f: f.write(body))
     except OSError as e:
         raise DataError(f"cannot write {path} ({e.strerror}): set DATA_DIR to a folder you can write to")
     return path
@@ -96,7 +85,7 @@ def shakespeare_tokens(data_dir):
     with open(path, encoding="utf-8") as f:
         tokens = tokenize(f.read())
     try:
-        _atomic_write(cache, lambda f: np.save(f, tokens))
+        write_atomic(cache, lambda f: np.save(f, tokens))
     except OSError:
         pass   # a read-only data folder only costs a tokenization next time
     return tokens

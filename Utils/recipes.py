@@ -59,6 +59,13 @@ MAX = replace(FUSED, name="max", **MAX_ADDITIONS)
 RECIPES = {r.name: r for r in (BASELINE, TF32, BF16, TORCH_COMPILE, FLASH, FUSED, EIGHT_BIT, MAX)}
 LADDER = list(RECIPES)
 
+
+def rung_order(rungs):
+    """Rung ids in ladder order; ids the ladder does not know (ablations such as fused+loss) follow,
+    alphabetically."""
+    present = set(rungs)
+    return [r for r in LADDER if r in present] + sorted(present - set(LADDER))
+
 # Identical on every rung (nanoGPT's GPT-2 124M settings), so that only the recipe differs.
 LEARNING_RATE = 6e-4
 BETAS = (0.9, 0.95)

@@ -13,6 +13,8 @@ import signal
 import tempfile
 from contextlib import contextmanager
 
+from Utils.files import write_atomic
+
 STEP_COLUMNS = ["run_id", "optimization", "step", "warmup", "step_ms", "tokens_per_s", "loss", "mfu"]
 
 RUN_COLUMNS = [
@@ -101,27 +103,22 @@ def _cell(value):
 
 
 def _append(path, columns, text):
-    """Old bytes + new rows into a temporary file beside `path`, then an atomic rename over it."""
+    """Old bytes + new rows written beside `path` and renamed over it (Utils.files.write_atomic)."""
     old = b""
     if os.path.exists(path):
         with open(path, "rb") as f:
             old = f.read()
     header = b"" if old else (",".join(columns) + "\n").encode()
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=".csv")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(old + header + text.encode())
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(path):
-            os.chmod(tmp, os.stat(path).st_mode & 0o777)
-        else:
-            os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
+    write_atomic(path, lambda f: f.write(old + header + text.encode()), mode=mode)
+
+
+def append_rows(prefix, name, columns, rows):
+    """Append rows to PREFIX/name (a CSV with `columns`) under the same lock and checks as the results."""
+    path = os.path.join(prefix, name)
+    with _locked(prefix):
+        check_file(path, columns)
+        _append(path, columns, _format(rows, columns))
 
 
 def append_run(prefix, run, steps):

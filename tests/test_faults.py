@@ -1,7 +1,5 @@
 """Faults, interruptions and concurrent runs: nothing lost, always a clear word."""
-import csv
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -1,0 +1,21 @@
+"""Whole-or-absent file writes, for every file the suite writes."""
+import contextlib
+import os
+import tempfile
+
+
+def write_atomic(path, write, mode=0o644):
+    """Call write(f) on a temporary file beside `path`, then rename it over `path`: a reader, a crash or a
+    Ctrl-C sees the old file or the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=os.path.splitext(path)[1])
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

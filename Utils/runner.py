@@ -269,7 +269,8 @@ def run(recipe, cfg, command):
     rows, held = [], {}
     status, message, code = "ok", "", 0
     metrics.reset_peak_memory(device)
-    previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # Both signals end the run the same way, even where SIGINT was inherited as ignored (a background job).
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     profiled = None
     try:
         profiled = train(recipe, cfg, device, tokens, run, rows, held)
@@ -292,7 +293,8 @@ def run(recipe, cfg, command):
             status, code = "failed", EXIT_FAILED
             message = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
     finally:
-        signal.signal(signal.SIGTERM, previous_term)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
     run["peak_mem_allocated_gib"], run["peak_mem_reserved_gib"] = metrics.peak_memory_gib(device)
     held.clear()

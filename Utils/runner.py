@@ -3,6 +3,7 @@
 A step is timed whole: the batch's copy to the device, forward, backward, gradient clipping and the
 optimizer step, between two CUDA events (or perf_counter on a CPU, where work is synchronous).
 """
+import functools
 import gc
 import json
 import os
@@ -105,7 +106,9 @@ def train(recipe, cfg, device, tokens, run, rows, held):
     """Build everything from the recipe and run cfg.steps timed steps, appending a dict per step to rows.
     Objects that hold device memory go into `held` so the caller can release them on any exit."""
     notes = [n for n in [apply_tf32(recipe, device)] if n]
-    config = apply_loss(apply_vocab_padding(apply_attention(PRESETS[cfg.model], recipe), recipe), recipe)
+    config = PRESETS[cfg.model]
+    for apply in (apply_attention, apply_vocab_padding, apply_loss):   # the model-config changes of a rung
+        config = apply(config, recipe)
     torch.manual_seed(cfg.seed)
     with device:   # initialized where it trains: no 124M-parameter init on the host, no copy
         model = held["model"] = GPT(config)
@@ -113,8 +116,8 @@ def train(recipe, cfg, device, tokens, run, rows, held):
     flops_token = metrics.flops_per_token(model.num_params(), config.n_layer, config.n_head,
                                           config.n_embd // config.n_head, cfg.seq_len)
     peak = metrics.peak_bf16_flops(run["gpu_name"]) if device.type == "cuda" else None
-    autocast = lambda: autocast_context(recipe, device)   # noqa: E731  (raises Unavailable before training)
-    autocast()
+    autocast = functools.partial(autocast_context, recipe, device)
+    autocast()   # a GPU without bf16 raises Unavailable here, before any step
     step_model, note = apply_compile(model, recipe, device)
     held["compiled"] = step_model
     optimizer = held["optimizer"] = apply_optimizer(model, recipe, device)
@@ -193,7 +196,7 @@ def profile_steps(step, timer, recipe, cfg, device, run, flops_per_step, peak):
                  on_trace_ready=export) as prof:
         prof.add_metadata("run_id", run["run_id"])
         for _ in range(1 + PROFILE_STEPS):
-            mark, loss = step()
+            mark, _ = step()
             timer.elapsed_ms(mark)   # waits for the step, so that each profiler window holds one whole step
             prof.step()
     return breakdown.split(breakdown.load_trace(path), flops_per_step=flops_per_step, peak_flops=peak,

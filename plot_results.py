@@ -421,7 +421,8 @@ def render_summary(report):
                  "steps, warm-up left out; speedup = baseline median / rung median; "
                  "tokens/s = batch × seq_len / median step time; MFU is the median of the measured steps. "
                  f"speedup.png's whiskers: 95% bootstrap interval of the ratio of medians "
-                 f"({BOOTSTRAP_RESAMPLES} resamples of each run's measured step times).")
+                 f"({BOOTSTRAP_RESAMPLES} resamples of each run's measured step times): the spread within one "
+                 f"run, not between runs, which is larger.")
     if report.excluded:
         lines += ["", "## Excluded runs", ""]
         lines += [f"- {e.run_id} ({e.rung}): {e.reason}" for e in report.excluded]
@@ -515,7 +516,8 @@ def plot_speedup(report):
     _rung_axis(ax, rungs)
     ax.set_xlabel("median baseline step time / median rung step time, measured steps only\n"
                   f"whiskers: 95% bootstrap interval of the ratio of medians "
-                  f"({BOOTSTRAP_RESAMPLES} resamples of each run's step times)", fontsize=9)
+                  f"({BOOTSTRAP_RESAMPLES} resamples of each run's step times; spread within one run, not between runs)",
+                  fontsize=9)
     return fig
 
 

@@ -55,36 +55,30 @@ require-prefix:
 $(RUNGS): require-run
 	$(PYTHON) $(script_$@) $(RUN_ARGS)
 
-all: require-run
+# $(call each,NAME,ITEMS,COMMAND,AFTER): COMMAND for every item (as $$x), going on past failures; then
+# AFTER; then exits non-zero naming what was not ok. Arguments are checked once, before the first item.
+define each
 	@$(PYTHON) -m Utils.cli $(RUN_ARGS)
 	@failed=""; \
-	for rung in $(RUNGS); do \
-		echo "=== $$rung ==="; \
-		$(MAKE) --no-print-directory $$rung || failed="$$failed $$rung"; \
+	for x in $(2); do \
+		echo "=== $(1) $$x ==="; \
+		$(3) || failed="$$failed $$x"; \
 	done; \
-	$(MAKE) --no-print-directory plots || failed="$$failed plots"; \
-	if [ -n "$$failed" ]; then echo "error: make all: not ok:$$failed (see runs.csv in $(PREFIX))" >&2; exit 1; fi
+	$(4) \
+	if [ -n "$$failed" ]; then echo "error: make $(1): not ok:$$failed (see $(PREFIX))" >&2; exit 1; fi
+endef
+
+all: require-run
+	$(call each,all,$(RUNGS),$(MAKE) --no-print-directory $$x,$(MAKE) --no-print-directory plots || failed="$$failed plots";)
 
 # Each of the max rung's additions alone on top of the fused rung, as rungs fused+<addition>.
 ablation: require-run
-	@$(PYTHON) -m Utils.cli $(RUN_ARGS)
-	@failed=""; \
-	for add in $(ADDITIONS); do \
-		echo "=== fused+$$add ==="; \
-		$(PYTHON) ablation.py --add $$add $(RUN_ARGS) || failed="$$failed $$add"; \
-	done; \
-	if [ -n "$$failed" ]; then echo "error: make ablation: not ok:$$failed" >&2; exit 1; fi
+	$(call each,ablation,$(ADDITIONS),$(PYTHON) ablation.py --add $$x $(RUN_ARGS))
 
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
 # breakdown files and a trace per rung, and leaves results.csv alone.
 profile: require-run
-	@$(PYTHON) -m Utils.cli $(RUN_ARGS)
-	@failed=""; \
-	for rung in $(RUNGS); do \
-		echo "=== profile $$rung ==="; \
-		$(MAKE) --no-print-directory $$rung PROFILE=1 || failed="$$failed $$rung"; \
-	done; \
-	if [ -n "$$failed" ]; then echo "error: make profile: not ok:$$failed" >&2; exit 1; fi
+	$(call each,profile,$(RUNGS),$(MAKE) --no-print-directory $$x PROFILE=1)
 
 plots: require-prefix
 	$(PYTHON) plot_results.py --prefix '$(PREFIX)'

@@ -114,3 +114,20 @@ def test_profile_writes_the_breakdown_and_leaves_results_alone(tmp_path, suite_e
     assert abs(sum(float(x["share"]) for x in rows) - 1) < 1e-6
     assert (tmp_path / "trace_fused.json.gz").stat().st_size > 0
     assert (tmp_path / "breakdown.png").stat().st_size > 0 and "fused" in (tmp_path / "breakdown.md").read_text()
+
+
+def test_make_all_goes_on_past_a_failed_rung_and_names_it(tmp_path, suite_env):
+    # An interpreter that fails one rung's script as an out-of-memory run would (exit 3), and runs the rest.
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = "tensorFloat32.py" ]; then echo "error: tf32 oom" >&2; exit 3; fi\n'
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    prefix = tmp_path / "out"
+    r = subprocess.run(["make", "--no-print-directory", "all", f"PYTHON={fake}", "STEPS=2", "BATCH_SIZE=1",
+                        "SEQ_LEN=8", "DATA=synthetic", f"PREFIX={prefix}"], cwd=REPO, env=suite_env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode != 0
+    assert f"error: make all: not ok: tf32 (see {prefix})" in r.stderr
+    runs = read_csv(prefix / "runs.csv")
+    assert [x["optimization"] for x in runs] == [x for x in LADDER if x != "tf32"]
+    assert (prefix / "summary.md").exists()

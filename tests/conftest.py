@@ -50,9 +50,17 @@ def read_csv(path):
 def suite_env(tmp_path_factory, tiktoken_cache, shakespeare_path):
     data_dir = tmp_path_factory.mktemp("data")
     shutil.copy(shakespeare_path, data_dir / "tinyshakespeare.txt")
-    env = dict(os.environ, DATA_DIR=str(data_dir), TIKTOKEN_CACHE_DIR=tiktoken_cache, PYTHONUNBUFFERED="1")
-    env.pop("MAKEFLAGS", None)
-    return env
+    return dict(clean_env(), DATA_DIR=str(data_dir), TIKTOKEN_CACHE_DIR=tiktoken_cache, PYTHONUNBUFFERED="1")
+
+
+# make reads its variables from the environment too: a PREFIX or STEPS exported in the shell that runs
+# the tests must not reach the suite (a test's `make reset` would then delete that PREFIX's results).
+MAKE_VARIABLES = ("STEPS", "BATCH_SIZE", "PREFIX", "MODEL", "SEQ_LEN", "DEVICE", "DATA", "WARMUP", "SEED",
+                  "DATA_DIR", "PROFILE", "PYTHON", "RESULTS", "MAKEFLAGS", "MAKELEVEL", "MFLAGS")
+
+
+def clean_env():
+    return {k: v for k, v in os.environ.items() if k not in MAKE_VARIABLES}
 
 
 def make(args, env, **kw):

@@ -1,6 +1,7 @@
 """Bad input: one line naming the value and the fix, a non-zero exit, and existing results untouched."""
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -8,7 +9,14 @@ from Utils.cli import parse_args
 from Utils.recipes import BASELINE
 from Utils.runner import main
 
+from conftest import clean_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def no_gpu(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
 
 
 def test_defaults_on_a_cpu():
@@ -98,8 +106,8 @@ def test_unwritable_prefix(capsys, tmp_path):
     ("clean", "PREFIX"),
 ])
 def test_make_names_a_missing_variable(target, missing):
-    r = subprocess.run(["make", "--no-print-directory", "-s"] + target.split(), cwd=REPO, capture_output=True,
-                       text=True)
+    r = subprocess.run(["make", "--no-print-directory", "-s", f"PYTHON={sys.executable}"] + target.split(), cwd=REPO,
+                       capture_output=True, text=True, env=clean_env())
     assert r.returncode != 0
     assert f"error: {missing} is required (e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out)" in r.stderr
 
@@ -124,8 +132,8 @@ def test_a_batch_larger_than_the_data_is_refused_before_anything_is_written(pref
 
 
 def test_make_all_checks_its_arguments_once(tmp_path):
-    r = subprocess.run(["make", "--no-print-directory", "all", "STEPS=0", "BATCH_SIZE=2", f"PREFIX={tmp_path}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(["make", "--no-print-directory", "all", f"PYTHON={sys.executable}", "STEPS=0", "BATCH_SIZE=2",
+                        f"PREFIX={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120, env=clean_env())
     assert r.returncode != 0
     errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
     assert errors == ["error: STEPS='0' is not a positive integer: pass the number of steps to time, "

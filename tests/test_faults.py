@@ -32,10 +32,11 @@ def test_out_of_memory_is_recorded_and_named(tmp_path, monkeypatch, capsys):
         return real_forward(self, *a, **kw)
 
     monkeypatch.setattr(model_module.GPT, "forward", forward)
-    assert run_in_process(BASELINE, tmp_path, steps=6) == EXIT_OOM
+    assert main(BASELINE, ["--steps", "6", "--batch-size", "1", "--seq-len", "16", "--data", "synthetic",
+                           "--prefix", str(tmp_path)]) == EXIT_OOM
     run = read_csv(tmp_path / "runs.csv")[-1]
     assert run["status"] == "oom"
-    assert "out of memory at BATCH_SIZE=2 after 2 steps" in run["message"]
+    assert "out of memory at BATCH_SIZE=1 after 2 steps" in run["message"]
     assert "peak" in run["message"] and "smaller BATCH_SIZE, e.g. 1" in run["message"]
     assert len(read_csv(tmp_path / "results.csv")) == 2
     assert "error: baseline oom" in capsys.readouterr().err
@@ -79,15 +80,21 @@ def test_runs_record_how_to_repeat_them(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interruption_keeps_valid_files(tmp_path, suite_env, sig):
-    proc = subprocess.Popen([sys.executable, "no_optimization.py", "--steps", "100000", "--prefix", str(tmp_path)]
-                            + TINY, cwd=REPO, env=suite_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    for line in proc.stdout:
-        if line.startswith("step 3/"):
-            break
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_INTERRUPTED, err
+    prefix = tmp_path / "out"
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "no_optimization.py", "--steps", "100000", "--prefix", str(prefix)]
+                                + TINY, cwd=REPO, env=suite_env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        try:
+            for line in proc.stdout:
+                if line.startswith("step 3/"):
+                    break
+            proc.send_signal(sig)
+            proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == EXIT_INTERRUPTED, (tmp_path / "stderr").read_text()
+    tmp_path = prefix
     check_file(tmp_path / "results.csv", STEP_COLUMNS)
     check_file(tmp_path / "runs.csv", RUN_COLUMNS)
     run = read_csv(tmp_path / "runs.csv")[-1]

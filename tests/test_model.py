@@ -284,6 +284,7 @@ def test_padding_and_chunked_loss_change_nothing_but_rounding(variant, monkeypat
         assert torch.allclose(p.grad, q.grad[:p.shape[0]], rtol=1e-9, atol=1e-15), name
     wte = other.transformer.wte.weight
     if other.config.padded_vocab_size > V:
+        assert torch.count_nonzero(wte[V:]) == 0
         assert wte.shape[0] == 50304 and torch.count_nonzero(wte.grad[V:]) == 0
         assert other.num_params() == plain.num_params()      # padding is not counted as model
         assert other.lm_head.weight is wte

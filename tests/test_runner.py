@@ -44,3 +44,61 @@ def test_ablation_adds_one_change_to_the_fused_rung(tmp_path, suite_env):
                           str(tmp_path)], cwd=REPO_ROOT, env=suite_env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --add 'turbo' is not an addition")
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_baseline_run_is_exactly_the_textbook_loop(tmp_path):
+    import pytest
+    import torch
+
+    from Utils.data import TokenLoader, inputs_targets, synthetic_tokens
+    from Utils.model import GPT, PRESETS
+    assert main(BASELINE, ["--steps", "4", "--prefix", str(tmp_path)] + ARGS) == 0
+    recorded = [float(r["loss"]) for r in read_csv(tmp_path / "results.csv")]
+    torch.manual_seed(1337)
+    model = GPT(PRESETS["tiny"])
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
+    loader = TokenLoader(synthetic_tokens(50257, 1337), 2, 16)
+    expected = []
+    for _ in range(4):
+        x, y = inputs_targets(loader.next_batch(), 2, 16)
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        expected.append(loss.item())
+    assert recorded == pytest.approx(expected, rel=1e-5)   # results.csv keeps 6 significant digits
+
+
+def test_the_runner_builds_and_steps_what_the_recipe_says(tmp_path, monkeypatch):
+    from Utils import runner
+    from Utils.recipes import MAX
+    built, calls, autocasts = [], [], []
+    real_gpt, real_autocast = runner.GPT, runner.autocast_context
+
+    def gpt(config):
+        built.append(config)
+        return real_gpt(config)
+
+    def compile_spy(model, recipe, device):
+        def stepped(*a, **kw):
+            calls.append(torch.is_autocast_enabled("cpu"))
+            return model(*a, **kw)
+        return stepped, None
+
+    def autocast_spy(recipe, device):
+        autocasts.append(recipe.bf16)
+        return real_autocast(recipe, device)
+
+    import torch
+    monkeypatch.setattr(runner, "GPT", gpt)
+    monkeypatch.setattr(runner, "apply_compile", compile_spy)
+    monkeypatch.setattr(runner, "autocast_context", autocast_spy)
+    assert main(MAX, ["--steps", "3", "--prefix", str(tmp_path)] + ARGS) == 0
+    (config,) = built
+    assert (config.attention, config.vocab_multiple, config.loss) == ("sdpa", 128, "chunked")
+    assert calls == [True, True, True]            # every step through the compiled model, under bf16 autocast
+    assert autocasts and all(autocasts)

@@ -1,0 +1,36 @@
+"""FLOPs, MFU, the peak table and the step-time statistics, against numbers worked out by hand."""
+import pytest
+
+from Utils.metrics import flops_per_token, median_iqr, mfu, peak_bf16_flops
+from Utils.model import GPT, PRESETS
+
+
+def test_flops_per_token_for_gpt2_124m():
+    import torch
+    with torch.device("meta"):
+        model = GPT(PRESETS["gpt2"])
+    n = model.num_params()                       # without the position embedding
+    assert n == 123_653_376
+    # 6N = 741,920,256 for the weight matmuls; 12 * 12 layers * 12 heads * 64 * 1024 = 113,246,208 for QK^T and AV
+    assert flops_per_token(n, 12, 12, 64, 1024) == 741_920_256 + 113_246_208
+
+
+def test_mfu():
+    assert mfu(1e9, 1e3, 1e15) == pytest.approx(1e-3)   # 1e12 FLOP/s achieved of 1e15
+    assert mfu(855e6, 444_137, 989.4e12) == pytest.approx(0.3838, abs=1e-4)   # the H200 fused rung
+    assert mfu(1e9, 1e3, None) is None
+
+
+@pytest.mark.parametrize("name,peak", [("NVIDIA H200", 989.4e12), ("NVIDIA H200 NVL", 835.5e12),
+                                       ("NVIDIA GH200 480GB", 989.4e12), ("NVIDIA H100 80GB HBM3", 989.4e12),
+                                       ("NVIDIA H100 PCIe", 756.5e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                       ("NVIDIA L4", 121e12), ("NVIDIA GeForce RTX 4090", 165.2e12),
+                                       ("Tesla T4", None), ("cpu", None)])
+def test_peak_table_picks_the_most_specific_name(name, peak):
+    assert peak_bf16_flops(name) == peak
+
+
+def test_median_iqr():
+    assert median_iqr([1, 2, 3, 4]) == (2.5, 1.5)
+    assert median_iqr([5.0]) == (5.0, 0.0)
+    assert median_iqr([10, 1, 7, 3, 100]) == (7.0, 7.0)

@@ -334,3 +334,24 @@ def test_a_damaged_number_is_named_not_dropped(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "line 4: step_ms='abc' is not a number" in err[0]
     assert not (tmp_path / "summary.md").exists()
+
+
+def test_the_newest_ok_baseline_sets_the_configuration(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "baseline", [1, 100, 100, 100], run_id="base-b8", batch_size=8)
+    add_run(p, "baseline", [1, 200, 200, 200], run_id="base-b16")
+    add_run(p, "tf32", [1, 50, 50, 50], run_id="tf32-b16")
+    add_run(p, "bf16", [1, 25, 25, 25], run_id="bf16-medium", model="gpt2-medium")
+    add_run(p, "torch_compile", [1, 20, 20, 20], run_id="tc-cpu", device="cpu")
+    add_run(p, "flash", [], status="oom", run_id="flash-oom", message="out of memory")
+    add_run(p, "flash", [], status="skipped", run_id="flash-skip", message="no bf16")
+    steps, runs = plot_results.load(p)
+    chosen, excluded = plot_results.select_runs(runs, steps)
+    assert {r: row["run_id"] for r, row in chosen.items()} == {"baseline": "base-b16", "tf32": "tf32-b16"}
+    reasons = {e.run_id: e.reason for e in excluded}
+    assert reasons["base-b8"] == "batch 8 != 16"
+    assert reasons["bf16-medium"] == "model gpt2-medium != gpt2"
+    assert reasons["tc-cpu"] == "device cpu != cuda"
+    assert run_main(p)[0] == 0
+    assert table(p)["flash"]["status"] == "skipped"      # the newest run of the rung speaks for it
+    assert table(p)["tf32"]["speedup"] == "4.00x"

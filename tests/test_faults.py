@@ -132,3 +132,32 @@ def test_damaged_results_are_named_and_never_overwritten(tmp_path, suite_env, da
     assert p.returncode != 0 and why in p.stderr and "Traceback" not in p.stderr
     assert path.read_bytes() == before
     assert len(read_csv(tmp_path / "runs.csv")) == 1
+
+
+def test_a_compiler_failure_at_the_first_step_is_skipped_with_its_reason(tmp_path, monkeypatch):
+    from Utils import runner
+
+    class BackendCompilerFailed(RuntimeError):
+        pass
+    BackendCompilerFailed.__module__ = "torch._dynamo.exc"
+
+    def broken(*a, **kw):
+        raise BackendCompilerFailed("inductor raised CppCompileError: no such header")
+
+    monkeypatch.setattr(runner, "apply_compile", lambda model, recipe, device: (broken, None))
+    assert run_in_process(TORCH_COMPILE, tmp_path) == EXIT_SKIPPED
+    run = read_csv(tmp_path / "runs.csv")[-1]
+    assert run["status"] == "skipped"
+    assert run["message"].startswith("torch.compile cannot compile here: BackendCompilerFailed: inductor raised")
+
+
+def test_an_8bit_optimizer_that_cannot_be_built_is_skipped(tmp_path, monkeypatch):
+    import bitsandbytes
+
+    def refuse(*a, **kw):
+        raise RuntimeError("no kernels for this device")
+
+    monkeypatch.setattr(bitsandbytes.optim, "AdamW8bit", refuse)
+    assert run_in_process(EIGHT_BIT, tmp_path) == EXIT_SKIPPED
+    run = read_csv(tmp_path / "runs.csv")[-1]
+    assert run["status"] == "skipped" and "AdamW8bit does not run on this device (no kernels" in run["message"]

@@ -41,6 +41,15 @@ def shakespeare_path():
     return path
 
 
+def summary_table(prefix):
+    """summary.md's table as {rung: {column header: cell text}}, in table order."""
+    with open(os.path.join(prefix, "summary.md")) as f:
+        lines = [ln for ln in f.read().splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    return {r[0]: dict(zip(header, r)) for r in rows}
+
+
 def read_csv(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))

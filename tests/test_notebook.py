@@ -21,6 +21,7 @@ import build_notebook  # noqa: E402
 import plot_results  # noqa: E402
 from Utils.breakdown import BREAKDOWN_COLUMNS, BREAKDOWN_FILE  # noqa: E402
 from Utils.results import append_run  # noqa: E402
+from conftest import summary_table  # noqa: E402
 
 H200 = os.path.join(REPO, "results", "h200-b16")
 FIGURES_TAG = "NOTEBOOK_FIGURES "
@@ -30,15 +31,6 @@ REBUILD = "python notebooks/build_notebook.py"
 COLUMNS = {"median ms": "median_step_ms", "IQR ms": "iqr_step_ms", "speedup": "speedup",
            "tokens/s": "tokens_per_s", "MFU": "mfu_pct", "peak alloc GiB": "peak_mem_allocated_gib",
            "peak reserved GiB": "peak_mem_reserved_gib", "compile s": "compile_s", "final loss": "final_loss"}
-
-
-def summary_table(prefix):
-    """summary.md's table as {rung: {column header: cell text}}, in table order."""
-    with open(os.path.join(prefix, "summary.md")) as f:
-        lines = [ln for ln in f.read().splitlines() if ln.startswith("|")]
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
-    return {r[0]: dict(zip(header, r)) for r in rows}
 
 
 def cell_number(text):

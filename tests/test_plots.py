@@ -15,6 +15,7 @@ if REPO not in sys.path:
 import plot_results  # noqa: E402
 from plot_results import main  # noqa: E402
 from Utils.results import RUN_COLUMNS, STEP_COLUMNS, append_run  # noqa: E402
+from conftest import summary_table  # noqa: E402
 
 CHARTS = ["speedup.png", "step_time.png", "throughput.png", "memory.png", "loss.png"]
 OUTPUTS = CHARTS + ["summary.md"]
@@ -46,15 +47,6 @@ def run_main(prefix):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = main(["--prefix", str(prefix)])
     return rc, out.getvalue(), err.getvalue()
-
-
-def table(prefix):
-    """summary.md's table as {rung: {column header: cell}}."""
-    with open(os.path.join(prefix, "summary.md")) as f:
-        lines = [ln for ln in f.read().splitlines() if ln.startswith("|")]
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
-    return {r[0]: dict(zip(header, r)) for r in rows}
 
 
 def summary_text(prefix):
@@ -89,7 +81,7 @@ def ladder(tmp_path_factory):
 def test_summary_numbers_match_a_hand_computation(ladder):
     prefix, rc, _, err = ladder
     assert rc == 0, err
-    rows = table(prefix)
+    rows = summary_table(prefix)
     assert list(rows) == ["baseline", "tf32", "bf16"]
     base_median = np.median(MEASURED["baseline"])
     for rung, ms in MEASURED.items():
@@ -181,7 +173,7 @@ def test_run_matching(tmp_path):
 
     rc, out, err = run_main(p)
     assert rc == 0, err
-    rows = table(p)
+    rows = summary_table(p)
     assert list(rows) == ["baseline", "tf32", "bf16", "torch_compile", "flash", "8bit", "max"]
     assert rows["baseline"]["median ms"] == "200.0"
     assert rows["tf32"]["speedup"] == "4.00x"
@@ -208,7 +200,7 @@ def test_no_baseline_leaves_speedups_out_and_still_draws(tmp_path):
     assert rc == 0, err
     assert "no ok baseline run: speedups left out" in summary_text(p)
     assert "no ok baseline run: speedups left out" in out
-    rows = table(p)
+    rows = summary_table(p)
     assert rows["baseline"]["status"] == "failed"
     assert rows["tf32"]["median ms"] == "51.0" and rows["tf32"]["speedup"] == "-"
     for name in CHARTS:
@@ -223,7 +215,7 @@ def test_nan_and_non_positive_step_times_exclude_the_run(tmp_path):
     add_run(p, "bf16", [1, 30, -5.0, 0.0], run_id="bf16-neg")
     rc, _, err = run_main(p)
     assert rc == 0, err
-    rows = table(p)
+    rows = summary_table(p)
     assert rows["tf32"]["median ms"] == "50.0" and rows["tf32"]["speedup"] == "2.00x"
     assert rows["bf16"]["status"] == "excluded" and rows["bf16"]["speedup"] == "-"
     text = summary_text(p)
@@ -317,7 +309,7 @@ def test_command_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "4.00x" in done.stdout and "wrote speedup.png" in done.stdout
-    assert table(tmp_path)["tf32"]["speedup"] == "4.00x"
+    assert summary_table(tmp_path)["tf32"]["speedup"] == "4.00x"
 
 
 def test_a_damaged_number_is_named_not_dropped(tmp_path, capsys):
@@ -353,5 +345,5 @@ def test_the_newest_ok_baseline_sets_the_configuration(tmp_path):
     assert reasons["bf16-medium"] == "model gpt2-medium != gpt2"
     assert reasons["tc-cpu"] == "device cpu != cuda"
     assert run_main(p)[0] == 0
-    assert table(p)["flash"]["status"] == "skipped"      # the newest run of the rung speaks for it
-    assert table(p)["tf32"]["speedup"] == "4.00x"
+    assert summary_table(p)["flash"]["status"] == "skipped"      # the newest run of the rung speaks for it
+    assert summary_table(p)["tf32"]["speedup"] == "4.00x"

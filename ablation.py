@@ -1,4 +1,4 @@
-"""One of the max rung's additions alone on top of the fused rung, recorded as rung fused+<addition>.
+"""One addition tried for the max rung, alone on top of the fused rung, recorded as rung fused+<addition>.
 
     python ablation.py --add loss --steps 60 --batch-size 16 --prefix out
 """
@@ -6,16 +6,16 @@ import sys
 from dataclasses import replace
 
 from Utils.cli import fail
-from Utils.recipes import FUSED, MAX_ADDITIONS
+from Utils.recipes import ADDITIONS, FUSED
 from Utils.runner import main
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     if "--add" not in args or args.index("--add") + 1 >= len(args):
-        sys.exit(fail(f"--add needs one of {', '.join(MAX_ADDITIONS)}"))
+        sys.exit(fail(f"--add needs one of {', '.join(ADDITIONS)}"))
     i = args.index("--add")
-    field = args[i + 1]
-    if field not in MAX_ADDITIONS:
-        sys.exit(fail(f"--add {field!r} is not an addition of the max rung: use one of {', '.join(MAX_ADDITIONS)}"))
-    recipe = replace(FUSED, name=f"fused+{field}", **{field: MAX_ADDITIONS[field]})
+    name = args[i + 1]
+    if name not in ADDITIONS:
+        sys.exit(fail(f"--add {name!r} is not an addition tried for the max rung: use one of {', '.join(ADDITIONS)}"))
+    recipe = replace(FUSED, name=f"fused+{name}", **ADDITIONS[name])
     sys.exit(main(recipe, args[:i] + args[i + 2:]))

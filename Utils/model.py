@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ATTENTIONS = ("manual", "sdpa", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -16,7 +19,8 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
-    attention: str = "manual"   # "manual" materializes the T x T scores; "sdpa" calls F.scaled_dot_product_attention
+    attention: str = "manual"   # "manual" materializes the T x T scores; "sdpa" calls F.scaled_dot_product_attention;
+                                # "cudnn": the same call, restricted to cuDNN's fused attention kernels
     vocab_multiple: int = 1     # embedding rows padded to a multiple of this; the padding never reaches the loss
     loss: str = "full"          # "full": logits then cross-entropy; "chunked": see chunked_cross_entropy
 
@@ -30,8 +34,8 @@ class GPTConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
-        if self.attention not in ("manual", "sdpa"):
-            raise ValueError(f"attention must be 'manual' or 'sdpa', got {self.attention!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.loss not in ("full", "chunked"):
             raise ValueError(f"loss must be 'full' or 'chunked', got {self.loss!r}")
 
@@ -64,6 +68,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif self.attention == "cudnn":
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             # The B x H x T x T scores live in memory, are read and written by the mask and the softmax:
             # the memory traffic that FlashAttention removes.
@@ -167,33 +174,38 @@ CHUNK_ROWS = 4096
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of h @ W[:V].T against targets, CHUNK_ROWS tokens at a time.
+    """Mean cross-entropy of h @ W.T against targets over the first vocab_size columns, CHUNK_ROWS tokens at
+    a time.
 
     Each chunk's logits are made, reduced and turned into their gradient (softmax minus one-hot) at once,
     and the gradients with respect to h and W are accumulated in the forward pass: the B x T x V logits
-    never exist whole, in fp32 or in bf16. Backward only scales the stored gradients."""
+    never exist whole, in fp32 or in bf16. The GEMMs use all of W's rows, padding included, so that a
+    padded vocabulary keeps its aligned tiles; padded columns are masked out of the softmax, so their
+    gradient is exactly zero. Backward only scales the stored gradients."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, vocab_size):
         device_type = h.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
         acc = torch.promote_types(h.dtype, torch.float32)   # the softmax and the sums: fp32 at least
-        w = weight[:vocab_size].to(dtype)
+        w = weight.to(dtype)
         n = h.size(0)
+        columns = torch.arange(weight.size(0), device=h.device)
         loss = h.new_zeros((), dtype=acc)
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device)
         with torch.autocast(device_type, enabled=False):
             for i in range(0, n, CHUNK_ROWS):
                 hc, tc = h[i:i + CHUNK_ROWS].to(dtype), targets[i:i + CHUNK_ROWS]
-                logits = (hc @ w.t()).to(acc)
+                # Written as reductions and elementwise maps of the matmul's output, which a compiler fuses
+                # into two passes over bf16 logits: no fp32 copy of a chunk is written.
+                logits = (hc @ w.t()).to(acc).masked_fill(columns >= vocab_size, float("-inf"))
                 lse = torch.logsumexp(logits, dim=-1)
                 loss = loss + (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
-                grad = torch.exp(logits - lse[:, None])
-                grad.scatter_add_(1, tc[:, None], grad.new_full((hc.size(0), 1), -1.0))
-                grad = grad.to(dtype)
+                one_hot = (columns == tc[:, None]).to(acc)
+                grad = (torch.exp(logits - lse[:, None]) - one_hot).to(dtype)
                 grad_h[i:i + CHUNK_ROWS] = (grad @ w).to(h.dtype)
-                grad_w[:vocab_size] += (grad.t() @ hc).to(acc)
+                grad_w += (grad.t() @ hc).to(acc)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.n, ctx.weight_dtype = n, weight.dtype
         return loss / n
@@ -207,5 +219,6 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 def chunked_cross_entropy(h, weight, targets, vocab_size):
     """Cross-entropy of the output layer without materializing the logits; equals
-    F.cross_entropy((h @ weight[:vocab_size].T), targets) up to the rounding of the matmul dtype."""
+    F.cross_entropy((h @ weight[:vocab_size].T), targets) up to the rounding of the matmul dtype, and gives
+    weight's rows from vocab_size on a zero gradient."""
     return _ChunkedCrossEntropy.apply(h, weight, targets, vocab_size)

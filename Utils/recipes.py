@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from Utils.model import ATTENTIONS
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -21,17 +22,20 @@ class Recipe:
     tf32: bool = False
     bf16: bool = False
     compile: bool = False
-    attention: str = "manual"      # "manual": scores written out; "sdpa": F.scaled_dot_product_attention
+    attention: str = "manual"      # "manual": scores written out; "sdpa": F.scaled_dot_product_attention;
+                                   # "cudnn": SDPA held to cuDNN's fused attention (Hopper kernels)
     optimizer: str = "adamw"       # "adamw" (torch default implementation), "adamw_fused", "adamw8bit"
     vocab_multiple: int = 1        # pad the embedding's rows to a multiple of this (128: 50257 -> 50304)
     loss: str = "full"             # "full" or "chunked" cross-entropy (Utils.model.chunked_cross_entropy)
     prefetch: bool = False         # copy the next batch to the GPU on a side stream during the current step
     sync_every: int = 1            # steps between host-device synchronizations (loss and timing read-back)
     compile_mode: str = "default"  # torch.compile mode: default, reduce-overhead (CUDA graphs), max-autotune...
+    fp8: bool = False              # the blocks' linear layers as FP8 matmuls (torchao float8 training)
+    compile_update: bool = False   # torch.compile the gradient clip and the optimizer step together
 
     def __post_init__(self):
-        if self.attention not in ("manual", "sdpa"):
-            raise ValueError(f"attention must be 'manual' or 'sdpa', got {self.attention!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.optimizer not in ("adamw", "adamw_fused", "adamw8bit"):
             raise ValueError(f"optimizer must be adamw, adamw_fused or adamw8bit, got {self.optimizer!r}")
         if self.loss not in ("full", "chunked"):
@@ -51,9 +55,21 @@ TORCH_COMPILE = replace(BF16, name="torch_compile", compile=True)
 FLASH = replace(TORCH_COMPILE, name="flash", attention="sdpa")
 FUSED = replace(FLASH, name="fused", optimizer="adamw_fused")
 EIGHT_BIT = replace(FLASH, name="8bit", optimizer="adamw8bit")
-# Beyond the seven: the fused rung with every further change that keeps the model's mathematics.
-MAX_ADDITIONS = {"vocab_multiple": 128, "loss": "chunked", "prefetch": True, "sync_every": 10,
-                 "compile_mode": "reduce-overhead"}
+# Beyond the seven: every addition tried on top of the fused rung (`make ablation` runs each alone, as
+# rung fused+<name>), and the max rung: the fused rung with the additions that paid on an H200
+# (BENCHMARKS.md gives each one's predicted and measured effect, and why the others were left out).
+ADDITIONS = {
+    "vocab_multiple": {"vocab_multiple": 128},
+    "loss": {"loss": "chunked"},
+    "prefetch": {"prefetch": True},
+    "sync_every": {"sync_every": 10},
+    "cudagraphs": {"compile_mode": "reduce-overhead"},
+    "cudnn_attention": {"attention": "cudnn"},
+    "fp8": {"fp8": True},
+    "compiled_update": {"compile_update": True},
+}
+MAX_PICKS = ("vocab_multiple", "loss", "prefetch", "sync_every", "cudagraphs")
+MAX_ADDITIONS = {field: value for name in MAX_PICKS for field, value in ADDITIONS[name].items()}
 MAX = replace(FUSED, name="max", **MAX_ADDITIONS)
 
 RECIPES = {r.name: r for r in (BASELINE, TF32, BF16, TORCH_COMPILE, FLASH, FUSED, EIGHT_BIT, MAX)}
@@ -98,9 +114,19 @@ def autocast_context(recipe, device):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def apply_attention(config, recipe):
-    """Choose the attention implementation through the model config, never a global switch."""
-    return replace(config, attention=recipe.attention)
+def apply_attention(config, recipe, device):
+    """Choose the attention implementation through the model config, never a global switch.
+    Returns (config, note): cuDNN attention needs a GPU whose cuDNN has it, else plain SDPA runs."""
+    if recipe.attention == "cudnn" and not cudnn_attention_available(device):
+        return replace(config, attention="sdpa"), "cuDNN attention is not available here: plain SDPA instead"
+    return replace(config, attention=recipe.attention), None
+
+
+def cudnn_attention_available(device):
+    if device.type != "cuda" or not torch.backends.cudnn.is_available():
+        return False
+    # cuDNN's fused attention kernels exist for Ampere and newer, with cuDNN 9.
+    return torch.cuda.get_device_capability(device)[0] >= 8 and torch.backends.cudnn.version() >= 90000
 
 
 def apply_vocab_padding(config, recipe):
@@ -111,6 +137,24 @@ def apply_vocab_padding(config, recipe):
 def apply_loss(config, recipe):
     """The chunked loss never holds the B x T x vocab logits: about 1.6 GB at batch 16 in bf16."""
     return replace(config, loss=recipe.loss)
+
+
+def apply_fp8(model, recipe, device):
+    """Hopper and Ada tensor cores multiply FP8 (e4m3) at twice the bf16 rate. torchao swaps each block's
+    nn.Linear for one that casts its input, weight and output gradient to FP8 with a per-tensor scale
+    made from the tensor's absolute maximum each step, and keeps the weights and the optimizer in fp32.
+    The output layer stays bf16: its weight is the tied embedding, and the chunked loss owns its matmul.
+    Returns a note when FP8 is left out."""
+    if not recipe.fp8:
+        return None
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return "FP8 matmuls need an Ada or Hopper GPU (compute capability 8.9 or newer): left out"
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except Exception as e:
+        return f"FP8 left out: torchao is not usable here ({type(e).__name__}: {str(e)[:200]}); pip install torchao"
+    convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn.startswith("transformer.h."))
+    return None
 
 
 def apply_prefetch(loader, recipe, device):
@@ -168,3 +212,22 @@ def apply_optimizer(model, recipe, device):
         return bnb.optim.AdamW8bit(groups, lr=LEARNING_RATE, betas=BETAS, eps=EPS)
     except Exception as e:
         raise Unavailable(f"bitsandbytes AdamW8bit does not run on this device ({e})") from None
+
+
+def make_update(model, optimizer, recipe, device):
+    """(update, note): one call that clips the gradients' global norm to GRAD_CLIP and steps the optimizer.
+    With compile_update, torch.compile traces both, so that the clip's scaling is fused into the
+    optimizer's own kernels instead of being a pass over every gradient of its own."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+        optimizer.step()
+
+    if not recipe.compile_update:
+        return update, None
+    if recipe.optimizer == "adamw8bit":
+        return update, "bitsandbytes' AdamW8bit is not traceable by torch.compile: its step runs eagerly"
+    if device.type != "cuda" and not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
+        raise Unavailable("torch.compile on a CPU needs a C++ compiler (g++ or clang++) on the PATH")
+    return torch.compile(update), None

@@ -23,8 +23,9 @@ from Utils import metrics
 from Utils.cli import PROFILE_STEPS, UsageError, fail, parse_args
 from Utils.data import DataError, TokenLoader, inputs_targets, load_tokens
 from Utils.model import GPT, PRESETS
-from Utils.recipes import (CUDAGRAPH_MODES, GRAD_CLIP, Unavailable, apply_attention, apply_compile, apply_loss,
-                           apply_optimizer, apply_prefetch, apply_tf32, apply_vocab_padding, autocast_context)
+from Utils.recipes import (CUDAGRAPH_MODES, Unavailable, apply_attention, apply_compile, apply_fp8, apply_loss,
+                           apply_optimizer, apply_prefetch, apply_tf32, apply_vocab_padding, autocast_context,
+                           make_update)
 from Utils.results import ResultsError, append_run, check_prefix
 
 EXIT_FAILED, EXIT_USAGE, EXIT_OOM, EXIT_SKIPPED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
@@ -107,7 +108,9 @@ def train(recipe, cfg, device, tokens, run, rows, held):
     Objects that hold device memory go into `held` so the caller can release them on any exit."""
     notes = [n for n in [apply_tf32(recipe, device)] if n]
     config = PRESETS[cfg.model]
-    for apply in (apply_attention, apply_vocab_padding, apply_loss):   # the model-config changes of a rung
+    config, note = apply_attention(config, recipe, device)
+    notes += [note] if note else []
+    for apply in (apply_vocab_padding, apply_loss):   # the other model-config changes of a rung
         config = apply(config, recipe)
     torch.manual_seed(cfg.seed)
     with device:   # initialized where it trains: no 124M-parameter init on the host, no copy
@@ -118,12 +121,15 @@ def train(recipe, cfg, device, tokens, run, rows, held):
     peak = metrics.peak_bf16_flops(run["gpu_name"]) if device.type == "cuda" else None
     autocast = functools.partial(autocast_context, recipe, device)
     autocast()   # a GPU without bf16 raises Unavailable here, before any step
-    step_model, note = apply_compile(model, recipe, device)
+    note = apply_fp8(model, recipe, device)
+    notes += [note] if note else []
+    step_model, compile_note = apply_compile(model, recipe, device)
     held["compiled"] = step_model
     optimizer = held["optimizer"] = apply_optimizer(model, recipe, device)
+    update, update_note = make_update(model, optimizer, recipe, device)
     loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda")
     source, prefetch_note = apply_prefetch(loader, recipe, device)
-    notes += [n for n in (note, prefetch_note) if n]
+    notes += [n for n in (compile_note, update_note, prefetch_note) if n]
     if recipe.sync_every > 1 and device.type != "cuda":
         notes.append("deferred synchronization has no effect on a CPU, where every operation is synchronous")
     run["notes"] = "; ".join(notes)
@@ -145,8 +151,7 @@ def train(recipe, cfg, device, tokens, run, rows, held):
         with autocast():
             _, loss = step_model(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-        optimizer.step()
+        update()
         optimizer.zero_grad(set_to_none=True)
         # A loss read later must survive the next step (a CUDA graph replay reuses its output's memory).
         return timer.stop(mark), (loss.detach().clone() if deferred else loss)

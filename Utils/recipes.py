@@ -144,17 +144,18 @@ def apply_fp8(model, recipe, device):
     nn.Linear for one that casts its input, weight and output gradient to FP8 with a per-tensor scale
     made from the tensor's absolute maximum each step, and keeps the weights and the optimizer in fp32.
     The output layer stays bf16: its weight is the tied embedding, and the chunked loss owns its matmul.
-    Returns a note when FP8 is left out."""
+    Raises Unavailable where FP8 cannot run. torchao is not in requirements.txt: FP8 did not pay for
+    GPT-2 124M on an H200 (BENCHMARKS.md), so only `make ablation` asks for it."""
     if not recipe.fp8:
-        return None
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        return "FP8 matmuls need an Ada or Hopper GPU (compute capability 8.9 or newer): left out"
+        return
+    if device.type != "cuda" or tuple(torch.cuda.get_device_capability(device)) < (8, 9):
+        raise Unavailable("FP8 matmuls need an Ada or Hopper GPU (compute capability 8.9 or newer)")
     try:
         from torchao.float8 import convert_to_float8_training
     except Exception as e:
-        return f"FP8 left out: torchao is not usable here ({type(e).__name__}: {str(e)[:200]}); pip install torchao"
+        raise Unavailable(f"FP8 needs torchao, which is not usable here ({type(e).__name__}: {str(e)[:200]}); "
+                          f"pip install torchao") from None
     convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn.startswith("transformer.h."))
-    return None
 
 
 def apply_prefetch(loader, recipe, device):

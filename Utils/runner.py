@@ -121,8 +121,7 @@ def train(recipe, cfg, device, tokens, run, rows, held):
     peak = metrics.peak_bf16_flops(run["gpu_name"]) if device.type == "cuda" else None
     autocast = functools.partial(autocast_context, recipe, device)
     autocast()   # a GPU without bf16 raises Unavailable here, before any step
-    note = apply_fp8(model, recipe, device)
-    notes += [note] if note else []
+    apply_fp8(model, recipe, device)   # before compiling, so that the FP8 casts are compiled with the model
     step_model, compile_note = apply_compile(model, recipe, device)
     held["compiled"] = step_model
     optimizer = held["optimizer"] = apply_optimizer(model, recipe, device)

@@ -238,7 +238,7 @@ def test_config_rejects_n_embd_not_divisible_by_n_head():
         replace(TINY, n_embd=100, n_head=3)
 
 
-@pytest.mark.parametrize("attention", ["flash", "", "SDPA", None])
+@pytest.mark.parametrize("attention", ["flash", "", "SDPA", "CUDNN", None])
 def test_config_rejects_unknown_attention(attention):
     with pytest.raises(ValueError, match="attention"):
         GPTConfig(attention=attention)
@@ -312,3 +312,21 @@ def test_chunked_loss_under_bf16_autocast_is_close(monkeypatch):
     assert abs(a.item() - b.item()) < 5e-3
     ga, gb = full.transformer.wte.weight.grad, chunked.transformer.wte.weight.grad
     assert (ga - gb).norm() / ga.norm() < 2e-2
+
+
+def test_cudnn_attention_is_sdpa_held_to_the_cudnn_backend(monkeypatch):
+    import contextlib
+
+    import Utils.model as model_module
+    backends = []
+
+    def spy(backend):
+        backends.append(backend)
+        return contextlib.nullcontext()   # the CPU has no cuDNN attention: check the request, run plain SDPA
+
+    monkeypatch.setattr(model_module, "sdpa_kernel", spy)
+    sdpa = build(SMALL, seed=0, attention="sdpa")
+    cudnn = build(SMALL, seed=0, attention="cudnn")
+    idx = random_tokens(SMALL, 2, 16)
+    assert torch.equal(sdpa(idx)[0], cudnn(idx)[0])
+    assert backends == [model_module.SDPBackend.CUDNN_ATTENTION] * SMALL.n_layer

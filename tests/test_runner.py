@@ -93,7 +93,15 @@ def test_the_runner_builds_and_steps_what_the_recipe_says(tmp_path, monkeypatch)
         autocasts.append(recipe.bf16)
         return real_autocast(recipe, device)
 
+    updates = []
+    real_update = runner.make_update
+
+    def update_spy(model, optimizer, recipe, device):
+        update, note = real_update(model, optimizer, recipe, device)
+        return (lambda: updates.append(update())), note
+
     import torch
+    monkeypatch.setattr(runner, "make_update", update_spy)
     monkeypatch.setattr(runner, "GPT", gpt)
     monkeypatch.setattr(runner, "apply_compile", compile_spy)
     monkeypatch.setattr(runner, "autocast_context", autocast_spy)
@@ -101,4 +109,5 @@ def test_the_runner_builds_and_steps_what_the_recipe_says(tmp_path, monkeypatch)
     (config,) = built
     assert (config.attention, config.vocab_multiple, config.loss) == ("sdpa", 128, "chunked")
     assert calls == [True, True, True]            # every step through the compiled model, under bf16 autocast
+    assert len(updates) == 3                      # and one clip + optimizer step after each
     assert autocasts and all(autocasts)

@@ -32,7 +32,7 @@ help:
 	@echo ""
 	@echo "  make <rung> STEPS=n BATCH_SIZE=b PREFIX=dir   run one rung: $(RUNGS)"
 	@echo "  make all STEPS=n BATCH_SIZE=b PREFIX=dir      every rung in ladder order, then the charts"
-	@echo "  make ablation STEPS=n BATCH_SIZE=b PREFIX=dir each addition of the max rung alone on the fused rung"
+	@echo "  make ablation STEPS=n BATCH_SIZE=b PREFIX=dir each addition tried for max, alone on the fused rung"
 	@echo "  make plots PREFIX=dir                         charts and summary.md from PREFIX/results.csv"
 	@echo "  make profile STEPS=n BATCH_SIZE=b PREFIX=dir  compute / memory / overhead split of every rung"
 	@echo "  make init_results PREFIX=dir                  create PREFIX with empty results files"
@@ -71,7 +71,7 @@ endef
 all: require-run
 	$(call each,all,$(RUNGS),$(MAKE) --no-print-directory $$x,$(MAKE) --no-print-directory plots || failed="$$failed plots";)
 
-# Each of the max rung's additions alone on top of the fused rung, as rungs fused+<addition>.
+# Each addition tried for the max rung alone on top of the fused rung, as rungs fused+<addition>.
 ablation: require-run
 	$(call each,ablation,$(ADDITIONS),$(PYTHON) ablation.py --add $$x $(RUN_ARGS))
 

@@ -940,8 +940,8 @@ CELLS = [
     md(r"""
     ### max: beyond the seven
 
-    **What changes.** The fused rung plus the further changes that measured faster or lighter on an H200
-    and keep the model's mathematics (bf16 rounding aside): the vocabulary padded to 50,304 rows, a
+    **What changes.** The fused rung plus the further changes that measured faster or lighter on an H200,
+    did not slow the others down, and keep the model's mathematics (bf16 rounding aside): the vocabulary padded to 50,304 rows, a
     cross-entropy that never holds the whole B×T×vocab logits, the next batch copied on a side stream,
     losses and timings read back every 10 steps instead of every step, and CUDA graphs (`torch.compile`'s
     `reduce-overhead` mode). `make ablation` runs each addition alone on the fused rung, together with the

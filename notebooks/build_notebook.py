@@ -730,7 +730,7 @@ CELLS = [
     """),
     code(r"""
     recipe_change("baseline")
-    show(runner.train, "apply_", "autocast", "step_model", "optimizer.step", "clip_grad")
+    show(runner.train, "apply_", "autocast", "step_model", "backward", "update")
     measured_effect("baseline")
     """),
     md(r"""

@@ -330,3 +330,19 @@ def test_cudnn_attention_is_sdpa_held_to_the_cudnn_backend(monkeypatch):
     idx = random_tokens(SMALL, 2, 16)
     assert torch.equal(sdpa(idx)[0], cudnn(idx)[0])
     assert backends == [model_module.SDPBackend.CUDNN_ATTENTION] * SMALL.n_layer
+
+
+def test_chunked_loss_multiplies_in_the_autocast_dtype():
+    from Utils.model import chunked_cross_entropy
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(64, 32, generator=g)
+    w = torch.randn(97, 32, generator=g)
+    y = torch.randint(0, 90, (64,), generator=g)
+    in_bf16 = F.cross_entropy((h.bfloat16() @ w[:90].bfloat16().t()).float(), y)
+    in_fp32 = F.cross_entropy(h @ w[:90].t(), y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked = chunked_cross_entropy(h, w, y, 90)
+    assert chunked.dtype == torch.float32
+    assert abs(chunked.item() - in_bf16.item()) < 1e-5
+    assert abs(in_bf16.item() - in_fp32.item()) > 1e-3   # the test can tell the two dtypes apart
+    assert abs(chunked_cross_entropy(h, w, y, 90).item() - in_fp32.item()) < 1e-5

@@ -34,6 +34,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
+from Utils import markdown
 from Utils.files import write_atomic
 from Utils.recipes import LADDER, rung_order
 from Utils.results import RUN_COLUMNS, RUNS_FILE, STEP_COLUMNS, STEPS_FILE, ResultsError, check_file
@@ -374,12 +375,6 @@ def _context(ref):
 # summary.md
 
 
-def _fmt(value, spec, suffix=""):
-    if value is None or (isinstance(value, float) and not np.isfinite(value)):
-        return "-"
-    return f"{value:{spec}}{suffix}"
-
-
 TABLE_HEADER = ["rung", "median ms", "IQR ms", "speedup", "tokens/s", "MFU", "peak alloc GiB",
                 "peak reserved GiB", "compile s", "final loss", "status"]
 
@@ -388,26 +383,12 @@ def table_rows(table):
     """summarize()'s frame as the text cells of summary.md's table, header first."""
     rows = [TABLE_HEADER]
     for rung, r in table.iterrows():
-        rows.append([rung, _fmt(r["median_step_ms"], ".1f"), _fmt(r["iqr_step_ms"], ".1f"),
-                     _fmt(r["speedup"], ".2f", "x"), _fmt(r["tokens_per_s"], ",.0f"),
-                     _fmt(100 * r["mfu"], ".1f", "%"), _fmt(r["peak_mem_allocated_gib"], ".1f"),
-                     _fmt(r["peak_mem_reserved_gib"], ".1f"), _fmt(r["compile_s"], ".1f"),
-                     _fmt(r["final_loss"], ".3f"), r["status"]])
+        rows.append([rung, markdown.cell(r["median_step_ms"], ".1f"), markdown.cell(r["iqr_step_ms"], ".1f"),
+                     markdown.cell(r["speedup"], ".2f", "x"), markdown.cell(r["tokens_per_s"], ",.0f"),
+                     markdown.cell(100 * r["mfu"], ".1f", "%"), markdown.cell(r["peak_mem_allocated_gib"], ".1f"),
+                     markdown.cell(r["peak_mem_reserved_gib"], ".1f"), markdown.cell(r["compile_s"], ".1f"),
+                     markdown.cell(r["final_loss"], ".3f"), r["status"]])
     return rows
-
-
-def _markdown_table(rows):
-    cells = [[c.replace("|", "\\|") for c in row] for row in rows]
-    widths = [max(len(row[j]) for row in cells) for j in range(len(cells[0]))]
-    left = {0, len(widths) - 1}
-
-    def line(row):
-        return "| " + " | ".join(c.ljust(w) if j in left else c.rjust(w)
-                                 for j, (c, w) in enumerate(zip(row, widths))) + " |"
-
-    rule = "|" + "|".join(("-" * (w + 1) + ":") if j not in left else ("-" * (w + 2))
-                          for j, w in enumerate(widths)) + "|"
-    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
 
 
 def render_summary(report):
@@ -416,7 +397,7 @@ def render_summary(report):
     lines = [f"# Ladder results: {report.context}{_environment(report.runs)}", ""]
     if not report.has_baseline:
         lines += [f"**{NO_BASELINE_NOTE}**", ""]
-    lines += [_markdown_table(table_rows(t)), ""]
+    lines += [markdown.table(table_rows(t), left=(0, len(TABLE_HEADER) - 1)), ""]
     lines.append("Median and IQR (75th minus 25th percentile) of the step time over each run's measured "
                  "steps, warm-up left out; speedup = baseline median / rung median; "
                  "tokens/s = batch × seq_len / median step time; MFU is the median of the measured steps. "

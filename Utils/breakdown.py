@@ -31,6 +31,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from Utils import markdown
 from Utils.files import write_atomic
 from Utils.recipes import rung_order
 from Utils.results import RUN_COLUMNS, RUNS_FILE, ResultsError, append_rows, check_file
@@ -494,24 +495,6 @@ def plot_breakdown(df, context=""):
 # breakdown.md
 
 
-def _fmt(value, spec, suffix=""):
-    if value is None or (isinstance(value, float) and not np.isfinite(value)):
-        return "-"
-    return f"{value:{spec}}{suffix}"
-
-
-def _table(header, rows, left=(0,)):
-    cells = [[str(c).replace("|", "\\|") for c in row] for row in [header] + rows]
-    widths = [max(len(r[j]) for r in cells) for j in range(len(header))]
-
-    def line(row):
-        return "| " + " | ".join(c.ljust(w) if j in left else c.rjust(w)
-                                 for j, (c, w) in enumerate(zip(row, widths))) + " |"
-
-    rule = "|" + "|".join("-" * (w + 2) if j in left else "-" * (w + 1) + ":" for j, w in enumerate(widths)) + "|"
-    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
-
-
 def _off_median(profiled, median):
     """How far the profiled step is from the unprofiled median, as a fraction; None when unknown."""
     return profiled / median - 1 if np.isfinite(profiled) and np.isfinite(median) and median > 0 else None
@@ -531,18 +514,18 @@ def _summary_table(df):
         first = g.iloc[0]
 
         def cell(c):
-            return _fmt(g.at[c, "ms_per_step"], ".2f") if c in g.index else "-"
+            return markdown.cell(g.at[c, "ms_per_step"], ".2f") if c in g.index else "-"
 
         def share(c):
-            return _fmt(100 * g.at[c, "share"], ".0f", "%") if c in g.index else "-"
+            return markdown.cell(100 * g.at[c, "share"], ".0f", "%") if c in g.index else "-"
 
         tflops, peak = first["compute_tflops"], first["peak_tflops"]
         rows.append([rung, cell(COMPUTE), cell(MEMORY), cell(UNKNOWN), cell(CPU_OPS), cell(OVERHEAD),
                      f"{share(COMPUTE)} / {share(MEMORY)} / {share(OVERHEAD)}",
-                     _fmt(first["profiled_step_ms"], ".1f"), _fmt(first["median_step_ms"], ".1f"),
+                     markdown.cell(first["profiled_step_ms"], ".1f"), markdown.cell(first["median_step_ms"], ".1f"),
                      _off_median_text(first["profiled_step_ms"], first["median_step_ms"]),
-                     _fmt(tflops, ".0f"),
-                     _fmt(100 * tflops / peak if np.isfinite(tflops) and np.isfinite(peak) and peak else None,
+                     markdown.cell(tflops, ".0f"),
+                     markdown.cell(100 * tflops / peak if np.isfinite(tflops) and np.isfinite(peak) and peak else None,
                           ".1f", "%")])
     header = ["rung", "compute ms", "memory ms", "unknown ms", "cpu_ops ms", "overhead ms",
               "compute / memory / overhead", "profiled ms", "median ms", "vs median", "compute TFLOP/s",
@@ -550,7 +533,7 @@ def _summary_table(df):
     if CPU_OPS not in set(df["class"]):          # a GPU-only table needs no cpu_ops column
         header.pop(4)
         rows = [r[:4] + r[5:] for r in rows]
-    return _table(header, rows)
+    return markdown.table([header] + rows)
 
 
 def _kernel_section(bd, top=TOP_KERNELS):
@@ -559,11 +542,12 @@ def _kernel_section(bd, top=TOP_KERNELS):
         lines += ["No GPU kernels: this trace is from a CPU run. The compute / memory / overhead split is "
                   "GPU-only; the time is shown as PyTorch operators (cpu_ops) and the rest (overhead).", ""]
         return lines
-    rows = [[str(i + 1), k.cls or "unknown", k.label or "-", _fmt(k.calls_per_step, ".1f"),
-             _fmt(k.ms_per_step, ".3f"), _fmt(100 * k.ms_per_step / bd.step_ms, ".1f", "%"),
+    rows = [[str(i + 1), k.cls or "unknown", k.label or "-", markdown.cell(k.calls_per_step, ".1f"),
+             markdown.cell(k.ms_per_step, ".3f"), markdown.cell(100 * k.ms_per_step / bd.step_ms, ".1f", "%"),
              f"`{short_name(k.name)}`"] for i, k in enumerate(bd.kernels[:top])]
     lines += [f"Top {min(top, len(bd.kernels))} of {len(bd.kernels)} kernels by time per step:", "",
-              _table(["#", "class", "kind", "calls/step", "ms/step", "of step", "kernel"], rows, left=(1, 2, 6)),
+              markdown.table([["#", "class", "kind", "calls/step", "ms/step", "of step", "kernel"]] + rows,
+                             left=(1, 2, 6)),
               ""]
     if bd.unknown:
         unknown = [k for k in bd.kernels if k.cls is None]
@@ -579,12 +563,12 @@ def _kernel_section(bd, top=TOP_KERNELS):
         for t in bd.transfers:
             bw = t.bandwidth
             ceiling = bd.peak_bandwidth if t.on_device else None
-            rows.append([t.name, _fmt(t.bytes_per_step / 2 ** 20, ",.2f"), _fmt(t.ms_per_step, ".3f"),
-                         _fmt(bw / 1e9 if bw else None, ",.1f"),
-                         _fmt(100 * bw / ceiling if bw and ceiling else None, ".1f", "%") if t.on_device
+            rows.append([t.name, markdown.cell(t.bytes_per_step / 2 ** 20, ",.2f"), markdown.cell(t.ms_per_step, ".3f"),
+                         markdown.cell(bw / 1e9 if bw else None, ",.1f"),
+                         markdown.cell(100 * bw / ceiling if bw and ceiling else None, ".1f", "%") if t.on_device
                          else "host link"])
         lines += ["Copies and memsets, the GPU activities whose bytes the trace records:", "",
-                  _table(["transfer", "MiB/step", "ms/step", "GB/s", "of HBM peak"], rows), ""]
+                  markdown.table([["transfer", "MiB/step", "ms/step", "GB/s", "of HBM peak"]] + rows), ""]
     return lines
 
 
@@ -626,10 +610,10 @@ def render_report(df, breakdowns, context="", notes=(), trace_files=None):
         lines += [f"## {rung}", "",
                   f"Run {first['run_id']}, {steps} profiled steps; trace: {trace_file} (opens in Perfetto, "
                   f"ui.perfetto.dev, or chrome://tracing).", ""]
-        rows = [[r["class"], _fmt(r["ms_per_step"], ".3f"), _fmt(100 * r["share"], ".1f", "%")]
+        rows = [[r["class"], markdown.cell(r["ms_per_step"], ".3f"), markdown.cell(100 * r["share"], ".1f", "%")]
                 for _, r in g.iterrows()]
-        rows.append(["total (profiled step)", _fmt(first["profiled_step_ms"], ".3f"), "100.0%"])
-        lines += [_table(["class", "ms/step", "share"], rows), ""]
+        rows.append(["total (profiled step)", markdown.cell(first["profiled_step_ms"], ".3f"), "100.0%"])
+        lines += [markdown.table([["class", "ms/step", "share"]] + rows), ""]
         if np.isfinite(first["compute_tflops"]):
             peak = first["peak_tflops"]
             lines += [f"Inside the compute kernels: {first['compute_tflops']:.1f} TFLOP/s"

@@ -168,17 +168,22 @@ def apply_prefetch(loader, recipe, device):
     return Prefetcher(loader, device), None
 
 
-def apply_compile(model, recipe, device):
-    """torch.compile fuses elementwise work into few Triton (GPU) or C++ (CPU) kernels; its CUDA-graph
-    modes replay a whole step's launches as one. Returns (model, note)."""
-    if not recipe.compile:
-        return model, None
+def require_compiler(device):
+    """Raise Unavailable unless torch.compile can generate code here: Triton on a GPU, C++ on a CPU."""
     if device.type == "cuda":
         from torch.utils._triton import has_triton
         if not has_triton():
             raise Unavailable("torch.compile needs Triton for this GPU, and Triton is not installed")
     elif not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
         raise Unavailable("torch.compile on a CPU needs a C++ compiler (g++ or clang++) on the PATH")
+
+
+def apply_compile(model, recipe, device):
+    """torch.compile fuses elementwise work into few Triton (GPU) or C++ (CPU) kernels; its CUDA-graph
+    modes replay a whole step's launches as one. Returns (model, note)."""
+    if not recipe.compile:
+        return model, None
+    require_compiler(device)
     mode, note = recipe.compile_mode, None
     if device.type != "cuda" and mode in CUDAGRAPH_MODES:
         mode, note = "default", f"CUDA graphs need a GPU: compiled in the default mode, not {recipe.compile_mode}"
@@ -229,6 +234,5 @@ def make_update(model, optimizer, recipe, device):
         return update, None
     if recipe.optimizer == "adamw8bit":
         return update, "bitsandbytes' AdamW8bit is not traceable by torch.compile: its step runs eagerly"
-    if device.type != "cuda" and not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
-        raise Unavailable("torch.compile on a CPU needs a C++ compiler (g++ or clang++) on the PATH")
+    require_compiler(device)
     return torch.compile(update), None

@@ -9,7 +9,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from Utils import ce_kernel
+
 ATTENTIONS = ("manual", "sdpa", "cudnn")
+LOSSES = ("full", "chunked", "chunked_triton")
+RESIDUALS = ("fp32", "autocast")
 
 
 @dataclass(frozen=True)
@@ -22,7 +26,9 @@ class GPTConfig:
     attention: str = "manual"   # "manual" materializes the T x T scores; "sdpa" calls F.scaled_dot_product_attention;
                                 # "cudnn": the same call, restricted to cuDNN's fused attention kernels
     vocab_multiple: int = 1     # embedding rows padded to a multiple of this; the padding never reaches the loss
-    loss: str = "full"          # "full": logits then cross-entropy; "chunked": see chunked_cross_entropy
+    loss: str = "full"          # "full": logits then cross-entropy; "chunked": see chunked_cross_entropy;
+                                # "chunked_triton": the same, its softmax-gradient pass a Triton kernel
+    residual: str = "fp32"      # the residual stream's dtype under autocast: "fp32", or "autocast" (bf16)
 
     @property
     def padded_vocab_size(self):
@@ -36,8 +42,10 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
-        if self.loss not in ("full", "chunked"):
-            raise ValueError(f"loss must be 'full' or 'chunked', got {self.loss!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.residual not in RESIDUALS:
+            raise ValueError(f"residual must be one of {RESIDUALS}, got {self.residual!r}")
 
 
 # The GPT-2 sizes from the paper (Radford et al. 2019, table 2), and a tiny one for CPUs and tests.
@@ -157,12 +165,18 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        if self.config.residual == "autocast" and torch.is_autocast_enabled(idx.device.type):
+            # Autocast leaves the residual stream in the embeddings' fp32, since adding a bf16 block output
+            # to it promotes; cast once here, and every add, LayerNorm read and their gradients move half
+            # the bytes. The blocks' outputs are bf16 already: only the sum's rounding changes.
+            x = x.to(torch.get_autocast_dtype(idx.device.type))
         for block in self.transformer.h:
             x = block(x)
         h = self.transformer.ln_f(x)
         V = self.config.vocab_size
-        if targets is not None and self.config.loss == "chunked":
-            return None, chunked_cross_entropy(h.reshape(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1), V)
+        if targets is not None and self.config.loss != "full":
+            return None, chunked_cross_entropy(h.reshape(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1), V,
+                                               kernel=self.config.loss == "chunked_triton")
         logits = self.lm_head(h)[..., :V]   # a full slice, a no-op, unless the vocabulary is padded
         loss = None
         if targets is not None:
@@ -171,6 +185,7 @@ class GPT(nn.Module):
 
 
 CHUNK_ROWS = 4096
+KERNEL_ROW_MULTIPLE = 128
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -181,22 +196,34 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     and the gradients with respect to h and W are accumulated in the forward pass: the B x T x V logits
     never exist whole, in fp32 or in bf16. The GEMMs use all of W's rows, padding included, so that a
     padded vocabulary keeps its aligned tiles; padded columns are masked out of the softmax, so their
-    gradient is exactly zero. Backward only scales the stored gradients."""
+    gradient is exactly zero. Backward only scales the stored gradients. With `kernel`, each chunk's
+    softmax-gradient pass is Utils.ce_kernel's Triton kernel, which writes the gradient over the logits."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, vocab_size):
+    def forward(ctx, h, weight, targets, vocab_size, kernel):
         device_type = h.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
         acc = torch.promote_types(h.dtype, torch.float32)   # the softmax and the sums: fp32 at least
         w = weight.to(dtype)
+        if kernel:
+            # The kernel reads whole rows of logits as they are laid out: give them rows a multiple of 128
+            # wide (aligned, evenly tiled GEMMs) even where the vocabulary is not padded; the extra columns
+            # are masked like the padding and their zero gradient rows are cut off below.
+            w = F.pad(w, (0, 0, 0, -w.size(0) % KERNEL_ROW_MULTIPLE))
         n = h.size(0)
-        columns = torch.arange(weight.size(0), device=h.device)
+        columns = torch.arange(w.size(0), device=h.device)
         loss = h.new_zeros((), dtype=acc)
         grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device)
+        grad_w = torch.zeros(w.shape, dtype=acc, device=h.device)
         with torch.autocast(device_type, enabled=False):
             for i in range(0, n, CHUNK_ROWS):
                 hc, tc = h[i:i + CHUNK_ROWS].to(dtype), targets[i:i + CHUNK_ROWS]
+                if kernel:
+                    grad = hc @ w.t()
+                    loss = loss + ce_kernel.cross_entropy_grad(grad, tc, vocab_size).sum().to(acc)
+                    grad_h[i:i + CHUNK_ROWS] = (grad @ w).to(h.dtype)
+                    grad_w += (grad.t() @ hc).to(acc)
+                    continue
                 # Written as reductions and elementwise maps of the matmul's output, which a compiler fuses
                 # into two passes over bf16 logits: no fp32 copy of a chunk is written.
                 logits = (hc @ w.t()).to(acc).masked_fill(columns >= vocab_size, float("-inf"))
@@ -206,7 +233,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 grad = (torch.exp(logits - lse[:, None]) - one_hot).to(dtype)
                 grad_h[i:i + CHUNK_ROWS] = (grad @ w).to(h.dtype)
                 grad_w += (grad.t() @ hc).to(acc)
-        ctx.save_for_backward(grad_h, grad_w)
+        ctx.save_for_backward(grad_h, grad_w[:weight.size(0)])
         ctx.n, ctx.weight_dtype = n, weight.dtype
         return loss / n
 
@@ -214,11 +241,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_out / ctx.n
-        return grad_h * scale, (grad_w * scale).to(ctx.weight_dtype), None, None
+        return grad_h * scale, (grad_w * scale).to(ctx.weight_dtype), None, None, None
 
 
-def chunked_cross_entropy(h, weight, targets, vocab_size):
+def chunked_cross_entropy(h, weight, targets, vocab_size, kernel=False):
     """Cross-entropy of the output layer without materializing the logits; equals
     F.cross_entropy((h @ weight[:vocab_size].T), targets) up to the rounding of the matmul dtype, and gives
-    weight's rows from vocab_size on a zero gradient."""
-    return _ChunkedCrossEntropy.apply(h, weight, targets, vocab_size)
+    weight's rows from vocab_size on a zero gradient. kernel=True needs Utils.ce_kernel.available()."""
+    return _ChunkedCrossEntropy.apply(h, weight, targets, vocab_size, kernel)

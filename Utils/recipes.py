@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from Utils.model import ATTENTIONS
+from Utils import ce_kernel
+from Utils.model import ATTENTIONS, LOSSES, RESIDUALS
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -26,20 +27,30 @@ class Recipe:
                                    # "cudnn": SDPA held to cuDNN's fused attention (Hopper kernels)
     optimizer: str = "adamw"       # "adamw" (torch default implementation), "adamw_fused", "adamw8bit"
     vocab_multiple: int = 1        # pad the embedding's rows to a multiple of this (128: 50257 -> 50304)
-    loss: str = "full"             # "full" or "chunked" cross-entropy (Utils.model.chunked_cross_entropy)
+    loss: str = "full"             # "full" or "chunked" cross-entropy (Utils.model.chunked_cross_entropy), or
+                                   # "chunked_triton": chunked, its softmax-gradient pass a Triton kernel
     prefetch: bool = False         # copy the next batch to the GPU on a side stream during the current step
     sync_every: int = 1            # steps between host-device synchronizations (loss and timing read-back)
     compile_mode: str = "default"  # torch.compile mode: default, reduce-overhead (CUDA graphs), max-autotune...
     fp8: bool = False              # the blocks' linear layers as FP8 matmuls (torchao float8 training)
     compile_update: bool = False   # torch.compile the gradient clip and the optimizer step together
+    residual: str = "fp32"         # the residual stream under autocast: "fp32", or "autocast" (bf16)
+    fold_clip: bool = False        # fused AdamW divides by the clip factor as it reads each gradient
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.optimizer not in ("adamw", "adamw_fused", "adamw8bit"):
             raise ValueError(f"optimizer must be adamw, adamw_fused or adamw8bit, got {self.optimizer!r}")
-        if self.loss not in ("full", "chunked"):
-            raise ValueError(f"loss must be 'full' or 'chunked', got {self.loss!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.residual not in RESIDUALS:
+            raise ValueError(f"residual must be one of {RESIDUALS}, got {self.residual!r}")
+        if self.residual == "autocast" and not self.bf16:
+            raise ValueError("residual='autocast' needs bf16=True: without autocast the stream is fp32 anyway")
+        if self.fold_clip and (self.optimizer != "adamw_fused" or self.compile_update):
+            raise ValueError("fold_clip needs optimizer='adamw_fused' (the only one that takes a gradient scale) "
+                             "and no compile_update (which fuses the clip its own way)")
         if self.vocab_multiple < 1 or self.sync_every < 1:
             raise ValueError("vocab_multiple and sync_every must be at least 1")
         if self.compile_mode not in COMPILE_MODES:
@@ -67,8 +78,11 @@ ADDITIONS = {
     "cudnn_attention": {"attention": "cudnn"},
     "fp8": {"fp8": True},
     "compiled_update": {"compile_update": True},
+    "loss_kernel": {"loss": "chunked_triton"},
+    "bf16_residual": {"residual": "autocast"},
+    "fold_clip": {"fold_clip": True},
 }
-MAX_PICKS = ("vocab_multiple", "loss", "prefetch", "sync_every", "cudagraphs")
+MAX_PICKS = ("vocab_multiple", "loss_kernel", "prefetch", "sync_every", "cudagraphs", "bf16_residual")
 MAX_ADDITIONS = {field: value for name in MAX_PICKS for field, value in ADDITIONS[name].items()}
 MAX = replace(FUSED, name="max", **MAX_ADDITIONS)
 
@@ -134,9 +148,17 @@ def apply_vocab_padding(config, recipe):
     return replace(config, vocab_multiple=recipe.vocab_multiple)
 
 
-def apply_loss(config, recipe):
-    """The chunked loss never holds the B x T x vocab logits: about 1.6 GB at batch 16 in bf16."""
-    return replace(config, loss=recipe.loss)
+def apply_loss(config, recipe, device):
+    """The chunked loss never holds the B x T x vocab logits: about 1.6 GB at batch 16 in bf16. Returns
+    (config, note): without Triton on a GPU, the Triton kernel's loss runs as the plain chunked one."""
+    if recipe.loss == "chunked_triton" and not ce_kernel.available(device):
+        return replace(config, loss="chunked"), "the Triton loss kernel needs a GPU and Triton: plain chunked loss"
+    return replace(config, loss=recipe.loss), None
+
+
+def apply_residual(config, recipe):
+    """A bf16 residual stream: each block's add, LayerNorm read and residual gradient in half the bytes."""
+    return replace(config, residual=recipe.residual)
 
 
 def apply_fp8(model, recipe, device):
@@ -223,13 +245,24 @@ def apply_optimizer(model, recipe, device):
 def make_update(model, optimizer, recipe, device):
     """(update, note): one call that clips the gradients' global norm to GRAD_CLIP and steps the optimizer.
     With compile_update, torch.compile traces both, so that the clip's scaling is fused into the
-    optimizer's own kernels instead of being a pass over every gradient of its own."""
+    optimizer's own kernels instead of being a pass over every gradient of its own; with fold_clip, fused
+    AdamW applies the clip factor itself."""
     params = [p for p in model.parameters() if p.requires_grad]
 
     def update():
         torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
         optimizer.step()
 
+    def folded_update():
+        # clip_grad_norm_ multiplies every gradient by min(1, GRAD_CLIP / (norm + 1e-6)) in a pass of its
+        # own. Fused AdamW divides each gradient by `grad_scale` as it reads it (the hook GradScaler uses to
+        # unscale), so dividing by the inverse of that factor there saves the pass.
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        optimizer.grad_scale = torch.clamp((norm + 1e-6) / GRAD_CLIP, min=1.0)
+        optimizer.step()
+
+    if recipe.fold_clip:
+        return folded_update, None
     if not recipe.compile_update:
         return update, None
     if recipe.optimizer == "adamw8bit":

@@ -11,7 +11,8 @@ from Utils import recipes
 from Utils.model import GPT, PRESETS
 from Utils.recipes import (ADDITIONS, BASELINE, FLASH, FUSED, LADDER, MAX, MAX_ADDITIONS, MAX_PICKS, RECIPES, Recipe,
                            Unavailable, apply_attention, apply_compile, apply_fp8, apply_loss, apply_optimizer,
-                           apply_prefetch, apply_tf32, apply_vocab_padding, autocast_context, make_update)
+                           apply_prefetch, apply_residual, apply_tf32, apply_vocab_padding, autocast_context,
+                           make_update)
 
 CPU = torch.device("cpu")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,8 +30,8 @@ def test_the_ladder_is_cumulative_one_change_per_rung():
         assert _diff(RECIPES[rung], RECIPES[prev]) == expected[rung]
     assert _diff(RECIPES["8bit"], FLASH) == {"optimizer"} and RECIPES["8bit"].optimizer == "adamw8bit"
     assert _diff(MAX, FUSED) == set(MAX_ADDITIONS)
-    assert MAX_ADDITIONS == {"vocab_multiple": 128, "loss": "chunked", "prefetch": True, "sync_every": 10,
-                             "compile_mode": "reduce-overhead"}
+    assert MAX_ADDITIONS == {"vocab_multiple": 128, "loss": "chunked_triton", "prefetch": True, "sync_every": 10,
+                             "compile_mode": "reduce-overhead", "residual": "autocast"}
 
 
 def test_every_addition_is_one_valid_change_to_the_fused_rung_and_max_picks_from_them():
@@ -39,7 +40,8 @@ def test_every_addition_is_one_valid_change_to_the_fused_rung_and_max_picks_from
         recipe = replace(FUSED, name=f"fused+{name}", **change)   # a valid recipe on its own
         assert _diff(recipe, FUSED) == set(change), name
     # What the ablation tried and the max rung left out (BENCHMARKS.md says why).
-    assert set(ADDITIONS) - set(MAX_PICKS) == {"cudnn_attention", "fp8", "compiled_update"}
+    # "loss" (the chunked loss as Inductor compiles it) is superseded by "loss_kernel", which sets the same field.
+    assert set(ADDITIONS) - set(MAX_PICKS) == {"loss", "cudnn_attention", "fp8", "compiled_update", "fold_clip"}
 
 
 def test_make_ablation_runs_every_addition():
@@ -82,7 +84,12 @@ def test_config_level_applies():
     padded = apply_vocab_padding(base, MAX)
     assert padded.vocab_multiple == 128 and padded.padded_vocab_size == 50304
     assert apply_vocab_padding(base, FUSED).padded_vocab_size == 50257
-    assert apply_loss(base, MAX).loss == "chunked" and apply_loss(base, FUSED).loss == "full"
+    assert apply_loss(base, FUSED, CPU) == (base, None)
+    assert apply_loss(base, replace(FUSED, loss="chunked"), CPU) == (replace(base, loss="chunked"), None)
+    # Without Triton on a GPU, the kernel's loss runs as the chunked loss Inductor compiles, and says so.
+    config, note = apply_loss(base, MAX, CPU)
+    assert config.loss == "chunked" and "Triton loss kernel" in note
+    assert apply_residual(base, MAX).residual == "autocast" and apply_residual(base, FUSED).residual == "fp32"
 
 
 def test_apply_prefetch_on_a_cpu_keeps_the_loader_and_says_so():

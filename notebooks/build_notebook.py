@@ -942,14 +942,18 @@ CELLS = [
 
     **What changes.** The fused rung plus the further changes that measured faster or lighter on an H200,
     did not slow the others down, and keep the model's mathematics (bf16 rounding aside): the vocabulary padded to 50,304 rows, a
-    cross-entropy that never holds the whole B×T×vocab logits, the next batch copied on a side stream,
-    losses and timings read back every 10 steps instead of every step, and CUDA graphs (`torch.compile`'s
-    `reduce-overhead` mode). `make ablation` runs each addition alone on the fused rung, together with the
-    ones that were tried and left out: cuDNN attention, FP8 matmuls and a compiled optimizer step.
+    cross-entropy that never holds the whole B×T×vocab logits and whose softmax gradient is one hand-written
+    Triton kernel, the next batch copied on a side stream, losses and timings read back every 10 steps
+    instead of every step, CUDA graphs (`torch.compile`'s `reduce-overhead` mode), and a residual stream
+    kept in bf16. `make ablation` runs each addition alone on the fused rung, together with the ones that
+    were tried and left out: the chunked loss as Inductor compiles it, cuDNN attention, FP8 matmuls, a
+    compiled optimizer step and the gradient clip folded into fused AdamW.
 
     **Why it can help.** Each addition removes a different cost: the padded vocabulary gives the largest
-    GEMM aligned tiles; the chunked loss removes the logits' memory traffic and their 1.6 GB at batch 16;
-    prefetch, deferred read-back and CUDA graphs remove the time the GPU waits on the host.
+    GEMM aligned tiles; the chunked loss removes the logits' memory footprint (1.6 GB at batch 16), and its
+    kernel reads the logits twice where the compiled version reads them three times; the bf16 residual
+    stream halves the bytes of every residual add and LayerNorm; prefetch, deferred read-back and CUDA
+    graphs remove the time the GPU waits on the host.
     """),
     code(r"""
     recipe_change("max")
@@ -965,7 +969,8 @@ CELLS = [
                         "peak alloc GiB": abl.at[r, "peak_mem_allocated_gib"],
                         "in max": r.split("+", 1)[-1] in recipes.MAX_PICKS if r != "fused" else None}
                     for r in abl.index if abl.at[r, "status"] == "ok"}
-            print(f"{rel(ABLATION_RESULTS)}: each addition alone on the fused rung, measured in one session:")
+            print(f"{rel(ABLATION_RESULTS)}: each addition alone on the fused rung, against the folder's latest "
+                  f"fused run (the entries come from two sessions; BENCHMARKS.md says which):")
             display(pd.DataFrame.from_dict(rows, orient="index").round(3))
             slower = [r for r, v in rows.items() if r != "fused" and v["vs fused"] > 0]
             if slower:

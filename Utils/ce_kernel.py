@@ -15,7 +15,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:   # a CPU machine without Triton: the loss falls back to the compiled expression
+except Exception:   # absent, or broken: apply_loss then runs the plain chunked loss instead
     triton = None
 
 BLOCK = 2048   # columns per load; with 4 warps, the fastest of 1024..8192 x 4..16 warps on an H200
@@ -31,13 +31,17 @@ def available(device):
     return triton is not None and (device.type == "cuda" or interpreted())
 
 
-if triton is not None:
+def _define():
+    """The kernel and the operator that launches it; raises where this Triton or PyTorch cannot define them."""
     @triton.jit
     def _cross_entropy_grad_kernel(logits_ptr, targets_ptr, row_loss_ptr, n_cols, vocab_size, row_stride,
                                    BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * row_stride
         offsets = tl.arange(0, BLOCK)
+        # Read before the reductions, whose barriers order it before any warp's in-place writes below.
+        target = tl.load(targets_ptr + row)
+        target_logit = tl.load(base + target).to(tl.float32)
         # Per-lane running maximum and sum of exp(x - maximum); -1e30 rather than -inf, so that a lane that
         # has seen only masked columns rescales by exp(0) instead of computing inf - inf.
         m = tl.full([BLOCK], -1e30, tl.float32)
@@ -50,15 +54,15 @@ if triton is not None:
             m = m_new
         m_row = tl.max(m, 0)
         lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), 0))
-        target = tl.load(targets_ptr + row)
-        tl.store(row_loss_ptr + row, lse - tl.load(base + target).to(tl.float32))
+        tl.store(row_loss_ptr + row, lse - target_logit)
         for start in range(0, n_cols, BLOCK):
             cols = start + offsets
-            x = tl.load(base + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            x = tl.load(base + cols, mask=cols < vocab_size, other=0.0).to(tl.float32)
             p = tl.where(cols < vocab_size, tl.exp(x - lse), 0.0)   # padded columns: exactly zero gradient
             g = p - tl.where(cols == target, 1.0, 0.0)
             tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < n_cols)
 
+    # An operator, so that torch.compile sees the kernel and what it overwrites.
     @torch.library.triton_op("gpt_suite::cross_entropy_grad_", mutates_args={"logits"})
     def cross_entropy_grad_(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
         rows, cols = logits.shape
@@ -67,13 +71,31 @@ if triton is not None:
             logits, targets, row_loss, cols, vocab_size, logits.stride(0), BLOCK=BLOCK, num_warps=NUM_WARPS)
         return row_loss
 
+    return torch.ops.gpt_suite.cross_entropy_grad_
+
+
+_op = None
+if triton is not None:
+    try:
+        _op = _define()
+    except Exception:   # a Triton or PyTorch too old for torch.library.triton_op: as if Triton were absent
+        triton = None
+
 
 def cross_entropy_grad(logits, targets, vocab_size):
     """Overwrite logits (rows x padded vocabulary, each row contiguous) with softmax(logits[:, :vocab_size])
     minus one-hot(targets), zero in the padded columns, and return each row's loss, lse - logit[target],
-    in fp32."""
-    if triton is None:
-        raise RuntimeError("the cross-entropy kernel needs Triton (pip install triton)")
-    if logits.stride(1) != 1:
-        raise ValueError("the cross-entropy kernel needs rows of contiguous logits")
-    return torch.ops.gpt_suite.cross_entropy_grad_(logits, targets.contiguous(), vocab_size)
+    in fp32. Targets must lie in [0, vocab_size): there is no ignore index, and checking the range would
+    cost a device-to-host read per chunk."""
+    if not torch.compiler.is_compiling() and not available(logits.device):
+        raise RuntimeError(f"the cross-entropy kernel needs a CUDA GPU with Triton (or TRITON_INTERPRET=1), "
+                           f"not {logits.device.type}{'' if triton else ' without Triton'}: use loss='chunked'")
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"the cross-entropy kernel needs 2-D logits with contiguous rows, got shape "
+                         f"{tuple(logits.shape)} and strides {logits.stride()}")
+    if targets.shape != (logits.size(0),) or targets.device != logits.device:
+        raise ValueError(f"targets must be one per row of logits ({logits.size(0)}) on {logits.device}, got "
+                         f"shape {tuple(targets.shape)} on {targets.device}")
+    if not 0 < vocab_size <= logits.size(1):
+        raise ValueError(f"vocab_size={vocab_size} must be between 1 and the logits' width {logits.size(1)}")
+    return _op(logits, targets.contiguous(), vocab_size)

@@ -28,7 +28,8 @@ class GPTConfig:
     vocab_multiple: int = 1     # embedding rows padded to a multiple of this; the padding never reaches the loss
     loss: str = "full"          # "full": logits then cross-entropy; "chunked": see chunked_cross_entropy;
                                 # "chunked_triton": the same, its softmax-gradient pass a Triton kernel
-    residual: str = "fp32"      # the residual stream's dtype under autocast: "fp32", or "autocast" (bf16)
+    residual: str = "fp32"      # the residual stream's dtype under autocast: "fp32", or "autocast" (bf16
+                                # autocast only)
 
     @property
     def padded_vocab_size(self):
@@ -165,11 +166,13 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        if self.config.residual == "autocast" and torch.is_autocast_enabled(idx.device.type):
+        if (self.config.residual == "autocast" and torch.is_autocast_enabled(idx.device.type)
+                and torch.get_autocast_dtype(idx.device.type) == torch.bfloat16):
             # Autocast leaves the residual stream in the embeddings' fp32, since adding a bf16 block output
             # to it promotes; cast once here, and every add, LayerNorm read and their gradients move half
-            # the bytes. The blocks' outputs are bf16 already: only the sum's rounding changes.
-            x = x.to(torch.get_autocast_dtype(idx.device.type))
+            # the bytes. The blocks' outputs are bf16 already: only the sum's rounding changes. bf16 only:
+            # fp16's range could overflow a residual stream that has no loss scaling.
+            x = x.to(torch.bfloat16)
         for block in self.transformer.h:
             x = block(x)
         h = self.transformer.ln_f(x)

@@ -256,7 +256,8 @@ def make_update(model, optimizer, recipe, device):
     def folded_update():
         # clip_grad_norm_ multiplies every gradient by min(1, GRAD_CLIP / (norm + 1e-6)) in a pass of its
         # own. Fused AdamW divides each gradient by `grad_scale` as it reads it (the hook GradScaler uses to
-        # unscale), so dividing by the inverse of that factor there saves the pass.
+        # unscale), so dividing by the inverse of that factor there saves that pass's read; not its write,
+        # since fused AdamW writes the unscaled gradient back to .grad.
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         optimizer.grad_scale = torch.clamp((norm + 1e-6) / GRAD_CLIP, min=1.0)
         optimizer.step()

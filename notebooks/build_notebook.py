@@ -962,15 +962,24 @@ CELLS = [
     if os.path.exists(ABLATION_RESULTS):
         abl_steps, abl_runs = plot_results.load(ABLATION_RESULTS)
         abl = plot_results.summarize(abl_steps, abl_runs)
-        if "fused" in abl.index and abl.at["fused", "status"] == "ok":
-            ref = abl.at["fused", "median_step_ms"]
-            rows = {r: {"median ms": abl.at[r, "median_step_ms"],
-                        "vs fused": abl.at[r, "median_step_ms"] / ref - 1,
-                        "peak alloc GiB": abl.at[r, "peak_mem_allocated_gib"],
-                        "in max": r.split("+", 1)[-1] in recipes.MAX_PICKS if r != "fused" else None}
-                    for r in abl.index if abl.at[r, "status"] == "ok"}
-            print(f"{rel(ABLATION_RESULTS)}: each addition alone on the fused rung, against the folder's latest "
-                  f"fused run (the entries come from two sessions; BENCHMARKS.md says which):")
+        # Each addition against the fused runs made by the same commit, in the same session: GPU speed drifts
+        # between sessions by about as much as some additions gain.
+        commit = abl_runs.set_index("run_id")["git_commit"]
+        ok_runs = abl_runs[abl_runs["status"] == "ok"]
+        fused_ms = ok_runs[ok_runs["optimization"] == "fused"].groupby("git_commit")["median_step_ms"].mean()
+        if len(fused_ms):
+            rows = {}
+            for r in abl.index:
+                ref = fused_ms.get(commit[abl.at[r, "run_id"]]) if r != "fused" else None
+                if abl.at[r, "status"] != "ok" or (r != "fused" and ref is None):
+                    continue
+                rows[r] = {"median ms": abl.at[r, "median_step_ms"],
+                           "vs fused": abl.at[r, "median_step_ms"] / ref - 1 if ref else None,
+                           "fused ms, same commit": ref,
+                           "peak alloc GiB": abl.at[r, "peak_mem_allocated_gib"],
+                           "in max": r.split("+", 1)[-1] in recipes.MAX_PICKS if r != "fused" else None}
+            print(f"{rel(ABLATION_RESULTS)}: each addition alone on the fused rung, against the mean of the fused "
+                  f"runs made by the same commit:")
             display(pd.DataFrame.from_dict(rows, orient="index").round(3))
             slower = [r for r, v in rows.items() if r != "fused" and v["vs fused"] > 0]
             if slower:

@@ -22,13 +22,13 @@ BLOCK = 2048   # columns per load; with 4 warps, the fastest of 1024..8192 x 4..
 NUM_WARPS = 4
 
 
-def interpreted():
-    return os.environ.get("TRITON_INTERPRET") == "1"
+# Read once, as @triton.jit reads it when the kernel is defined below.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available(device):
     """Whether the kernel runs on this device: a CUDA GPU with Triton, or any device under the interpreter."""
-    return triton is not None and (device.type == "cuda" or interpreted())
+    return triton is not None and (device.type == "cuda" or INTERPRETED)
 
 
 def _define():

@@ -209,9 +209,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(h.dtype, torch.float32)   # the softmax and the sums: fp32 at least
         w = weight.to(dtype)
         if kernel:
-            # The kernel reads whole rows of logits as they are laid out: give them rows a multiple of 128
-            # wide (aligned, evenly tiled GEMMs) even where the vocabulary is not padded; the extra columns
-            # are masked like the padding and their zero gradient rows are cut off below.
+            # Logits rows a multiple of 128 wide keep the GEMMs that write and read them aligned and evenly
+            # tiled where the vocabulary is not padded (Inductor pads the plain path's GEMM by itself, but
+            # not a kernel's input); the extra columns are masked like the padding, their zero gradient
+            # rows cut off below.
             w = F.pad(w, (0, 0, 0, -w.size(0) % KERNEL_ROW_MULTIPLE))
         n = h.size(0)
         columns = torch.arange(w.size(0), device=h.device)
@@ -228,7 +229,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                     grad_w += (grad.t() @ hc).to(acc)
                     continue
                 # Written as reductions and elementwise maps of the matmul's output, which a compiler fuses
-                # into two passes over bf16 logits: no fp32 copy of a chunk is written.
+                # into one kernel over bf16 logits (Inductor's reads each row three times and writes the
+                # gradient once): no fp32 copy of a chunk is written.
                 logits = (hc @ w.t()).to(acc).masked_fill(columns >= vocab_size, float("-inf"))
                 lse = torch.logsumexp(logits, dim=-1)
                 loss = loss + (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()

@@ -28,7 +28,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 def available(device):
     """Whether the kernel runs on this device: a CUDA GPU with Triton, or any device under the interpreter."""
-    return triton is not None and (device.type == "cuda" or INTERPRETED)
+    return _op is not None and (device.type == "cuda" or INTERPRETED)
 
 
 def _define():
@@ -79,7 +79,7 @@ if triton is not None:
     try:
         _op = _define()
     except Exception:   # a Triton or PyTorch too old for torch.library.triton_op: as if Triton were absent
-        triton = None
+        pass
 
 
 def cross_entropy_grad(logits, targets, vocab_size):
@@ -88,8 +88,8 @@ def cross_entropy_grad(logits, targets, vocab_size):
     in fp32. Targets must lie in [0, vocab_size): there is no ignore index, and checking the range would
     cost a device-to-host read per chunk."""
     if not torch.compiler.is_compiling() and not available(logits.device):
-        raise RuntimeError(f"the cross-entropy kernel needs a CUDA GPU with Triton (or TRITON_INTERPRET=1), "
-                           f"not {logits.device.type}{'' if triton else ' without Triton'}: use loss='chunked'")
+        raise RuntimeError(f"the cross-entropy kernel needs a CUDA GPU with a working Triton (or "
+                           f"TRITON_INTERPRET=1), not {logits.device.type}: use loss='chunked'")
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"the cross-entropy kernel needs 2-D logits with contiguous rows, got shape "
                          f"{tuple(logits.shape)} and strides {logits.stride()}")

@@ -223,19 +223,17 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             for i in range(0, n, CHUNK_ROWS):
                 hc, tc = h[i:i + CHUNK_ROWS].to(dtype), targets[i:i + CHUNK_ROWS]
                 if kernel:
-                    grad = hc @ w.t()
+                    grad = hc @ w.t()   # overwritten in place with its own gradient
                     loss = loss + ce_kernel.cross_entropy_grad(grad, tc, vocab_size).sum().to(acc)
-                    grad_h[i:i + CHUNK_ROWS] = (grad @ w).to(h.dtype)
-                    grad_w += (grad.t() @ hc).to(acc)
-                    continue
-                # Written as reductions and elementwise maps of the matmul's output, which a compiler fuses
-                # into one kernel over bf16 logits (Inductor's reads each row three times and writes the
-                # gradient once): no fp32 copy of a chunk is written.
-                logits = (hc @ w.t()).to(acc).masked_fill(columns >= vocab_size, float("-inf"))
-                lse = torch.logsumexp(logits, dim=-1)
-                loss = loss + (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
-                one_hot = (columns == tc[:, None]).to(acc)
-                grad = (torch.exp(logits - lse[:, None]) - one_hot).to(dtype)
+                else:
+                    # Written as reductions and elementwise maps of the matmul's output, which a compiler
+                    # fuses into one kernel over bf16 logits (Inductor's reads each row three times and
+                    # writes the gradient once): no fp32 copy of a chunk is written.
+                    logits = (hc @ w.t()).to(acc).masked_fill(columns >= vocab_size, float("-inf"))
+                    lse = torch.logsumexp(logits, dim=-1)
+                    loss = loss + (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+                    one_hot = (columns == tc[:, None]).to(acc)
+                    grad = (torch.exp(logits - lse[:, None]) - one_hot).to(dtype)
                 grad_h[i:i + CHUNK_ROWS] = (grad @ w).to(h.dtype)
                 grad_w += (grad.t() @ hc).to(acc)
         ctx.save_for_backward(grad_h, grad_w[:weight.size(0)])

@@ -22,6 +22,8 @@ CPU = torch.device("cpu")
 def run_interpreted(code, repo_root):
     """Run code in a fresh interpreter with TRITON_INTERPRET=1 and return the JSON it prints last. The
     variable must be set before triton is imported (@triton.jit decides then), so never in this process."""
+    if sys.platform != "linux":
+        pytest.skip("Triton, and with it its interpreter, is published for Linux only")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": repo_root}
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
                           timeout=300)
@@ -84,8 +86,6 @@ KERNEL_CHECKS = """
 
 @pytest.fixture(scope="module")
 def kernel_results(repo_root):
-    if sys.platform != "linux":
-        pytest.skip("Triton, and with it its interpreter, is published for Linux only")
     return run_interpreted(KERNEL_CHECKS, repo_root)
 
 
@@ -214,8 +214,6 @@ CHUNKED_CHECKS = """
 
 @pytest.fixture(scope="module")
 def chunked_results(repo_root):
-    if sys.platform != "linux":
-        pytest.skip("Triton, and with it its interpreter, is published for Linux only")
     return run_interpreted(CHUNKED_CHECKS, repo_root)
 
 

@@ -10,10 +10,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from Utils import ce_kernel
+from Utils.gelu_mlp import gelu_mlp
 
 ATTENTIONS = ("manual", "sdpa", "cudnn")
 LOSSES = ("full", "chunked", "chunked_triton")
 RESIDUALS = ("fp32", "autocast")
+MLPS = ("modules", "epilogue")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class GPTConfig:
                                 # "chunked_triton": the same, its softmax-gradient pass a Triton kernel
     residual: str = "fp32"      # the residual stream's dtype under autocast: "fp32", or "autocast" (bf16
                                 # autocast only)
+    mlp: str = "modules"        # "modules": nn.Linear, nn.GELU, nn.Linear; "epilogue": c_fc's bias and GELU, and
+                                # their gradients, in GEMM epilogues (Utils.gelu_mlp)
 
     @property
     def padded_vocab_size(self):
@@ -47,6 +51,8 @@ class GPTConfig:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.residual not in RESIDUALS:
             raise ValueError(f"residual must be one of {RESIDUALS}, got {self.residual!r}")
+        if self.mlp not in MLPS:
+            raise ValueError(f"mlp must be one of {MLPS}, got {self.mlp!r}")
 
 
 # The GPT-2 sizes from the paper (Radford et al. 2019, table 2), and a tiny one for CPUs and tests.
@@ -98,8 +104,11 @@ class MLP(nn.Module):
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.c_proj.residual_scale = True
+        self.epilogue = config.mlp == "epilogue"
 
     def forward(self, x):
+        if self.epilogue:
+            return gelu_mlp(x, self.c_fc, self.c_proj)
         return self.c_proj(self.gelu(self.c_fc(x)))
 
 

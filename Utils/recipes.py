@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from Utils import ce_kernel
-from Utils.model import ATTENTIONS, LOSSES, RESIDUALS
+from Utils import ce_kernel, cublaslt
+from Utils.model import ATTENTIONS, LOSSES, MLPS, RESIDUALS
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -36,6 +36,7 @@ class Recipe:
     compile_update: bool = False   # torch.compile the gradient clip and the optimizer step together
     residual: str = "fp32"         # the residual stream under autocast: "fp32", or "autocast" (bf16)
     fold_clip: bool = False        # fused AdamW divides by the clip factor as it reads each gradient
+    mlp: str = "modules"           # "epilogue": c_fc's bias and GELU (and their gradients) in cuBLASLt GEMM epilogues
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
@@ -46,6 +47,8 @@ class Recipe:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.residual not in RESIDUALS:
             raise ValueError(f"residual must be one of {RESIDUALS}, got {self.residual!r}")
+        if self.mlp not in MLPS:
+            raise ValueError(f"mlp must be one of {MLPS}, got {self.mlp!r}")
         if self.residual == "autocast" and not self.bf16:
             raise ValueError("residual='autocast' needs bf16=True: without autocast the stream is fp32 anyway")
         if self.fold_clip and (self.optimizer != "adamw_fused" or self.compile_update):
@@ -81,6 +84,7 @@ ADDITIONS = {
     "loss_kernel": {"loss": "chunked_triton"},
     "bf16_residual": {"residual": "autocast"},
     "fold_clip": {"fold_clip": True},
+    "gelu_epilogue": {"mlp": "epilogue"},
 }
 MAX_PICKS = ("vocab_multiple", "loss_kernel", "prefetch", "sync_every", "cudagraphs", "bf16_residual")
 MAX_ADDITIONS = {field: value for name in MAX_PICKS for field, value in ADDITIONS[name].items()}
@@ -154,6 +158,15 @@ def apply_loss(config, recipe, device):
     if recipe.loss == "chunked_triton" and not ce_kernel.available(device):
         return replace(config, loss="chunked"), "the Triton loss kernel needs a GPU and Triton: plain chunked loss"
     return replace(config, loss=recipe.loss), None
+
+
+def apply_mlp(config, recipe, device):
+    """c_fc's GEMM writes the GELU and its input; c_proj's gradient GEMM applies GELU's derivative and sums
+    c_fc's bias gradient: three passes over a tokens x 3072 tensor per layer gone. Returns (config, note):
+    without cuBLASLt on a GPU, the plain MLP."""
+    if recipe.mlp == "epilogue" and not cublaslt.available(device):
+        return replace(config, mlp="modules"), "GEMM epilogues need cuBLASLt on a GPU: the plain MLP instead"
+    return replace(config, mlp=recipe.mlp), None
 
 
 def apply_residual(config, recipe):

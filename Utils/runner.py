@@ -24,8 +24,8 @@ from Utils.cli import PROFILE_STEPS, UsageError, fail, parse_args
 from Utils.data import DataError, TokenLoader, inputs_targets, load_tokens
 from Utils.model import GPT, PRESETS
 from Utils.recipes import (CUDAGRAPH_MODES, Unavailable, apply_attention, apply_compile, apply_fp8, apply_loss,
-                           apply_optimizer, apply_prefetch, apply_residual, apply_tf32, apply_vocab_padding,
-                           autocast_context, make_update)
+                           apply_mlp, apply_optimizer, apply_prefetch, apply_residual, apply_tf32,
+                           apply_vocab_padding, autocast_context, make_update)
 from Utils.results import ResultsError, append_run, check_prefix
 
 EXIT_FAILED, EXIT_USAGE, EXIT_OOM, EXIT_SKIPPED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
@@ -111,6 +111,8 @@ def train(recipe, cfg, device, tokens, run, rows, held):
     config, note = apply_attention(config, recipe, device)
     notes += [note] if note else []
     config, note = apply_loss(config, recipe, device)
+    notes += [note] if note else []
+    config, note = apply_mlp(config, recipe, device)
     notes += [note] if note else []
     for apply in (apply_vocab_padding, apply_residual):   # the other model-config changes of a rung
         config = apply(config, recipe)

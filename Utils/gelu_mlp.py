@@ -1,0 +1,80 @@
+"""The MLP block, c_proj(gelu(c_fc(x))), with c_fc's bias and the GELU done in GEMM epilogues.
+
+Compiled, the plain MLP is a cuBLAS GEMM, then a Triton kernel that reads its output and writes the GELU,
+and going backward a GEMM, a kernel for GELU's derivative and another that reads the result again for
+c_fc's bias gradient: three passes over a tokens x 3072 bf16 tensor, 0.1 GB per layer at batch 16.
+Here c_fc's GEMM writes both the GELU and its input (cuBLASLt's GELU_AUX_BIAS epilogue), and c_proj's
+input-gradient GEMM multiplies by GELU's derivative and sums the bias gradient as it stores its tiles
+(DGELU_BGRAD): the same mathematics, none of those passes.
+
+The two GEMMs are PyTorch operators (gpt_suite::linear_gelu and ::linear_dgelu), so torch.compile and
+CUDA graphs see them as opaque calls. On a GPU they run Utils.cublaslt; elsewhere, the same mathematics
+in PyTorch operations, which the tests compare with the plain MLP.
+"""
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from Utils import cublaslt
+
+
+@torch.library.custom_op("gpt_suite::linear_gelu", mutates_args=())
+def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """(gelu(h), h) with h = x @ weight.T + bias; GELU's tanh approximation, as GPT-2's."""
+    h = torch.addmm(bias, x, weight.t())
+    return F.gelu(h, approximate="tanh"), h
+
+
+@linear_gelu.register_kernel("cuda")
+def _(x, weight, bias):
+    return cublaslt.linear_gelu(x, weight, bias)
+
+
+@linear_gelu.register_fake
+def _(x, weight, bias):
+    h = x.new_empty(x.size(0), weight.size(0))
+    return torch.empty_like(h), h
+
+
+@torch.library.custom_op("gpt_suite::linear_dgelu", mutates_args=())
+def linear_dgelu(grad: Tensor, weight: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+    """(grad_h, grad_bias) through y = gelu(h) @ weight.T: grad_h = (grad @ weight) * gelu'(h), and
+    grad_bias, grad_h summed over rows in fp32 at least and rounded once."""
+    grad_h = torch.ops.aten.gelu_backward(grad @ weight, h, approximate="tanh")
+    return grad_h, grad_h.sum(0, dtype=torch.promote_types(h.dtype, torch.float32)).to(h.dtype)
+
+
+@linear_dgelu.register_kernel("cuda")
+def _(grad, weight, h):
+    return cublaslt.linear_dgelu(grad, weight, h)
+
+
+@linear_dgelu.register_fake
+def _(grad, weight, h):
+    return torch.empty_like(h), h.new_empty(h.size(1))
+
+
+class _GeluMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fc_weight, fc_bias, proj_weight, proj_bias):
+        a, h = linear_gelu(x, fc_weight, fc_bias)
+        ctx.save_for_backward(x, fc_weight, proj_weight, a, h)
+        return torch.addmm(proj_bias, a, proj_weight.t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, fc_weight, proj_weight, a, h = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_h, grad_fc_bias = linear_dgelu(grad, proj_weight, h)
+        return grad_h @ fc_weight, grad_h.t() @ x, grad_fc_bias, grad.t() @ a, grad.sum(0)
+
+
+def gelu_mlp(x, fc, proj):
+    """proj(gelu(fc(x))) for nn.Linear layers fc and proj, x [..., fc.in_features]. Under autocast, in the
+    autocast dtype, as the plain MLP's matmuls would be."""
+    device_type = x.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    params = (p.to(dtype) for p in (fc.weight, fc.bias, proj.weight, proj.bias))
+    with torch.autocast(device_type, enabled=False):
+        y = _GeluMLP.apply(x.reshape(-1, x.size(-1)).to(dtype).contiguous(), *params)
+    return y.view(*x.shape[:-1], y.size(-1))

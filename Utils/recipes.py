@@ -166,6 +166,8 @@ def apply_mlp(config, recipe, device):
     without cuBLASLt on a GPU, the plain MLP."""
     if recipe.mlp == "epilogue" and not cublaslt.available(device):
         return replace(config, mlp="modules"), "GEMM epilogues need cuBLASLt on a GPU: the plain MLP instead"
+    if recipe.mlp == "epilogue":
+        cublaslt.prepare(device)
     return replace(config, mlp=recipe.mlp), None
 
 

@@ -18,14 +18,13 @@ _OP_N, _OP_T = 0, 1
 _CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = 0, 2, 14
 _COMPUTE_32F = 68
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
-_DESC_AUX_POINTER, _DESC_AUX_LD, _DESC_BIAS_DATA_TYPE = 11, 12, 26
+_DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
 _PREF_MAX_WORKSPACE_BYTES = 1
 GELU_AUX_BIAS = 32 | 128 | 4   # bias, then GELU; the GELU's input stored as the auxiliary output
 DGELU = 64 | 128               # times GELU'(auxiliary input)
 CANDIDATES = 8                 # heuristic algorithms timed on a shape's first call; the fastest is kept
 WORKSPACE_BYTES = 32 << 20     # what cuBLAS asks for on Hopper
 _DTYPES = {torch.bfloat16: _CUDA_R_16BF, torch.float16: _CUDA_R_16F}
-_BIAS_DTYPES = {**_DTYPES, torch.float32: _CUDA_R_32F}
 
 
 class _HeuristicResult(ctypes.Structure):
@@ -87,10 +86,10 @@ def _layout(lib, dtype, rows, cols, ld):
     return layout
 
 
-def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, bias_dtype):
+def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype):
     """Descriptors and the heuristic's algorithms for column-major D[m, n] = op(A) @ op(B), made once per
     shape: the bias and auxiliary pointers are set on the descriptor at each call."""
-    key = device_index, epilogue, trans_a, trans_b, m, n, k, dtype, bias_dtype
+    key = device_index, epilogue, trans_a, trans_b, m, n, k, dtype
     if key in _plans:
         return _plans[key]
     lib, (handle, _) = _library(), _handle(device_index)
@@ -100,8 +99,6 @@ def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, bias_dtype):
     _set(lib, desc, _DESC_TRANSB, ctypes.c_int32(trans_b))
     _set(lib, desc, _DESC_EPILOGUE, ctypes.c_int32(epilogue))
     _set(lib, desc, _DESC_AUX_LD, ctypes.c_int64(m))
-    if bias_dtype != dtype:
-        _set(lib, desc, _DESC_BIAS_DATA_TYPE, ctypes.c_int32(bias_dtype))
     a = _layout(lib, dtype, k, m, k) if trans_a == _OP_T else _layout(lib, dtype, m, k, m)
     b = _layout(lib, dtype, n, k, n) if trans_b == _OP_T else _layout(lib, dtype, k, n, k)
     d = _layout(lib, dtype, m, n, m)
@@ -141,13 +138,9 @@ def _matmul(epilogue, x, y, out, bias, aux, x_t=False, y_t=False, algo=None):
     if _library() is None:
         raise RuntimeError("cuBLASLt was not found: the GEMM epilogues need a CUDA build of PyTorch on a GPU")
     tensors = [t for t in (x, y, out, bias, aux) if t is not None]
-    matrices = [t for t in (x, y, out, aux) if t is not None]
-    if (x.dtype not in _DTYPES or any(t.dtype != x.dtype for t in matrices)
-            or (bias is not None and bias.dtype not in (x.dtype, torch.float32))):
-        raise ValueError(f"cuBLASLt epilogue GEMMs take bf16 or fp16 matrices of one dtype and a bias of that dtype "
-                         f"or fp32, got {', '.join(str(t.dtype) for t in tensors)}")
-    if not all(t.is_contiguous() for t in tensors):
-        raise ValueError("cuBLASLt epilogue GEMMs take contiguous tensors")
+    if x.dtype not in _DTYPES or any(t.dtype != x.dtype or not t.is_contiguous() for t in tensors):
+        raise ValueError(f"cuBLASLt epilogue GEMMs take contiguous bf16 or fp16 tensors of one dtype, got "
+                         f"{', '.join(str(t.dtype) for t in tensors)}")
     if any(t.data_ptr() % 16 for t in tensors):
         raise ValueError("cuBLASLt epilogue GEMMs need 16-byte aligned tensors")
     rows, k = reversed(x.shape) if x_t else x.shape
@@ -158,7 +151,7 @@ def _matmul(epilogue, x, y, out, bias, aux, x_t=False, y_t=False, algo=None):
     # Row-major out = op(x) @ op(y) is column-major out.T = op(y).T @ op(x).T: A is y, B is x.
     device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     plan = _plan(device_index, epilogue, _OP_T if y_t else _OP_N, _OP_T if x_t else _OP_N, columns, rows, k,
-                 _DTYPES[x.dtype], _BIAS_DTYPES[bias.dtype if bias is not None else x.dtype])
+                 _DTYPES[x.dtype])
     desc, a_layout, b_layout, d_layout, results, fastest = plan
     lib, (handle, workspace) = _library(), _handle(device_index)
     _set(lib, desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr() if bias is not None else 0))

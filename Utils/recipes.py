@@ -86,7 +86,8 @@ ADDITIONS = {
     "fold_clip": {"fold_clip": True},
     "gelu_epilogue": {"mlp": "epilogue"},
 }
-MAX_PICKS = ("vocab_multiple", "loss_kernel", "prefetch", "sync_every", "cudagraphs", "bf16_residual")
+MAX_PICKS = ("vocab_multiple", "loss_kernel", "prefetch", "sync_every", "cudagraphs", "bf16_residual",
+             "gelu_epilogue")
 MAX_ADDITIONS = {field: value for name in MAX_PICKS for field, value in ADDITIONS[name].items()}
 MAX = replace(FUSED, name="max", **MAX_ADDITIONS)
 

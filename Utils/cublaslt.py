@@ -11,6 +11,7 @@ PyTorch on the outside; cuBLASLt is column-major, so each call computes the tran
 import ctypes
 import ctypes.util
 import functools
+import statistics
 
 import torch
 
@@ -22,7 +23,7 @@ _DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
 _PREF_MAX_WORKSPACE_BYTES = 1
 GELU_AUX_BIAS = 32 | 128 | 4   # bias, then GELU; the GELU's input stored as the auxiliary output
 DGELU = 64 | 128               # times GELU'(auxiliary input)
-CANDIDATES = 8                 # heuristic algorithms timed on a shape's first call; the fastest is kept
+CANDIDATES = 8                 # up to this many heuristic algorithms are timed on a shape's first call
 WORKSPACE_BYTES = 32 << 20     # what cuBLAS asks for on Hopper
 _DTYPES = {torch.bfloat16: _CUDA_R_16BF, torch.float16: _CUDA_R_16F}
 
@@ -30,6 +31,21 @@ _DTYPES = {torch.bfloat16: _CUDA_R_16BF, torch.float16: _CUDA_R_16F}
 class _HeuristicResult(ctypes.Structure):
     _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
                 ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+_P, _INT, _SIZE = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+# The C signatures (cublasLt.h), so that ctypes passes each argument at its declared width.
+_SIGNATURES = {
+    "cublasLtCreate": [_P],
+    "cublasLtMatmulDescCreate": [_P, _INT, _INT],
+    "cublasLtMatmulDescSetAttribute": [_P, _INT, _P, _SIZE],
+    "cublasLtMatrixLayoutCreate": [_P, _INT, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
+    "cublasLtMatmulPreferenceCreate": [_P],
+    "cublasLtMatmulPreferenceSetAttribute": [_P, _INT, _P, _SIZE],
+    "cublasLtMatmulPreferenceDestroy": [_P],
+    "cublasLtMatmulAlgoGetHeuristic": [_P, _P, _P, _P, _P, _P, _P, _INT, _P, _P],
+    "cublasLtMatmul": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _SIZE, _P],
+}
 
 
 @functools.cache
@@ -40,7 +56,13 @@ def _library():
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libcublasLt.so" in line}
         path = min(paths) if paths else ctypes.util.find_library("cublasLt")
-        return ctypes.CDLL(path) if path else None
+        if not path:
+            return None
+        lib = ctypes.CDLL(path)
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(lib, name)
+            function.argtypes, function.restype = argtypes, ctypes.c_int   # every one returns cublasStatus_t
+        return lib
     except Exception:   # no GPU, no /proc (not Linux), or a library that will not load
         return None
 
@@ -81,8 +103,7 @@ def _set(lib, desc, attribute, value):
 
 def _layout(lib, dtype, rows, cols, ld):
     layout = ctypes.c_void_p()
-    _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, ctypes.c_uint64(rows),
-                                          ctypes.c_uint64(cols), ctypes.c_int64(ld)), "cublasLtMatrixLayoutCreate")
+    _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld), "cublasLtMatrixLayoutCreate")
     return layout
 
 
@@ -108,8 +129,10 @@ def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype):
     _check(lib.cublasLtMatmulPreferenceSetAttribute(preference, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit),
                                                     ctypes.sizeof(limit)), "cublasLtMatmulPreferenceSetAttribute")
     results, count = (_HeuristicResult * CANDIDATES)(), ctypes.c_int()
-    _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, d, d, preference, CANDIDATES, results,
-                                              ctypes.byref(count)), "cublasLtMatmulAlgoGetHeuristic")
+    status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, d, d, preference, CANDIDATES, results,
+                                                ctypes.byref(count))
+    lib.cublasLtMatmulPreferenceDestroy(preference)
+    _check(status, "cublasLtMatmulAlgoGetHeuristic")
     if count.value == 0:
         raise RuntimeError(f"cuBLASLt has no algorithm for epilogue {epilogue} at m={m} n={n} k={k}")
     _plans[key] = [desc, a, b, d, list(results)[:count.value], None]   # None: the fastest not yet known
@@ -122,11 +145,12 @@ def _fastest(launch, candidates):
     for i in range(candidates):
         events = [torch.cuda.Event(enable_timing=True) for _ in range(11)]
         launch(i), launch(i)
-        for event in events:
-            event.record()
+        events[0].record()
+        for event in events[1:]:
             launch(i)
+            event.record()
         events[-1].synchronize()
-        times.append(sorted(a.elapsed_time(b) for a, b in zip(events, events[1:]))[4])
+        times.append(statistics.median(a.elapsed_time(b) for a, b in zip(events, events[1:])))
     return min(range(candidates), key=times.__getitem__)
 
 
@@ -135,21 +159,32 @@ def _matmul(epilogue, x, y, out, bias, aux, x_t=False, y_t=False, algo=None):
     out) and `aux` (out's shape) as the epilogue uses them. `algo` picks a heuristic candidate; by default,
     the one found fastest on the shape's first call (the heuristic's first while a CUDA graph is captured).
     """
-    if _library() is None:
-        raise RuntimeError("cuBLASLt was not found: the GEMM epilogues need a CUDA build of PyTorch on a GPU")
     tensors = [t for t in (x, y, out, bias, aux) if t is not None]
-    if x.dtype not in _DTYPES or any(t.dtype != x.dtype or not t.is_contiguous() for t in tensors):
-        raise ValueError(f"cuBLASLt epilogue GEMMs take contiguous bf16 or fp16 tensors of one dtype, got "
+    if x.dtype not in _DTYPES or any(t.dtype != x.dtype for t in tensors):
+        raise ValueError(f"cuBLASLt epilogue GEMMs take bf16 or fp16 tensors of one dtype, got "
                          f"{', '.join(str(t.dtype) for t in tensors)}")
-    if any(t.data_ptr() % 16 for t in tensors):
-        raise ValueError("cuBLASLt epilogue GEMMs need 16-byte aligned tensors")
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("cuBLASLt epilogue GEMMs take contiguous tensors")
+    # The heuristic is asked for algorithms that assume cuBLASLt's default 256-byte alignment, which
+    # PyTorch's allocations have.
+    if any(t.data_ptr() % 256 for t in tensors):
+        raise ValueError("cuBLASLt epilogue GEMMs need 256-byte aligned tensors (fresh allocations, not offset views)")
     rows, k = reversed(x.shape) if x_t else x.shape
     k_y, columns = reversed(y.shape) if y_t else y.shape
-    if k_y != k or tuple(out.shape) != (rows, columns):
-        raise ValueError(f"cuBLASLt GEMM shapes do not match: {tuple(x.shape)} times {tuple(y.shape)} "
-                         f"into {tuple(out.shape)}")
+    if (k_y != k or tuple(out.shape) != (rows, columns) or (aux is not None and aux.shape != out.shape)
+            or (bias is not None and bias.shape != (columns,))):
+        raise ValueError(f"cuBLASLt GEMM shapes do not match: {tuple(x.shape)} times {tuple(y.shape)} into "
+                         f"{tuple(out.shape)}, bias {None if bias is None else tuple(bias.shape)}, auxiliary "
+                         f"{None if aux is None else tuple(aux.shape)}")
+    if aux is not None and columns % 8:
+        raise ValueError(f"cuBLASLt's GELU epilogues need a multiple of 8 output columns, got {columns}")
+    if any(t.device.type != "cuda" or t.device != x.device for t in tensors):
+        raise ValueError(f"cuBLASLt GEMMs take tensors on one CUDA device, got "
+                         f"{', '.join(str(t.device) for t in tensors)}")
+    if _library() is None:
+        raise RuntimeError("cuBLASLt was not found: the GEMM epilogues need a CUDA build of PyTorch on a GPU")
     # Row-major out = op(x) @ op(y) is column-major out.T = op(y).T @ op(x).T: A is y, B is x.
-    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    device_index = x.device.index
     plan = _plan(device_index, epilogue, _OP_T if y_t else _OP_N, _OP_T if x_t else _OP_N, columns, rows, k,
                  _DTYPES[x.dtype])
     desc, a_layout, b_layout, d_layout, results, fastest = plan
@@ -166,13 +201,16 @@ def _matmul(epilogue, x, y, out, bias, aux, x_t=False, y_t=False, algo=None):
                                   d_layout, ctypes.byref(results[i].algo), ctypes.c_void_p(workspace.data_ptr()),
                                   ctypes.c_size_t(WORKSPACE_BYTES), ctypes.c_void_p(stream)), "cublasLtMatmul")
 
-    if algo is None and fastest is None:
-        if torch.cuda.is_current_stream_capturing():
-            algo = 0
-        else:
-            # The heuristic's first choice was up to 18% slower than the best of its eight at these shapes.
-            algo = plan[5] = _fastest(launch, len(results))
-    launch(fastest if algo is None else algo)
+    with torch.cuda.device(x.device):
+        if algo is None and fastest is None:
+            if torch.cuda.is_current_stream_capturing():
+                algo = 0
+            else:
+                # The heuristic's first choice was up to 18% slower than the best of its (up to) eight at
+                # these shapes. Timing makes the choice depend on the run: results agree to rounding
+                # between runs, not bit for bit.
+                algo = plan[5] = _fastest(launch, len(results))
+        launch(fastest if algo is None else algo)
 
 
 def linear_gelu(x, weight, bias):

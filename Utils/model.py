@@ -33,7 +33,7 @@ class GPTConfig:
     residual: str = "fp32"      # the residual stream's dtype under autocast: "fp32", or "autocast" (bf16
                                 # autocast only)
     mlp: str = "modules"        # "modules": nn.Linear, nn.GELU, nn.Linear; "epilogue": c_fc's bias and GELU, and
-                                # their gradients, in GEMM epilogues (Utils.gelu_mlp)
+                                # GELU's derivative, in GEMM epilogues (Utils.gelu_mlp)
 
     @property
     def padded_vocab_size(self):

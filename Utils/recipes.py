@@ -36,7 +36,7 @@ class Recipe:
     compile_update: bool = False   # torch.compile the gradient clip and the optimizer step together
     residual: str = "fp32"         # the residual stream under autocast: "fp32", or "autocast" (bf16)
     fold_clip: bool = False        # fused AdamW divides by the clip factor as it reads each gradient
-    mlp: str = "modules"           # "epilogue": c_fc's bias and GELU (and their gradients) in cuBLASLt GEMM epilogues
+    mlp: str = "modules"           # "epilogue": c_fc's bias and GELU (and GELU's derivative) in cuBLASLt GEMM epilogues
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
@@ -51,6 +51,9 @@ class Recipe:
             raise ValueError(f"mlp must be one of {MLPS}, got {self.mlp!r}")
         if self.residual == "autocast" and not self.bf16:
             raise ValueError("residual='autocast' needs bf16=True: without autocast the stream is fp32 anyway")
+        if self.mlp == "epilogue" and (not self.bf16 or self.fp8):
+            raise ValueError("mlp='epilogue' needs bf16=True (cuBLASLt's GELU epilogues take bf16 matrices) and no "
+                             "fp8 (whose layers it would bypass)")
         if self.fold_clip and (self.optimizer != "adamw_fused" or self.compile_update):
             raise ValueError("fold_clip needs optimizer='adamw_fused' (the only one that takes a gradient scale) "
                              "and no compile_update (which fuses the clip its own way)")

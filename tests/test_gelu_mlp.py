@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from Utils import cublaslt
+from Utils import cublaslt, gelu_mlp as gelu_mlp_module
 from Utils.gelu_mlp import gelu_mlp, linear_dgelu, linear_gelu
 from Utils.model import MLPS, PRESETS, GPT, GPTConfig
 from Utils.recipes import FUSED, MAX, Recipe, apply_mlp
@@ -25,14 +25,30 @@ def _pair(dtype=torch.float64, **changes):
     return plain, fused, idx, torch.roll(idx, -1, 1)
 
 
-def test_epilogue_mlp_gives_the_plain_models_loss_and_gradients_in_float64():
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Counts the two operators' calls, so that a test knows the epilogue path ran at all."""
+    calls = {"linear_gelu": 0, "linear_dgelu": 0}
+    for name in calls:
+        op = getattr(gelu_mlp_module, name)
+
+        def counted(*args, _op=op, _name=name):
+            calls[_name] += 1
+            return _op(*args)
+        monkeypatch.setattr(gelu_mlp_module, name, counted)
+    return calls
+
+
+def test_epilogue_mlp_gives_the_plain_models_loss_and_gradients_in_float64(op_calls):
     plain, fused, x, y = _pair()
+    assert fused.transformer.h[0].mlp.epilogue and not plain.transformer.h[0].mlp.epilogue
     losses = []
     for model in (plain, fused):
         _, loss = model(x, y)
         loss.backward()
         losses.append(loss)
     assert torch.equal(losses[0], losses[1])
+    assert op_calls == {"linear_gelu": CONFIG.n_layer, "linear_dgelu": CONFIG.n_layer}
     for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-14, msg=name)
 
@@ -66,7 +82,7 @@ def test_operators_pass_pytorchs_operator_checks(op, args):
     torch.library.opcheck(op, args)
 
 
-def test_under_bf16_autocast_the_mlp_computes_in_bf16_and_parameters_get_fp32_gradients():
+def test_under_bf16_autocast_the_mlp_computes_in_bf16_and_parameters_get_fp32_gradients(op_calls):
     plain, fused, x, y = _pair(torch.float32)
     seen = []
     handle = fused.transformer.h[0].mlp.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
@@ -78,6 +94,7 @@ def test_under_bf16_autocast_the_mlp_computes_in_bf16_and_parameters_get_fp32_gr
         losses.append(loss.item())
     handle.remove()
     assert seen == [torch.bfloat16]
+    assert op_calls == {"linear_gelu": CONFIG.n_layer, "linear_dgelu": CONFIG.n_layer}
     assert abs(losses[0] - losses[1]) < 2e-2
     fc = fused.transformer.h[0].mlp.c_fc
     assert fc.weight.grad.dtype == fc.bias.grad.dtype == torch.float32
@@ -86,12 +103,20 @@ def test_under_bf16_autocast_the_mlp_computes_in_bf16_and_parameters_get_fp32_gr
 
 def test_compiled_epilogue_model_equals_eager():
     _, fused, x, y = _pair(torch.float32)
+    graphs = []
+
+    def backend(gm, example_inputs):   # records the traced graph, then compiles it as torch.compile would
+        graphs.append(gm)
+        return torch._inductor.compile(gm, example_inputs)
     _, eager = fused(x, y)
     eager.backward()
     eager_grads = [p.grad.clone() for p in fused.parameters()]
     fused.zero_grad(set_to_none=True)
-    _, compiled = torch.compile(fused, fullgraph=True)(x, y)
+    _, compiled = torch.compile(fused, fullgraph=True, backend=backend)(x, y)
     compiled.backward()
+    # The autograd function was traced whole (its forward and backward as subgraphs), its operators as calls.
+    code = "".join(m.code for gm in graphs for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
+    assert "gpt_suite.linear_gelu" in code and "gpt_suite.linear_dgelu" in code
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     for a, b in zip(eager_grads, fused.parameters()):
         torch.testing.assert_close(b.grad, a, rtol=1e-4, atol=1e-5)
@@ -106,11 +131,38 @@ def test_apply_mlp_falls_back_to_the_plain_mlp_with_a_note_where_cublaslt_cannot
     assert not cublaslt.available(CPU)
 
 
-def test_cublaslt_calls_refuse_what_they_cannot_run_with_one_line_errors():
-    x, w, b = torch.randn(4, 8).bfloat16(), torch.randn(16, 8).bfloat16(), torch.randn(16).bfloat16()
-    with pytest.raises((RuntimeError, ValueError)) as error:
-        cublaslt.linear_gelu(x, w, b)
-    assert "\n" not in str(error.value) and "cuBLASLt" in str(error.value)
+def _aligned(*shape):
+    """A bf16 tensor whose data starts on a 256-byte boundary, as the GPU allocator's do (the CPU's need not)."""
+    n = torch.Size(shape).numel()
+    buffer = torch.zeros(n + 128, dtype=torch.bfloat16)
+    skip = (-buffer.data_ptr() % 256) // 2
+    return buffer[skip:skip + n].view(shape)
+
+
+def _gemm_args(**changes):
+    args = dict(x=_aligned(4, 8), y=_aligned(16, 8), out=_aligned(4, 16), bias=_aligned(16), aux=_aligned(4, 16))
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({}, "CUDA device"),                                                   # everything right but the device
+    (dict(x=torch.randn(4, 8)), "bf16 or fp16"),                          # fp32 matrices
+    (dict(bias=torch.randn(16)), "bf16 or fp16"),                         # an fp32 bias
+    (dict(y=torch.randn(8, 16).bfloat16().t()), "contiguous"),            # a transposed view
+    (dict(x=_aligned(5, 8)[1:]), "aligned"),                             # a view offset by one row
+    (dict(y=_aligned(16, 6)), "shapes do not match"),                     # inner dimensions differ
+    (dict(bias=_aligned(12)), "shapes do not match"),                     # bias of the wrong length
+    (dict(aux=_aligned(4, 12)), "shapes do not match"),                   # auxiliary output of the wrong shape
+    (dict(y=_aligned(12, 8), out=_aligned(4, 12), bias=_aligned(12), aux=_aligned(4, 12)),
+     "multiple of 8"),                                                     # 12 output columns
+])
+def test_cublaslt_gemms_refuse_what_they_cannot_run_with_one_line_errors(changes, message):
+    args = _gemm_args(**changes)
+    with pytest.raises(ValueError, match=message) as error:
+        cublaslt._matmul(cublaslt.GELU_AUX_BIAS, args["x"], args["y"], args["out"], args["bias"], args["aux"],
+                         y_t=True)
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("make", [lambda: GPTConfig(mlp="fused"), lambda: Recipe("x", mlp="fused")])

@@ -53,7 +53,8 @@ def test_make_ablation_runs_every_addition():
 
 @pytest.mark.parametrize("bad", [dict(attention="flash2"), dict(optimizer="sgd"), dict(loss="fused"),
                                  dict(vocab_multiple=0), dict(sync_every=0), dict(compile_mode="fast"),
-                                 dict(compile_mode="reduce-overhead")])
+                                 dict(compile_mode="reduce-overhead"), dict(mlp="epilogue"),
+                                 dict(bf16=True, fp8=True, mlp="epilogue")])
 def test_impossible_recipes_are_refused(bad):
     with pytest.raises(ValueError):
         replace(BASELINE, **bad)

@@ -92,6 +92,8 @@ def _handle(device_index):
     return _handles[device_index]
 
 
+# One handle and workspace per device, one descriptor per shape, kept for the process's life: calls made
+# from several streams or threads at once would share them, and the training loop makes one at a time.
 _handles = {}
 _plans = {}
 

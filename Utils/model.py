@@ -16,6 +16,15 @@ ATTENTIONS = ("manual", "sdpa", "cudnn")
 LOSSES = ("full", "chunked", "chunked_triton")
 RESIDUALS = ("fp32", "autocast")
 MLPS = ("modules", "epilogue")
+# The model options that a config names, and a recipe passes on to it: both check them here.
+CHOICES = {"attention": ATTENTIONS, "loss": LOSSES, "residual": RESIDUALS, "mlp": MLPS}
+
+
+def check_choices(obj, choices=CHOICES):
+    """Raise ValueError unless each field of obj named in choices holds one of its allowed values."""
+    for name, allowed in choices.items():
+        if getattr(obj, name) not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {getattr(obj, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -45,14 +54,7 @@ class GPTConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
-        if self.residual not in RESIDUALS:
-            raise ValueError(f"residual must be one of {RESIDUALS}, got {self.residual!r}")
-        if self.mlp not in MLPS:
-            raise ValueError(f"mlp must be one of {MLPS}, got {self.mlp!r}")
+        check_choices(self)
 
 
 # The GPT-2 sizes from the paper (Radford et al. 2019, table 2), and a tiny one for CPUs and tests.

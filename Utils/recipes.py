@@ -11,8 +11,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from Utils import ce_kernel, cublaslt
-from Utils.model import ATTENTIONS, LOSSES, MLPS, RESIDUALS
+from Utils.model import CHOICES, check_choices
 
+OPTIMIZERS = ("adamw", "adamw_fused", "adamw8bit")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
@@ -39,16 +40,7 @@ class Recipe:
     mlp: str = "modules"           # "epilogue": c_fc's bias and GELU (and GELU's derivative) in cuBLASLt GEMM epilogues
 
     def __post_init__(self):
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
-        if self.optimizer not in ("adamw", "adamw_fused", "adamw8bit"):
-            raise ValueError(f"optimizer must be adamw, adamw_fused or adamw8bit, got {self.optimizer!r}")
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
-        if self.residual not in RESIDUALS:
-            raise ValueError(f"residual must be one of {RESIDUALS}, got {self.residual!r}")
-        if self.mlp not in MLPS:
-            raise ValueError(f"mlp must be one of {MLPS}, got {self.mlp!r}")
+        check_choices(self, {**CHOICES, "optimizer": OPTIMIZERS, "compile_mode": COMPILE_MODES})
         if self.residual == "autocast" and not self.bf16:
             raise ValueError("residual='autocast' needs bf16=True: without autocast the stream is fp32 anyway")
         if self.mlp == "epilogue" and (not self.bf16 or self.fp8):
@@ -59,8 +51,6 @@ class Recipe:
                              "and no compile_update (which fuses the clip its own way)")
         if self.vocab_multiple < 1 or self.sync_every < 1:
             raise ValueError("vocab_multiple and sync_every must be at least 1")
-        if self.compile_mode not in COMPILE_MODES:
-            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         if self.compile_mode != "default" and not self.compile:
             raise ValueError(f"compile_mode={self.compile_mode!r} needs compile=True")
 

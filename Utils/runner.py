@@ -108,12 +108,9 @@ def train(recipe, cfg, device, tokens, run, rows, held):
     Objects that hold device memory go into `held` so the caller can release them on any exit."""
     notes = [n for n in [apply_tf32(recipe, device)] if n]
     config = PRESETS[cfg.model]
-    config, note = apply_attention(config, recipe, device)
-    notes += [note] if note else []
-    config, note = apply_loss(config, recipe, device)
-    notes += [note] if note else []
-    config, note = apply_mlp(config, recipe, device)
-    notes += [note] if note else []
+    for apply in (apply_attention, apply_loss, apply_mlp):   # model-config changes that may not apply here
+        config, note = apply(config, recipe, device)
+        notes += [note] if note else []
     for apply in (apply_vocab_padding, apply_residual):   # the other model-config changes of a rung
         config = apply(config, recipe)
     torch.manual_seed(cfg.seed)

@@ -5,6 +5,11 @@ running sum rescaled to it, "online softmax"), writes the row's loss, then reads
 overwrites it with its gradient, softmax minus one-hot: two reads and one write of bf16 logits, in place.
 Inductor's fusion of the same expression (Utils.model._ChunkedCrossEntropy) reads each row three times.
 
+Two details make it 11% faster than the plain form of that loop on an H200 (328 against 369 us for 4,096
+rows of 50,304 columns, results/logs/loss-kernel-variants.log): the first pass computes one exponential
+per element instead of two, and the second pass walks the row backwards, so that it starts with the
+columns the first pass read last, the likeliest still to be in L2.
+
 Triton is optional: `available()` says whether the kernel can run here. With TRITON_INTERPRET=1 set
 before this module is imported, Triton's interpreter runs the kernel on CPU tensors (the tests do).
 """
@@ -18,8 +23,8 @@ try:
 except Exception:   # absent, or broken: apply_loss then runs the plain chunked loss instead
     triton = None
 
-BLOCK = 2048   # columns per load; with 4 warps, the fastest of 1024..8192 x 4..16 warps on an H200
-NUM_WARPS = 4
+BLOCK = 2048   # columns per load; with 8 warps, the fastest of 1024..4096 x 4..16 warps on an H200
+NUM_WARPS = 8
 
 
 # Read once, as @triton.jit reads it when the kernel is defined below.
@@ -42,21 +47,25 @@ def _define():
         # Read before the reductions, whose barriers order it before any warp's in-place writes below.
         target = tl.load(targets_ptr + row)
         target_logit = tl.load(base + target).to(tl.float32)
-        # Per-lane running maximum and sum of exp(x - maximum); -1e30 rather than -inf, so that a lane that
-        # has seen only masked columns rescales by exp(0) instead of computing inf - inf.
+        # Per-lane running maximum m and sum s of exp(x - m). -1e30 rather than -inf, so that a lane that
+        # has seen only masked columns never computes inf - inf. Of the two exponentials of the textbook
+        # update, s * exp(m - m') + exp(x - m'), one is always exp(0): exp(-|x - m|) is the other.
         m = tl.full([BLOCK], -1e30, tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
         for start in range(0, n_cols, BLOCK):
             cols = start + offsets
             x = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, x)
-            s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
-            m = m_new
+            d = x - m
+            e = tl.exp(-tl.abs(d))
+            up = d > 0
+            s = tl.where(up, s * e + 1.0, s + e)
+            m = tl.where(up, x, m)
         m_row = tl.max(m, 0)
         lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), 0))
         tl.store(row_loss_ptr + row, lse - target_logit)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + offsets
+        n_blocks = tl.cdiv(n_cols, BLOCK)
+        for i in range(0, n_blocks):
+            cols = (n_blocks - 1 - i) * BLOCK + offsets   # backwards: the last-read columns first
             x = tl.load(base + cols, mask=cols < vocab_size, other=0.0).to(tl.float32)
             p = tl.where(cols < vocab_size, tl.exp(x - lse), 0.0)   # padded columns: exactly zero gradient
             g = p - tl.where(cols == target, 1.0, 0.0)

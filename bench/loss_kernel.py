@@ -1,0 +1,63 @@
+"""Checks and times the loss kernel of Utils.ce_kernel on a GPU, on one chunk of the chunked loss (4,096
+rows of GPT-2's padded 50,304-column bf16 logits): its losses and gradients against float64, and its time
+against a copy of the chunk (one read and one write, the least any in-place pass can move) and against
+Inductor's fusion of the same pass (the `loss="chunked"` expression).
+
+    python3 bench/loss_kernel.py
+"""
+import os
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from Utils import ce_kernel  # noqa: E402
+from Utils.model import CHUNK_ROWS  # noqa: E402
+
+VOCAB, PADDED = 50257, 50304
+
+
+def inductor_pass(logits, targets):
+    columns = torch.arange(logits.size(1), device=logits.device)
+    x = logits.float().masked_fill(columns >= VOCAB, float("-inf"))
+    lse = torch.logsumexp(x, dim=-1)
+    loss = lse - x.gather(1, targets[:, None]).squeeze(1)
+    grad = torch.exp(x - lse[:, None]) - (columns == targets[:, None]).float()
+    return loss, grad.to(logits.dtype)
+
+
+def main():
+    if not torch.cuda.is_available() or not ce_kernel.available(torch.device("cuda")):
+        sys.exit("error: this benchmark needs a CUDA GPU with Triton")
+    torch.manual_seed(0)
+    logits = (torch.randn(CHUNK_ROWS, PADDED, device="cuda") * 3).bfloat16()
+    targets = torch.randint(0, VOCAB, (CHUNK_ROWS,), device="cuda")
+
+    x = logits.double()[:, :VOCAB]
+    lse = torch.logsumexp(x, 1)
+    want_loss = lse - x.gather(1, targets[:, None]).squeeze(1)
+    want_grad = torch.exp(x - lse[:, None])
+    want_grad[torch.arange(CHUNK_ROWS), targets] -= 1
+    grad = logits.clone()
+    loss = ce_kernel.cross_entropy_grad(grad, targets, VOCAB)
+    print(f"check: largest |loss error| {(loss.double() - want_loss).abs().max().item():.1e}, largest |gradient "
+          f"error| {(grad[:, :VOCAB].double() - want_grad).abs().max().item():.1e} (bf16 rounding of values "
+          f"up to 1 is 3.9e-03), padded columns' largest |gradient| {grad[:, VOCAB:].abs().max().item()}")
+
+    chunk_bytes = logits.numel() * logits.element_size()
+    buf = logits.clone()
+    compiled = torch.compile(inductor_pass)
+    timings = {
+        "copy of the chunk": lambda: buf.copy_(logits),
+        "Utils.ce_kernel": lambda: ce_kernel.cross_entropy_grad(buf, targets, VOCAB),
+        "Inductor's fusion": lambda: compiled(logits, targets),
+    }
+    for name, fn in timings.items():
+        us = do_bench(fn, warmup=30, rep=300) * 1e3
+        print(f"{name:18s} {us:6.1f} us per chunk  ({2 * chunk_bytes / us / 1e6:.2f} TB/s counting one read and "
+              f"one write of {chunk_bytes / 1e6:.0f} MB)")
+
+
+if __name__ == "__main__":
+    main()

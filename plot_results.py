@@ -10,7 +10,8 @@ Which runs are compared: the baseline's latest ok run sets the configuration (ba
 length, model, data, device, GPU); each rung is represented by its latest ok run with that
 configuration. Runs that do not match, or whose step times are NaN or not positive, are left out
 and listed in summary.md. A rung without such a run keeps its table row with the status of its
-latest run, and gets no bar.
+latest run, and gets no bar. A rung run several times from one commit (`make max` three times, say) gets
+a note with each run's median and the median of those, since runs differ more than steps within one.
 
 Median and IQR are recomputed here from the measured (non-warm-up) step times in results.csv, so
 that the table and the charts rest on the same numbers; runs.csv supplies status, memory, compile
@@ -180,6 +181,8 @@ class _Selection:
     status_rows: dict                 # rung -> runs_df row shown for a rung with nothing chosen
     superseded: int = 0
     newer_not_ok: list = field(default_factory=list)   # runs_df rows that ended badly after the chosen one
+    repeats: dict = field(default_factory=dict)        # rung -> runs_df rows of its ok runs from the chosen
+                                                       # run's commit, when there are several
 
 
 def _select(runs_df, steps_df):
@@ -214,13 +217,17 @@ def _select(runs_df, steps_df):
         if reasons:
             excluded.append(Excluded(run["run_id"], run["optimization"], "; ".join(reasons)))
 
-    chosen, status_rows, superseded, newer_not_ok = {}, {}, 0, []
+    chosen, status_rows, superseded, newer_not_ok, repeats = {}, {}, 0, [], {}
     for rung in rung_order(runs_df["optimization"]):
         rows = runs_df[runs_df["optimization"] == rung]
         candidates = [i for i in rows.index if i in usable and i not in mismatched]
         if candidates:
             chosen[rung] = runs_df.loc[candidates[-1]]
             superseded += len(candidates) - 1
+            commit = str(runs_df.at[candidates[-1], "git_commit"]).strip()
+            same_code = [i for i in candidates if commit and str(runs_df.at[i, "git_commit"]).strip() == commit]
+            if len(same_code) > 1:
+                repeats[rung] = [runs_df.loc[i] for i in same_code]
             newer_not_ok += [runs_df.loc[i] for i in rows.index
                              if i > candidates[-1] and runs_df.at[i, "status"] != "ok"
                              and not _mismatches(runs_df.loc[i], reference, STATUS_KEYS)]
@@ -230,7 +237,7 @@ def _select(runs_df, steps_df):
             status_rows[rung] = runs_df.loc[same_kind[-1]]
         else:
             status_rows[rung] = None
-    return _Selection(reference, has_baseline, chosen, excluded, status_rows, superseded, newer_not_ok)
+    return _Selection(reference, has_baseline, chosen, excluded, status_rows, superseded, newer_not_ok, repeats)
 
 
 def select_runs(runs_df, steps_df=None):
@@ -329,6 +336,7 @@ def build_report(steps_df, runs_df):
     if sel.superseded:
         notes.append(f"{sel.superseded} older ok run(s) of the same configuration were superseded "
                      f"by a later run of their rung")
+    notes += _repeat_notes(sel.repeats, by_run, base_ms)
 
     table = pd.DataFrame.from_dict(rows, orient="index", columns=SUMMARY_COLUMNS)
     table.index.name = "optimization"
@@ -354,6 +362,22 @@ def summarize(steps_df, runs_df):
     its latest run ("excluded" when its runs were left out). Takes the frames load() returns.
     """
     return build_report(steps_df, runs_df).table
+
+
+def _repeat_notes(repeats, by_run, base_ms):
+    """One line per rung run several times from one commit: each run's median step time, and the median
+    of those medians, so that a rung is not judged on one run where runs differ (a GPU at its power
+    limit moves them by a few percent)."""
+    notes = []
+    for rung, runs in repeats.items():
+        medians = [float(np.median(_measured(by_run[r["run_id"]])["step_ms"])) for r in runs]
+        middle = float(np.median(medians))
+        speedup = f", {np.median(base_ms) / middle:.2f}x" if base_ms is not None and rung != BASELINE else ""
+        notes.append(f"{rung}: {len(runs)} ok runs of this configuration from commit "
+                     f"{str(runs[-1]['git_commit']).strip()[:12]}, median step times "
+                     f"{', '.join(f'{m:.1f}' for m in medians)} ms, oldest first (their median {middle:.1f} ms"
+                     f"{speedup}); the table shows the latest")
+    return notes
 
 
 def _one_line(text):

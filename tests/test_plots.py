@@ -24,7 +24,7 @@ CONFIG = dict(batch_size=BATCH, seq_len=SEQ, model="gpt2", data="tiny", device="
 
 
 def add_run(prefix, rung, step_ms=(), warmup=1, status="ok", run_id=None, mfu=None, message="", notes="",
-            mem=(10.0, 12.0), compile_s=None, **config):
+            mem=(10.0, 12.0), compile_s=None, git_commit="0123456789abcdef", **config):
     """Append one run through the real writer; the first `warmup` entries of step_ms are warm-up."""
     run_id = run_id or f"{rung}-{len(os.listdir(prefix)) if os.path.isdir(prefix) else 0}-{len(step_ms)}-{status}"
     os.makedirs(prefix, exist_ok=True)
@@ -37,7 +37,7 @@ def add_run(prefix, rung, step_ms=(), warmup=1, status="ok", run_id=None, mfu=No
                started_at="2025-01-01T00:00:00", steps=len(step_ms), warmup_steps=warmup, n_params=124e6,
                torch_version="2.5.1", cuda_version="12.4", compile_s=compile_s,
                peak_mem_allocated_gib=mem[0], peak_mem_reserved_gib=mem[1],
-               median_step_ms=1.0, iqr_step_ms=99.0, notes=notes, git_commit="0123456789abcdef", **cfg)
+               median_step_ms=1.0, iqr_step_ms=99.0, notes=notes, git_commit=git_commit, **cfg)
     append_run(prefix, run, steps)
     return run_id
 
@@ -189,6 +189,26 @@ def test_run_matching(tmp_path):
     assert "8bit (skipped): bitsandbytes missing" in text
     assert "max-3, ended failed: NaN loss" in text
     assert "base-new" not in text.split("## Excluded runs")[1].split("## Notes")[0]
+
+
+def test_runs_repeated_from_one_commit_are_listed_with_the_median_of_their_medians(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "baseline", [1, 100, 100, 100], run_id="base")
+    add_run(p, "max", [1, 5, 5, 5], run_id="max-old-code", git_commit="aaaaaaa")
+    for i, ms in enumerate((12, 10, 13)):
+        add_run(p, "max", [1, ms, ms, ms], run_id=f"max-{i}", git_commit="bbbbbbb")
+    add_run(p, "max", [1, 99, 99, 99], run_id="max-batch8", git_commit="bbbbbbb", batch_size=8)
+    add_run(p, "tf32", [1, 50, 50, 50], run_id="tf32-once", git_commit="bbbbbbb")
+
+    rc, out, err = run_main(p)
+    assert rc == 0, err
+    rows = summary_table(p)
+    assert rows["max"]["median ms"] == "13.0" and rows["max"]["speedup"] == "7.69x"   # the latest run
+    notes = summary_text(p).split("## Notes")[1]
+    # The other commit's run and the other batch size's are not repeats; a rung run once gets no line.
+    assert ("- max: 3 ok runs of this configuration from commit bbbbbbb, median step times 12.0, 10.0, "
+            "13.0 ms, oldest first (their median 12.0 ms, 8.33x); the table shows the latest") in notes
+    assert "tf32:" not in notes and "baseline:" not in notes
 
 
 def test_no_baseline_leaves_speedups_out_and_still_draws(tmp_path):

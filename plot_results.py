@@ -224,8 +224,10 @@ def _select(runs_df, steps_df):
         if candidates:
             chosen[rung] = runs_df.loc[candidates[-1]]
             superseded += len(candidates) - 1
+            # One commit names one tree, unless the tree had uncommitted changes ("-dirty"), which may differ.
             commit = str(runs_df.at[candidates[-1], "git_commit"]).strip()
-            same_code = [i for i in candidates if commit and str(runs_df.at[i, "git_commit"]).strip() == commit]
+            known = commit not in ("", "nan") and not commit.endswith("-dirty")
+            same_code = [i for i in candidates if known and str(runs_df.at[i, "git_commit"]).strip() == commit]
             if len(same_code) > 1:
                 repeats[rung] = [runs_df.loc[i] for i in same_code]
             newer_not_ok += [runs_df.loc[i] for i in rows.index
@@ -367,15 +369,24 @@ def summarize(steps_df, runs_df):
 def _repeat_notes(repeats, by_run, base_ms):
     """One line per rung run several times from one commit: each run's median step time, and the median
     of those medians, so that a rung is not judged on one run where runs differ (a GPU at its power
-    limit moves them by a few percent)."""
+    limit moves them by a few percent). Speedups divide the baseline's median of medians where it was
+    repeated too, else its latest run's median (the table's)."""
+    def medians(runs):
+        return [float(np.median(_measured(by_run[r["run_id"]])["step_ms"])) for r in runs]
+
+    base = None
+    if BASELINE in repeats:
+        base = float(np.median(medians(repeats[BASELINE])))
+    elif base_ms is not None:
+        base = float(np.median(base_ms))
     notes = []
     for rung, runs in repeats.items():
-        medians = [float(np.median(_measured(by_run[r["run_id"]])["step_ms"])) for r in runs]
-        middle = float(np.median(medians))
-        speedup = f", {np.median(base_ms) / middle:.2f}x" if base_ms is not None and rung != BASELINE else ""
+        each = medians(runs)
+        middle = float(np.median(each))
+        speedup = f", {base / middle:.2f}x" if base is not None and rung != BASELINE else ""
         notes.append(f"{rung}: {len(runs)} ok runs of this configuration from commit "
-                     f"{str(runs[-1]['git_commit']).strip()[:12]}, median step times "
-                     f"{', '.join(f'{m:.1f}' for m in medians)} ms, oldest first (their median {middle:.1f} ms"
+                     f"{str(runs[-1]['git_commit']).strip()}, median step times "
+                     f"{', '.join(f'{m:.1f}' for m in each)} ms, oldest first (their median {middle:.1f} ms"
                      f"{speedup}); the table shows the latest")
     return notes
 

@@ -75,13 +75,15 @@ KERNEL_CHECKS = """
     x[::2, 4300] = 15.0
     out["blocks"] = check(x, y, 4500)
     # Each element of the first pass either raises its lane's running maximum or does not: every element
-    # does in a rising row, none after the first in a falling or a constant one (where each ties it), and
-    # a row alternating between -50 and 50 also makes exp(-|x - m|) underflow to zero.
+    # does in a rising row, none after the first in a falling or a constant one (where each ties it). A
+    # lane sees every 2048th column: a row whose 2048-column blocks alternate between -60 and 60 has each
+    # lane jump by 120, where exp(-120) underflows to zero in fp32.
     x, y = logits_and_targets(6, 4500, 4608, seed=3)
     x[0, :4500] = 2.5
     x[1, :4500] = torch.linspace(-50, 50, 4500)
     x[2, :4500] = torch.linspace(50, -50, 4500)
-    x[3, :4500:2], x[3, 1:4500:2] = -50.0, 50.0
+    x[3, :2048], x[3, 2048:4096], x[3, 4096:4500] = -60.0, 60.0, -60.0
+    x[4, :2048], x[4, 2048:4096], x[4, 4096:4500] = 60.0, -60.0, 60.0
     out["update_forms"] = check(x, y, 4500)
     # Rows contiguous but further apart than their width (a column slice): only the slice is written.
     x, y = logits_and_targets(70, 1000, 1100, seed=2)

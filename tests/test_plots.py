@@ -195,20 +195,43 @@ def test_runs_repeated_from_one_commit_are_listed_with_the_median_of_their_media
     p = str(tmp_path)
     add_run(p, "baseline", [1, 100, 100, 100], run_id="base")
     add_run(p, "max", [1, 5, 5, 5], run_id="max-old-code", git_commit="aaaaaaa")
-    for i, ms in enumerate((12, 10, 13)):
+    for i, ms in enumerate((12, 10)):
         add_run(p, "max", [1, ms, ms, ms], run_id=f"max-{i}", git_commit="bbbbbbb")
     add_run(p, "max", [1, 99, 99, 99], run_id="max-batch8", git_commit="bbbbbbb", batch_size=8)
+    add_run(p, "max", [1, float("nan"), 30, 30], run_id="max-nan-steps", git_commit="bbbbbbb")
+    add_run(p, "max", [1, 13, 13, 13], run_id="max-3", git_commit="bbbbbbb")
     add_run(p, "tf32", [1, 50, 50, 50], run_id="tf32-once", git_commit="bbbbbbb")
+    # Neither a tree with uncommitted changes nor an unknown commit names one tree.
+    for i in range(2):
+        add_run(p, "bf16", [1, 40, 40, 40], run_id=f"bf16-dirty-{i}", git_commit="bbbbbbb-dirty")
+        add_run(p, "flash", [1, 30, 30, 30], run_id=f"flash-unknown-{i}", git_commit="")
 
     rc, out, err = run_main(p)
     assert rc == 0, err
     rows = summary_table(p)
     assert rows["max"]["median ms"] == "13.0" and rows["max"]["speedup"] == "7.69x"   # the latest run
     notes = summary_text(p).split("## Notes")[1]
-    # The other commit's run and the other batch size's are not repeats; a rung run once gets no line.
+    # The other commit's run, the other batch size's and the one with NaN step times are not repeats.
     assert ("- max: 3 ok runs of this configuration from commit bbbbbbb, median step times 12.0, 10.0, "
             "13.0 ms, oldest first (their median 12.0 ms, 8.33x); the table shows the latest") in notes
-    assert "tf32:" not in notes and "baseline:" not in notes
+    for rung in ("tf32", "bf16", "flash", "baseline"):
+        assert f"- {rung}:" not in notes
+
+
+def test_a_repeated_baseline_divides_by_the_median_of_its_runs(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "baseline", [1, 100, 100, 100], run_id="base-1", git_commit="ccccccc")
+    add_run(p, "baseline", [1, 60, 60, 60], run_id="base-2", git_commit="ccccccc")
+    add_run(p, "baseline", [1, 50, 50, 50], run_id="base-3", git_commit="ccccccc")
+    add_run(p, "max", [1, 12, 12, 12], run_id="max-1", git_commit="ccccccc")
+    add_run(p, "max", [1, 10, 10, 10], run_id="max-2", git_commit="ccccccc")
+
+    rc, out, err = run_main(p)
+    assert rc == 0, err
+    assert summary_table(p)["max"]["speedup"] == "5.00x"   # the table: latest against latest
+    notes = summary_text(p).split("## Notes")[1]
+    assert "- baseline: 3 ok runs of this configuration from commit ccccccc, median step times 100.0, 60.0, 50.0 ms" in notes
+    assert "(their median 11.0 ms, 5.45x)" in notes   # 60 / 11, not the latest baseline's 50 / 11
 
 
 def test_no_baseline_leaves_speedups_out_and_still_draws(tmp_path):

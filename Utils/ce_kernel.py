@@ -3,7 +3,7 @@
 For each row of a chunk's logits, the kernel finds the log-sum-exp in one read (a running maximum and a
 running sum rescaled to it, "online softmax"), writes the row's loss, then reads the row again and
 overwrites it with its gradient, softmax minus one-hot: two reads and one write of bf16 logits, in place.
-Inductor's fusion of the same expression (Utils.model._ChunkedCrossEntropy) reads each row three times.
+Inductor's fusion of the same expression (Utils.model.softmax_grad) reads each row three times.
 
 On an H200 it takes 328 us for 4,096 rows of 50,304 columns, against 370 for its first form
 (results/logs/loss-kernel-variants.log): one exponential per element in the first pass instead of two

@@ -226,7 +226,6 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             # rows cut off below.
             w = F.pad(w, (0, 0, 0, -w.size(0) % KERNEL_ROW_MULTIPLE))
         n = h.size(0)
-        columns = torch.arange(w.size(0), device=h.device)
         loss = h.new_zeros((), dtype=acc)
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(w.shape, dtype=acc, device=h.device)
@@ -237,14 +236,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                     grad = hc @ w.t()   # overwritten in place with its own gradient
                     loss = loss + ce_kernel.cross_entropy_grad(grad, tc, vocab_size).sum().to(acc)
                 else:
-                    # Written as reductions and elementwise maps of the matmul's output, which a compiler
-                    # fuses into one kernel over bf16 logits (Inductor's reads each row three times and
-                    # writes the gradient once): no fp32 copy of a chunk is written.
-                    logits = (hc @ w.t()).to(acc).masked_fill(columns >= vocab_size, float("-inf"))
-                    lse = torch.logsumexp(logits, dim=-1)
-                    loss = loss + (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
-                    one_hot = (columns == tc[:, None]).to(acc)
-                    grad = (torch.exp(logits - lse[:, None]) - one_hot).to(dtype)
+                    chunk_loss, grad = softmax_grad(hc @ w.t(), tc, vocab_size, acc)
+                    loss = loss + chunk_loss
                 grad_h[i:i + CHUNK_ROWS] = (grad @ w).to(h.dtype)
                 grad_w += (grad.t() @ hc).to(acc)
         ctx.save_for_backward(grad_h, grad_w[:weight.size(0)])
@@ -256,6 +249,19 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_out / ctx.n
         return grad_h * scale, (grad_w * scale).to(ctx.weight_dtype), None, None, None
+
+
+def softmax_grad(logits, targets, vocab_size, acc=torch.float32):
+    """(sum of the rows' cross-entropy losses, softmax minus one-hot in logits' dtype) over the first
+    vocab_size columns; later columns get a zero gradient. Written as reductions and elementwise maps of
+    the logits, which a compiler fuses into one kernel over bf16 logits (Inductor's reads each row three
+    times and writes the gradient once): no fp32 copy of the logits is written."""
+    columns = torch.arange(logits.size(1), device=logits.device)
+    x = logits.to(acc).masked_fill(columns >= vocab_size, float("-inf"))
+    lse = torch.logsumexp(x, dim=-1)
+    loss = (lse - x.gather(1, targets[:, None]).squeeze(1)).sum()
+    one_hot = (columns == targets[:, None]).to(acc)
+    return loss, (torch.exp(x - lse[:, None]) - one_hot).to(logits.dtype)
 
 
 def chunked_cross_entropy(h, weight, targets, vocab_size, kernel=False):

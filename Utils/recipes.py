@@ -158,9 +158,9 @@ def apply_mlp(config, recipe, device):
     """c_fc's GEMM writes the GELU and its input; c_proj's input-gradient GEMM applies GELU's derivative:
     two passes over a tokens x 3072 tensor per layer gone. Returns (config, note): without cuBLASLt on a
     GPU, the plain MLP."""
-    if recipe.mlp == "epilogue" and not cublaslt.available(device):
-        return replace(config, mlp="modules"), "GEMM epilogues need cuBLASLt on a GPU: the plain MLP instead"
     if recipe.mlp == "epilogue":
+        if not cublaslt.available(device):
+            return replace(config, mlp="modules"), "GEMM epilogues need cuBLASLt on a GPU: the plain MLP instead"
         cublaslt.prepare(device)
     return replace(config, mlp=recipe.mlp), None
 

@@ -1,7 +1,7 @@
 """Checks and times the loss kernel of Utils.ce_kernel on a GPU, on one chunk of the chunked loss (4,096
 rows of GPT-2's padded 50,304-column bf16 logits): its losses and gradients against float64, and its time
 against a copy of the chunk (one read and one write, the least any in-place pass can move) and against
-Inductor's fusion of the same pass (the `loss="chunked"` expression).
+Inductor's fusion of the same pass (Utils.model.softmax_grad, the `loss="chunked"` path).
 
     python3 bench/loss_kernel.py
 """
@@ -13,18 +13,9 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from Utils import ce_kernel  # noqa: E402
-from Utils.model import CHUNK_ROWS  # noqa: E402
+from Utils.model import CHUNK_ROWS, softmax_grad  # noqa: E402
 
 VOCAB, PADDED = 50257, 50304
-
-
-def inductor_pass(logits, targets):
-    columns = torch.arange(logits.size(1), device=logits.device)
-    x = logits.float().masked_fill(columns >= VOCAB, float("-inf"))
-    lse = torch.logsumexp(x, dim=-1)
-    loss = lse - x.gather(1, targets[:, None]).squeeze(1)
-    grad = torch.exp(x - lse[:, None]) - (columns == targets[:, None]).float()
-    return loss, grad.to(logits.dtype)
 
 
 def main():
@@ -53,11 +44,11 @@ def main():
 
     chunk_bytes = logits.numel() * logits.element_size()
     buf = logits.clone()
-    compiled = torch.compile(inductor_pass)
+    compiled = torch.compile(softmax_grad)
     timings = {
         "copy of the chunk": lambda: buf.copy_(logits),
         "Utils.ce_kernel": lambda: ce_kernel.cross_entropy_grad(buf, targets, VOCAB),
-        "Inductor's fusion": lambda: compiled(logits, targets),
+        "Inductor's fusion": lambda: compiled(logits, targets, VOCAB),
     }
     for name, fn in timings.items():
         us = do_bench(fn, warmup=30, rep=300) * 1e3

@@ -10,10 +10,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from Utils import ce_kernel, cublaslt
+from Utils import adamw_kernel, ce_kernel, cublaslt
 from Utils.model import CHOICES, check_choices
 
-OPTIMIZERS = ("adamw", "adamw_fused", "adamw8bit")
+OPTIMIZERS = ("adamw", "adamw_fused", "adamw8bit", "adamw_triton")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
@@ -26,7 +26,8 @@ class Recipe:
     compile: bool = False
     attention: str = "manual"      # "manual": scores written out; "sdpa": F.scaled_dot_product_attention;
                                    # "cudnn": SDPA held to cuDNN's fused attention (Hopper kernels)
-    optimizer: str = "adamw"       # "adamw" (torch default implementation), "adamw_fused", "adamw8bit"
+    optimizer: str = "adamw"       # "adamw" (torch default implementation), "adamw_fused", "adamw8bit", or
+                                   # "adamw_triton": the gradient clip and AdamW as two Triton kernels
     vocab_multiple: int = 1        # pad the embedding's rows to a multiple of this (128: 50257 -> 50304)
     loss: str = "full"             # "full" or "chunked" cross-entropy (Utils.model.chunked_cross_entropy), or
                                    # "chunked_triton": chunked, its softmax-gradient pass a Triton kernel
@@ -49,6 +50,8 @@ class Recipe:
         if self.fold_clip and (self.optimizer != "adamw_fused" or self.compile_update):
             raise ValueError("fold_clip needs optimizer='adamw_fused' (the only one that takes a gradient scale) "
                              "and no compile_update (which fuses the clip its own way)")
+        if self.optimizer == "adamw_triton" and self.compile_update:
+            raise ValueError("optimizer='adamw_triton' clips inside its own kernels: no compile_update")
         if self.vocab_multiple < 1 or self.sync_every < 1:
             raise ValueError("vocab_multiple and sync_every must be at least 1")
         if self.compile_mode != "default" and not self.compile:
@@ -78,9 +81,10 @@ ADDITIONS = {
     "bf16_residual": {"residual": "autocast"},
     "fold_clip": {"fold_clip": True},
     "gelu_epilogue": {"mlp": "epilogue"},
+    "triton_update": {"optimizer": "adamw_triton"},
 }
 MAX_PICKS = ("vocab_multiple", "loss_kernel", "prefetch", "sync_every", "cudagraphs", "bf16_residual",
-             "gelu_epilogue")
+             "gelu_epilogue", "triton_update")
 MAX_ADDITIONS = {field: value for name in MAX_PICKS for field, value in ADDITIONS[name].items()}
 MAX = replace(FUSED, name="max", **MAX_ADDITIONS)
 
@@ -231,11 +235,15 @@ def _param_groups(model):
 
 
 def apply_optimizer(model, recipe, device):
-    """AdamW as torch ships it, torch's single-kernel fused AdamW, or bitsandbytes' 8-bit AdamW."""
+    """AdamW as torch ships it, torch's single-kernel fused AdamW, bitsandbytes' 8-bit AdamW, or AdamW with
+    the gradient clip inside, as two Triton kernels (Utils.adamw_kernel). Without Triton on a GPU, the
+    last is torch's fused AdamW, and make_update says so."""
     groups = _param_groups(model)
     if recipe.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=LEARNING_RATE, betas=BETAS, eps=EPS)
-    if recipe.optimizer == "adamw_fused":
+    if recipe.optimizer == "adamw_triton" and adamw_kernel.available(device):
+        return adamw_kernel.ClippedAdamW(groups, lr=LEARNING_RATE, betas=BETAS, eps=EPS, max_norm=GRAD_CLIP)
+    if recipe.optimizer in ("adamw_fused", "adamw_triton"):
         return torch.optim.AdamW(groups, lr=LEARNING_RATE, betas=BETAS, eps=EPS, fused=True)
     # On CPUs with AVX512-BF16, bitsandbytes warns at import that a 4-bit matmul kernel is missing:
     # 4-bit matmuls are not used here, so that warning would only be noise in every 8bit run.
@@ -255,7 +263,7 @@ def make_update(model, optimizer, recipe, device):
     """(update, note): one call that clips the gradients' global norm to GRAD_CLIP and steps the optimizer.
     With compile_update, torch.compile traces both, so that the clip's scaling is fused into the
     optimizer's own kernels instead of being a pass over every gradient of its own; with fold_clip, fused
-    AdamW applies the clip factor itself."""
+    AdamW applies the clip factor itself; ClippedAdamW clips inside its own step."""
     params = [p for p in model.parameters() if p.requires_grad]
 
     def update():
@@ -271,6 +279,11 @@ def make_update(model, optimizer, recipe, device):
         optimizer.grad_scale = torch.clamp((norm + 1e-6) / GRAD_CLIP, min=1.0)
         optimizer.step()
 
+    if isinstance(optimizer, adamw_kernel.ClippedAdamW):
+        return optimizer.step, None
+    if recipe.optimizer == "adamw_triton":
+        return update, ("the Triton clip-and-AdamW kernels need a GPU and Triton: clip_grad_norm_ and torch's "
+                        "fused AdamW instead")
     if recipe.fold_clip:
         return folded_update, None
     if not recipe.compile_update:

@@ -2,10 +2,12 @@
 settings a user could set too: TEST_TIKTOKEN_CACHE_DIR and TEST_SHAKESPEARE, else ../shared beside the
 repository."""
 import csv
+import json
 import os
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -75,3 +77,15 @@ def clean_env():
 def make(args, env, **kw):
     return subprocess.run(["make", "--no-print-directory", f"PYTHON={sys.executable}"] + args, cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, **kw)
+
+
+def run_interpreted(code, repo_root):
+    """Run code in a fresh interpreter with TRITON_INTERPRET=1 and return the JSON it prints last. The
+    variable must be set before triton is imported (@triton.jit decides then), so never in this process."""
+    if sys.platform != "linux":
+        pytest.skip("Triton, and with it its interpreter, is published for Linux only")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": repo_root}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

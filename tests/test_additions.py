@@ -1,34 +1,18 @@
 """The max rung's three newest additions on the CPU: the Triton cross-entropy kernel (run by Triton's
 interpreter in a subprocess) and the chunked loss that uses it, the bf16 residual stream under autocast,
 and the gradient clip folded into fused AdamW."""
-import json
-import os
-import subprocess
-import sys
-import textwrap
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn as nn
 
+from conftest import run_interpreted
 from Utils import ce_kernel, recipes
 from Utils.model import GPT, PRESETS, GPTConfig
 from Utils.recipes import BF16, FUSED, TF32, Recipe, apply_optimizer, make_update
 
 CPU = torch.device("cpu")
-
-
-def run_interpreted(code, repo_root):
-    """Run code in a fresh interpreter with TRITON_INTERPRET=1 and return the JSON it prints last. The
-    variable must be set before triton is imported (@triton.jit decides then), so never in this process."""
-    if sys.platform != "linux":
-        pytest.skip("Triton, and with it its interpreter, is published for Linux only")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": repo_root}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # ---------------------------------------------------------------------------------------------

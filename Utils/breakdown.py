@@ -84,10 +84,12 @@ KERNEL_CLASSES = [
     (r"multi_tensor_apply_kernel<.*LpNorm|lpnorm_cleanup", MEMORY, "gradient norm (clip)"),
     (r"multi_tensor_apply_kernel", MEMORY, "foreach (multi-tensor)"),  # AdamW's default foreach implementation
     (r"^kOptimizer|^kPreconditionOptimizer", MEMORY, "8-bit AdamW (bitsandbytes)"),
+    (r"^_adamw_kernel$", MEMORY, "AdamW (Triton, the clip applied)"),   # Utils.adamw_kernel
+    (r"^_square_sum_kernel$", MEMORY, "gradient norm (clip)"),
     (r"SoftMax\w*<.*LogSoftMax", MEMORY, "log-softmax (loss)"),       # cross-entropy = log_softmax + nll_loss
     (r"softmax", MEMORY, "softmax"),                                  # cunn_SoftMax*, softmax_warp_*
     (r"layer_norm|LayerNorm|GammaBeta|RowwiseMoments", MEMORY, "layer norm"),
-    (r"nll_loss|cross_entropy", MEMORY, "cross-entropy loss"),
+    (r"nll_loss|cross_entropy", MEMORY, "cross-entropy loss"),          # and Utils.ce_kernel's kernel
     (r"indexSelect|index_select", MEMORY, "embedding (index select)"),
     (r"embedding_backward|compute_grad_weight|sum_and_scatter|krn_partial|compute_num_of_partial_segments|renorm",
      MEMORY, "embedding backward"),

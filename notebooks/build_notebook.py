@@ -419,7 +419,11 @@ CELLS = [
     BNB_MIN_8BIT_SIZE = 4096
     N_8BIT = sum(s.numel() for s in PARAM_SHAPES if s.numel() >= BNB_MIN_8BIT_SIZE)
     EIGHT_BIT_BYTES = (N_8BIT * (4 + 4 + 1 + 1 + 4 + 1 + 1) + (N_ALL - N_8BIT) * FUSED_BYTES) / N_ALL
-    OPTIMIZER_BYTES = {"adamw": FOREACH_BYTES, "adamw_fused": FUSED_BYTES, "adamw8bit": EIGHT_BIT_BYTES}
+    # ClippedAdamW (the max rung's update) is fused AdamW's pass with the clip factor applied as it reads each
+    # gradient, so of the clip only the norm's read of the gradients is left.
+    OPTIMIZER_BYTES = {"adamw": FOREACH_BYTES, "adamw_fused": FUSED_BYTES, "adamw8bit": EIGHT_BIT_BYTES,
+                       "adamw_triton": FUSED_BYTES}
+    NORM_ONLY_CLIP_BYTES = 4
     WEIGHT_BYTES = 4 + 4 + 4     # forward read, backward read, gradient written
 
     print(f"gradient clipping: {CLIP_BYTES:.0f} bytes per parameter per step")
@@ -446,7 +450,8 @@ CELLS = [
         else:
             score_passes = COMPILED_SCORE_ACCESSES if recipe.compile else EAGER_SCORE_ACCESSES
         parts = {
-            "weights+grads+clip": N_ALL * (WEIGHT_BYTES + CLIP_BYTES),
+            "weights+grads+clip": N_ALL * (WEIGHT_BYTES + (NORM_ONLY_CLIP_BYTES if recipe.optimizer == "adamw_triton"
+                                                           else CLIP_BYTES)),
             "optimizer": N_ALL * OPTIMIZER_BYTES[recipe.optimizer],
             "activations": TOKENS * L * ACT_PER_TOKEN_LAYER * 4 * act,
             "logits": TOKENS * V * 4 * act,
@@ -945,8 +950,9 @@ CELLS = [
     cross-entropy that never holds the whole B×T×vocab logits and whose softmax gradient is one hand-written
     Triton kernel, the next batch copied on a side stream, losses and timings read back every 10 steps
     instead of every step, CUDA graphs (`torch.compile`'s `reduce-overhead` mode), a residual stream
-    kept in bf16, and the MLP's bias and GELU applied by cuBLASLt as its GEMMs store their outputs
-    (forward, and GELU's derivative backward). `make ablation` runs each addition alone on the fused rung, together with the ones that
+    kept in bf16, the MLP's bias and GELU applied by cuBLASLt as its GEMMs store their outputs
+    (forward, and GELU's derivative backward), and the gradient clip and AdamW as two Triton kernels over
+    all parameters. `make ablation` runs each addition alone on the fused rung, together with the ones that
     were tried and left out: the chunked loss as Inductor compiles it, cuDNN attention, FP8 matmuls, a
     compiled optimizer step and the gradient clip folded into fused AdamW.
 
@@ -954,13 +960,16 @@ CELLS = [
     GEMM aligned tiles; the chunked loss removes the logits' memory footprint (1.6 GB at batch 16), and its
     kernel reads the logits twice where the compiled version reads them three times; the bf16 residual
     stream halves the bytes of every residual add and LayerNorm; the GEMM epilogues remove two passes
-    over the MLP's tokens × 3072 activations per layer (GELU forward, and its derivative backward);
-    prefetch, deferred read-back and CUDA graphs remove the time the GPU waits on the host.
+    over the MLP's tokens × 3072 activations per layer (GELU forward, and its derivative backward); the
+    Triton update applies the clip factor as it reads each gradient, so the clip's own read-and-write pass
+    over 124M fp32 gradients is gone; prefetch, deferred read-back and CUDA graphs remove the time the GPU
+    waits on the host.
     """),
     code(r"""
     recipe_change("max")
     show(recipes.apply_loss)
     show(recipes.apply_mlp)
+    show(recipes.make_update)
     measured_effect("max")
     if os.path.exists(ABLATION_RESULTS):
         abl_steps, abl_runs = plot_results.load(ABLATION_RESULTS)

@@ -122,36 +122,36 @@ def _log2(beta):
 class ClippedAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW (decoupled weight decay, no amsgrad) whose step first clips the gradients' global
     2-norm to max_norm, as torch.nn.utils.clip_grad_norm_ does, without writing the gradients. As torch's,
-    a parameter without a gradient is left alone and its step is not counted. Parameters must be fp32 and
-    on one device; `step()` never synchronizes the host with the device."""
+    a parameter without a gradient is left alone and its step is not counted. Parameters must be fp32,
+    contiguous and on one device, and every group must share betas and eps; the parameters are fixed at
+    construction (no add_param_group). `step()` never synchronizes the host with the device."""
 
-    def __init__(self, params, lr, betas, eps, weight_decay=0.0, max_norm=1.0):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, max_norm=1.0):
         if _kernels is None:
             raise RuntimeError("ClippedAdamW needs Triton, which is not usable here: use torch's fused AdamW")
         if not max_norm > 0:
             raise ValueError(f"max_norm must be positive, got {max_norm}")
+        self._built = False
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.max_norm = float(max_norm)
-        if len({(tuple(g["betas"]), g["eps"]) for g in self.param_groups}) != 1:
-            raise ValueError("ClippedAdamW needs the same betas and eps in every parameter group")
         self._params = [p for group in self.param_groups for p in group["params"]]
-        if len({p.device for p in self._params}) != 1 or any(
-                p.dtype != torch.float32 or not p.is_contiguous() or p.data_ptr() % 16 for p in self._params):
-            raise ValueError("ClippedAdamW needs contiguous, 16-byte aligned fp32 parameters, all on one device")
+        self._check_hyperparameters()
         device = self._params[0].device
+        self._check_params()
         if not available(device):
             raise RuntimeError(f"ClippedAdamW's kernels need a CUDA GPU with Triton (or TRITON_INTERPRET=1), "
                                f"not {device.type}")
         self.block = BLOCK
-        blocks = [math.ceil(p.numel() / BLOCK) for p in self._params]
+        # One block at least, so that an empty parameter's steps are counted too.
+        blocks = [max(1, math.ceil(p.numel() / BLOCK)) for p in self._params]
         first = [sum(blocks[:i]) for i in range(len(blocks))]
 
         def table(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
         self._block_param = table([i for i, n in enumerate(blocks) for _ in range(n)], torch.int32)
         self._numel = table([p.numel() for p in self._params], torch.int64)
+        self._shapes = [p.shape for p in self._params]
         self._first_block = table(first, torch.int32)
-        self._param_ptrs = table([p.data_ptr() for p in self._params], torch.int64)
         self._exp_avg = torch.zeros(sum(blocks) * BLOCK, device=device)
         self._exp_avg_sq = torch.zeros_like(self._exp_avg)
         self._partials = torch.empty(sum(blocks), device=device)
@@ -160,31 +160,62 @@ class ClippedAdamW(torch.optim.Optimizer):
             span = slice(f * BLOCK, f * BLOCK + p.numel())
             self.state[p].update(step=self._steps[i], exp_avg=self._exp_avg[span].view_as(p),
                                  exp_avg_sq=self._exp_avg_sq[span].view_as(p))
-        self._grads_key = self._hyper_key = None
+        self._params_key = self._grads_key = self._hyper_key = None
+        self._built = True
+
+    def add_param_group(self, param_group):
+        if self._built:
+            raise NotImplementedError("ClippedAdamW's parameters are fixed at construction: build a new one")
+        super().add_param_group(param_group)
+
+    def _check_hyperparameters(self):
+        for g in self.param_groups:
+            b1, b2 = g["betas"]
+            if not (g["lr"] >= 0 and g["eps"] >= 0 and 0 <= b1 < 1 and 0 <= b2 < 1 and g["weight_decay"] >= 0):
+                raise ValueError(f"ClippedAdamW needs lr, eps and weight_decay >= 0 and betas in [0, 1), got "
+                                 f"lr={g['lr']}, betas={g['betas']}, eps={g['eps']}, weight_decay={g['weight_decay']}")
+        if len({(tuple(g["betas"]), g["eps"]) for g in self.param_groups}) != 1:
+            raise ValueError("ClippedAdamW needs the same betas and eps in every parameter group")
+
+    def _check_params(self):
+        if len({p.device for p in self._params}) != 1 or any(
+                p.dtype != torch.float32 or not p.is_contiguous() or p.data_ptr() % 16 for p in self._params):
+            raise ValueError("ClippedAdamW needs contiguous, 16-byte aligned fp32 parameters, all on one device")
 
     def _upload(self, values, dtype):
         # Through pinned memory, so that the copy is asynchronous; kept alive by the caller's attribute.
         host = torch.tensor(values, dtype=dtype)
-        if self._param_ptrs.is_cuda:
+        if self._steps.is_cuda:
             host = host.pin_memory()
-        return host, host.to(self._param_ptrs.device, non_blocking=True)
+        return host, host.to(self._steps.device, non_blocking=True)
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("ClippedAdamW.step takes no closure")
+        # The tables of addresses are uploaded again whenever a parameter or a gradient has moved (a
+        # parameter's .data replaced, a gradient allocated elsewhere): normally never after the first steps.
+        params_key = tuple(p.data_ptr() for p in self._params)
+        if params_key != self._params_key:
+            self._check_params()
+            if [p.shape for p in self._params] != self._shapes or self._params[0].device != self._steps.device:
+                raise ValueError("ClippedAdamW's parameters changed shape or device since it was built")
+            self._params_host, self._param_ptrs = self._upload(params_key, torch.int64)
+            self._params_key = params_key
         for p in self._params:
             g = p.grad
             if g is not None and (g.dtype != torch.float32 or g.shape != p.shape or not g.is_contiguous()
                                   or g.device != p.device or g.data_ptr() % 16):
                 raise ValueError("ClippedAdamW needs contiguous, 16-byte aligned fp32 gradients shaped like "
                                  "their parameters")
-        key = tuple(0 if p.grad is None else p.grad.data_ptr() for p in self._params)
-        if key != self._grads_key:   # the same every step once torch's allocator (or a CUDA graph) settles
-            self._grads_host, self._grad_ptrs = self._upload(key, torch.int64)
-            self._grads_key = key
-        hyper = tuple((g["lr"], g["weight_decay"]) for g in self.param_groups for _ in g["params"])
+        grads_key = tuple(0 if p.grad is None else p.grad.data_ptr() for p in self._params)
+        if grads_key != self._grads_key:
+            self._grads_host, self._grad_ptrs = self._upload(grads_key, torch.int64)
+            self._grads_key = grads_key
+        hyper = tuple((g["lr"], g["weight_decay"], tuple(g["betas"]), g["eps"])
+                      for g in self.param_groups for _ in g["params"])
         if hyper != self._hyper_key:
+            self._check_hyperparameters()
             self._lr_host, self._lr = self._upload([h[0] for h in hyper], torch.float32)
             self._decay_host, self._decay = self._upload([h[1] for h in hyper], torch.float32)
             self._hyper_key = hyper
@@ -201,4 +232,18 @@ class ClippedAdamW(torch.optim.Optimizer):
         return None
 
     def load_state_dict(self, state_dict):
-        raise NotImplementedError("ClippedAdamW keeps its moments in two flat buffers and cannot load a state_dict")
+        """Copies a state_dict of this class or of torch.optim.AdamW (same parameters, same groups, no
+        amsgrad) into this optimizer's buffers and groups."""
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("the state_dict's parameter groups do not match this optimizer's")
+        for p, i in zip(self._params, [i for g in groups for i in g["params"]]):
+            saved, state = state_dict["state"].get(i, {}), self.state[p]
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                if k in saved:
+                    state[k].copy_(saved[k])
+                else:
+                    state[k].zero_()
+        for saved, group in zip(groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k in ("lr", "betas", "eps", "weight_decay")})
+        self._check_hyperparameters()

@@ -60,6 +60,12 @@ def main():
         sys.exit(f"error: ClippedAdamW's parameters differ from torch's by {worst:.1e} of a learning-rate step "
                  f"(bound 1e-3)")
 
+    # Once the gradients stay where they are, a step queues its kernels and returns: no synchronization.
+    torch.cuda.set_sync_debug_mode("error")
+    clipped.step()
+    torch.cuda.set_sync_debug_mode("default")
+    print("a step with the gradients where they were: no host-device synchronization")
+
     def torch_update():
         torch.nn.utils.clip_grad_norm_(b, GRAD_CLIP)
         fused.step()

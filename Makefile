@@ -31,6 +31,7 @@ help:
 	@echo "Train GPT-2 under a ladder of GPU optimizations and compare them."
 	@echo ""
 	@echo "  make <rung> STEPS=n BATCH_SIZE=b PREFIX=dir   run one rung: $(RUNGS)"
+	@echo "                                                (REPEAT=n: n runs in a row, judged on their median)"
 	@echo "  make all STEPS=n BATCH_SIZE=b PREFIX=dir      every rung in ladder order, then the charts"
 	@echo "  make ablation STEPS=n BATCH_SIZE=b PREFIX=dir each addition tried for max, alone on the fused rung"
 	@echo "  make plots PREFIX=dir                         charts and summary.md from PREFIX/results.csv"
@@ -52,8 +53,16 @@ require-run:
 require-prefix:
 	$(call need,PREFIX)
 
+# REPEAT=n runs a rung n times in a row, stopping at the first that is not ok: on a GPU whose clock
+# moves one run's median by a few percent, summary.md then reports the median of the n runs' medians.
+REPEAT ?= 1
 $(RUNGS): require-run
-	$(PYTHON) $(script_$@) $(RUN_ARGS)
+	@case '$(REPEAT)' in [1-9]|[1-9][0-9]) ;; *) echo "error: REPEAT must be a number of runs from 1 to 99, not '$(REPEAT)' (e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)" >&2; exit 2;; esac
+	@run=0; while [ $$run -lt $(REPEAT) ]; do run=$$((run + 1)); \
+		if [ $(REPEAT) -gt 1 ]; then echo "=== $@, run $$run of $(REPEAT) ==="; fi; \
+		echo "$(PYTHON) $(script_$@) $(subst ",\",$(RUN_ARGS))"; \
+		$(PYTHON) $(script_$@) $(RUN_ARGS) || exit $$?; \
+	done
 
 # $(call each,NAME,ITEMS,COMMAND,AFTER): COMMAND for every item (as $$x), going on past failures; then
 # AFTER; then exits non-zero naming what was not ok. Arguments are checked once, before the first item.

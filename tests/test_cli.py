@@ -112,6 +112,17 @@ def test_make_names_a_missing_variable(target, missing):
     assert f"error: {missing} is required (e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out)" in r.stderr
 
 
+@pytest.mark.parametrize("repeat", ["0", "x", "100", "-1", "2.5", ""])
+def test_make_refuses_a_repeat_that_is_not_a_number_of_runs(repeat, tmp_path):
+    r = subprocess.run(["make", "--no-print-directory", "-s", f"PYTHON={sys.executable}", "fused", "STEPS=3",
+                        "BATCH_SIZE=2", f"PREFIX={tmp_path}", f"REPEAT={repeat}"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env=clean_env())
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[0] == (f"error: REPEAT must be a number of runs from 1 to 99, not '{repeat}' "
+                                        f"(e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)")
+    assert not (tmp_path / "results.csv").exists()
+
+
 def test_steps_must_leave_a_measured_step(capsys, tmp_path):
     assert main(BASELINE, ["--steps", "1", "--batch-size", "1", "--prefix", str(tmp_path)]) == 2
     assert "STEPS=1 leaves no measured step" in capsys.readouterr().err

@@ -89,6 +89,21 @@ def test_make_one_rung_appends_to_existing_results(make_all, tmp_path, suite_env
     assert '"seed": 7' in last["config"]
 
 
+def test_make_repeat_runs_a_rung_that_many_times_and_stops_at_a_failure(tmp_path, suite_env):
+    args = ["STEPS=3", "BATCH_SIZE=2", f"PREFIX={tmp_path}", "SEQ_LEN=16", "WARMUP=1", "DATA=synthetic"]
+    r = make(["bf16", "REPEAT=2"] + args, suite_env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert [l for l in r.stdout.splitlines() if l.startswith("===")] == ["=== bf16, run 1 of 2 ===",
+                                                                          "=== bf16, run 2 of 2 ==="]
+    runs = read_csv(tmp_path / "runs.csv")
+    assert [(x["optimization"], x["status"]) for x in runs] == [("bf16", "ok"), ("bf16", "ok")]
+    assert len({x["run_id"] for x in runs}) == 2
+    # A run that is not ok ends the repetition with its exit status.
+    r = make(["bf16", "REPEAT=3"] + args + [f"DATA={tmp_path / 'no-such-text.txt'}"], suite_env, timeout=600)
+    assert r.returncode != 0
+    assert [l for l in r.stdout.splitlines() if l.startswith("===")] == ["=== bf16, run 1 of 3 ==="]
+
+
 def test_init_results_reset_and_clean_touch_only_suite_files(make_all, tmp_path, suite_env):
     prefix, _ = make_all
     copy = tmp_path / "copy"

@@ -10,6 +10,11 @@ Each kernel is one launch for all parameters. Parameters and gradients stay wher
 program handles BLOCK elements of one tensor, and finds the tensor's address in a table. The optimizer's
 moments are two flat buffers, BLOCK slots per program, owned here.
 
+On an H200 an update of GPT-2's 124.5M parameters takes 996 us, against 1,515 for clip_grad_norm_ and
+fused AdamW (bench/update_kernels.py; results/logs/update-kernels-*.log): 4.0 TB/s counting the least
+traffic an update moves, one read of the gradients for the norm and one pass over parameters, gradients
+and both moments.
+
 Triton is optional: `available()` says whether the kernels can run here. With TRITON_INTERPRET=1 set
 before this module is imported, Triton's interpreter runs them on CPU tensors (the tests do).
 """
@@ -24,7 +29,7 @@ try:
 except Exception:   # absent, or broken: apply_optimizer then builds torch's fused AdamW instead
     triton = None
 
-BLOCK = 4096
+BLOCK = 4096     # with 8 warps, within 2% of the fastest of 15 pairs tried (1,024..16,384 x 4..16 warps)
 NUM_WARPS = 8
 
 # Read once, as @triton.jit reads it when the kernels are defined below.

@@ -194,6 +194,19 @@ class ClippedAdamW(torch.optim.Optimizer):
             host = host.pin_memory()
         return host, host.to(self._steps.device, non_blocking=True)
 
+    @staticmethod
+    def _grad_address(p):
+        """The gradient's address, 0 for none; checked every step, since a new gradient may sit at an old
+        address in another layout."""
+        g = p.grad
+        if g is None:
+            return 0
+        if (g.dtype != torch.float32 or g.shape != p.shape or not g.is_contiguous() or g.device != p.device
+                or g.data_ptr() % 16):
+            raise ValueError("ClippedAdamW needs contiguous, 16-byte aligned fp32 gradients shaped like their "
+                             "parameters")
+        return g.data_ptr()
+
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
@@ -207,13 +220,7 @@ class ClippedAdamW(torch.optim.Optimizer):
                 raise ValueError("ClippedAdamW's parameters changed shape or device since it was built")
             self._params_host, self._param_ptrs = self._upload(params_key, torch.int64)
             self._params_key = params_key
-        for p in self._params:
-            g = p.grad
-            if g is not None and (g.dtype != torch.float32 or g.shape != p.shape or not g.is_contiguous()
-                                  or g.device != p.device or g.data_ptr() % 16):
-                raise ValueError("ClippedAdamW needs contiguous, 16-byte aligned fp32 gradients shaped like "
-                                 "their parameters")
-        grads_key = tuple(0 if p.grad is None else p.grad.data_ptr() for p in self._params)
+        grads_key = tuple(self._grad_address(p) for p in self._params)
         if grads_key != self._grads_key:
             self._grads_host, self._grad_ptrs = self._upload(grads_key, torch.int64)
             self._grads_key = grads_key

@@ -1,21 +1,29 @@
-"""The chunked loss's softmax-gradient pass as one hand-written Triton kernel.
+"""The chunked loss's softmax-gradient pass as one hand-written kernel: CUDA on a GPU, Triton elsewhere.
 
-For each row of a chunk's logits, the kernel finds the log-sum-exp in one read (a running maximum and a
-running sum rescaled to it, "online softmax"), writes the row's loss, then reads the row again and
-overwrites it with its gradient, softmax minus one-hot: two reads and one write of bf16 logits, in place.
-Inductor's fusion of the same expression (Utils.model.softmax_grad) reads each row three times.
+For each row of a chunk's logits the kernel finds the log-sum-exp, writes the row's loss, and overwrites
+the row with its gradient, softmax minus one-hot, in place.
 
-On an H200 it takes 328 us for 4,096 rows of 50,304 columns, against 370 for its first form
-(results/logs/loss-kernel-variants.log): one exponential per element in the first pass instead of two
-(364 us at 4 warps), 8 warps instead of 4 (334), and the second pass walking the row backwards, so that
-it starts with the columns the first pass read last, the likeliest still to be in L2 (328).
+On a GPU it is Utils/cross_entropy_grad.cu, compiled at first use by NVRTC (Utils.nvrtc): it copies
+each row into shared memory, so the logits are read once and written once. On an H200 it takes 216 us
+for 4,096 rows of 50,304 columns, against 197 for a plain copy of them and 330 for the Triton kernel
+(results/logs/loss-kernel-cuda.log).
 
-Triton is optional: `available()` says whether the kernel can run here. With TRITON_INTERPRET=1 set
-before this module is imported, Triton's interpreter runs the kernel on CPU tensors (the tests do).
+The Triton kernel below is the fallback (no NVRTC, or a row that the CUDA kernel cannot take) and what
+the tests run on a CPU, through Triton's interpreter (TRITON_INTERPRET=1, set before this module is
+imported). It finds the log-sum-exp in one read (a running maximum and a running sum rescaled to it,
+"online softmax"), then reads the row again to write the gradient: two reads and one write. It takes 328
+us for the same chunk, against 370 for its first form (results/logs/loss-kernel-variants.log): one
+exponential per element in the first pass instead of two (364 us at 4 warps), 8 warps instead of 4
+(334), and the second pass walking the row backwards, so that it starts with the columns the first pass
+read last, the likeliest still to be in L2 (328). Inductor's fusion of the same expression
+(Utils.model.softmax_grad) reads each row three times.
 """
+import ctypes
 import os
 
 import torch
+
+from Utils import nvrtc
 
 try:
     import triton
@@ -25,6 +33,10 @@ except Exception:   # absent, or broken: apply_loss then runs the plain chunked 
 
 BLOCK = 2048   # columns per load; with 8 warps, the fastest of six pairs tried (1024..4096 x 4..16 warps)
 NUM_WARPS = 8
+CUDA_THREADS = 256   # 8 warps per block; 128 threads took 273 us per chunk against 216
+USE_CUDA = True      # False: the Triton kernel on a GPU too, to compare the two
+_CUDA = nvrtc.Kernel(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cross_entropy_grad.cu")).read(),
+                     "cross_entropy_grad_rows")
 
 
 # Read once, as @triton.jit reads it when the kernel is defined below.
@@ -32,12 +44,32 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available(device):
-    """Whether the kernel runs on this device: a CUDA GPU with Triton, or any device under the interpreter."""
-    return _op is not None and (device.type == "cuda" or INTERPRETED)
+    """Whether the kernel runs on this device: a CUDA GPU with NVRTC or Triton, or any device under
+    Triton's interpreter."""
+    if device.type == "cuda":
+        return nvrtc.available(device) or _triton_kernel is not None
+    return _triton_kernel is not None and INTERPRETED
 
 
-def _define():
-    """The kernel and the operator that launches it; raises where this Triton or PyTorch cannot define them."""
+def prepare(device, n_cols):
+    """Compile and load the CUDA kernel for rows of n_cols now, not on its first call, which may fall inside
+    a CUDA graph's capture."""
+    if USE_CUDA and nvrtc.available(device):
+        _CUDA.prepare(device, shared_bytes=2 * n_cols)
+
+
+def _cuda_takes(logits):
+    """Whether the CUDA kernel can take these logits: 16-byte vectors, and a row that fits in shared memory."""
+    if not (USE_CUDA and logits.is_cuda and nvrtc.available(logits.device)):
+        return False
+    rows, cols = logits.shape
+    shared = torch.cuda.get_device_properties(logits.device).shared_memory_per_block_optin
+    return (logits.dtype == torch.bfloat16 and cols % 8 == 0 and logits.stride(0) % 8 == 0
+            and logits.data_ptr() % 16 == 0 and 2 * cols + 1024 <= shared and rows < 2 ** 31)
+
+
+def _define_triton():
+    """The Triton kernel; raises where this Triton cannot define it."""
     @triton.jit
     def _cross_entropy_grad_kernel(logits_ptr, targets_ptr, row_loss_ptr, n_cols, vocab_size, row_stride,
                                    BLOCK: tl.constexpr):
@@ -73,24 +105,41 @@ def _define():
             g = p - tl.where(cols == target, 1.0, 0.0)
             tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < n_cols)
 
-    # An operator, so that torch.compile sees the kernel and what it overwrites.
-    @torch.library.triton_op("gpt_suite::cross_entropy_grad_", mutates_args={"logits"})
-    def cross_entropy_grad_(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        rows, cols = logits.shape
-        row_loss = torch.empty(rows, device=logits.device, dtype=torch.float32)
-        torch.library.wrap_triton(_cross_entropy_grad_kernel)[(rows,)](
-            logits, targets, row_loss, cols, vocab_size, logits.stride(0), BLOCK=BLOCK, num_warps=NUM_WARPS)
-        return row_loss
-
-    return torch.ops.gpt_suite.cross_entropy_grad_
+    return _cross_entropy_grad_kernel
 
 
-_op = None
+_triton_kernel = None
 if triton is not None:
     try:
-        _op = _define()
-    except Exception:   # a Triton or PyTorch too old for torch.library.triton_op: as if Triton were absent
+        _triton_kernel = _define_triton()
+    except Exception:   # a broken Triton: as if it were absent
         pass
+
+
+# An operator, so that torch.compile and CUDA graphs see one opaque call that overwrites the logits.
+@torch.library.custom_op("gpt_suite::cross_entropy_grad_", mutates_args={"logits"})
+def _cross_entropy_grad_op(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    rows, cols = logits.shape
+    row_loss = torch.empty(rows, device=logits.device, dtype=torch.float32)
+    if _cuda_takes(logits):
+        _CUDA.launch((rows, 1, 1), (CUDA_THREADS, 1, 1),
+                     [logits, targets, row_loss, ctypes.c_int(cols), ctypes.c_int(vocab_size),
+                      ctypes.c_int(logits.stride(0))], logits.device, shared_bytes=2 * cols)
+    elif _triton_kernel is not None:
+        _triton_kernel[(rows,)](logits, targets, row_loss, cols, vocab_size, logits.stride(0), BLOCK=BLOCK,
+                                num_warps=NUM_WARPS)
+    else:
+        raise RuntimeError(f"the cross-entropy kernel cannot take these logits here (shape {tuple(logits.shape)}, "
+                           f"{logits.dtype}) and Triton, its fallback, is absent: use loss='chunked'")
+    return row_loss
+
+
+@_cross_entropy_grad_op.register_fake
+def _(logits, targets, vocab_size):
+    return logits.new_empty(logits.size(0), dtype=torch.float32)
+
+
+_op = torch.ops.gpt_suite.cross_entropy_grad_
 
 
 def cross_entropy_grad(logits, targets, vocab_size):
@@ -99,7 +148,7 @@ def cross_entropy_grad(logits, targets, vocab_size):
     in fp32. Targets must lie in [0, vocab_size): there is no ignore index, and checking the range would
     cost a device-to-host read per chunk."""
     if not torch.compiler.is_compiling() and not available(logits.device):
-        raise RuntimeError(f"the cross-entropy kernel needs a CUDA GPU with a working Triton (or "
+        raise RuntimeError(f"the cross-entropy kernel needs a CUDA GPU with NVRTC or Triton (or Triton with "
                            f"TRITON_INTERPRET=1), not {logits.device.type}: use loss='chunked'")
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"the cross-entropy kernel needs 2-D logits with contiguous rows, got shape "

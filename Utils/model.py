@@ -13,7 +13,7 @@ from Utils import ce_kernel
 from Utils.gelu_mlp import gelu_mlp
 
 ATTENTIONS = ("manual", "sdpa", "cudnn")
-LOSSES = ("full", "chunked", "chunked_triton")
+LOSSES = ("full", "chunked", "chunked_kernel")
 RESIDUALS = ("fp32", "autocast")
 MLPS = ("modules", "epilogue")
 # The model options that a config names, and a recipe passes on to it: both check them here.
@@ -38,7 +38,8 @@ class GPTConfig:
                                 # "cudnn": the same call, restricted to cuDNN's fused attention kernels
     vocab_multiple: int = 1     # embedding rows padded to a multiple of this; the padding never reaches the loss
     loss: str = "full"          # "full": logits then cross-entropy; "chunked": see chunked_cross_entropy;
-                                # "chunked_triton": the same, its softmax-gradient pass a Triton kernel
+                                # "chunked_kernel": the same, its softmax-gradient pass a hand-written
+                                # kernel (Utils.ce_kernel)
     residual: str = "fp32"      # the residual stream's dtype under autocast: "fp32", or "autocast" (bf16
                                 # autocast only)
     mlp: str = "modules"        # "modules": nn.Linear, nn.GELU, nn.Linear; "epilogue": c_fc's bias and GELU, and
@@ -190,7 +191,7 @@ class GPT(nn.Module):
         V = self.config.vocab_size
         if targets is not None and self.config.loss != "full":
             return None, chunked_cross_entropy(h.reshape(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1), V,
-                                               kernel=self.config.loss == "chunked_triton")
+                                               kernel=self.config.loss == "chunked_kernel")
         logits = self.lm_head(h)[..., :V]   # a full slice, a no-op, unless the vocabulary is padded
         loss = None
         if targets is not None:
@@ -211,7 +212,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     never exist whole, in fp32 or in bf16. The GEMMs use all of W's rows, padding included, so that a
     padded vocabulary keeps its aligned tiles; padded columns are masked out of the softmax, so their
     gradient is exactly zero. Backward only scales the stored gradients. With `kernel`, each chunk's
-    softmax-gradient pass is Utils.ce_kernel's Triton kernel, which writes the gradient over the logits."""
+    softmax-gradient pass is Utils.ce_kernel's kernel, which writes the gradient over the logits."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, vocab_size, kernel):

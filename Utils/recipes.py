@@ -30,7 +30,7 @@ class Recipe:
                                    # "adamw_triton": the gradient clip and AdamW as two Triton kernels
     vocab_multiple: int = 1        # pad the embedding's rows to a multiple of this (128: 50257 -> 50304)
     loss: str = "full"             # "full" or "chunked" cross-entropy (Utils.model.chunked_cross_entropy), or
-                                   # "chunked_triton": chunked, its softmax-gradient pass a Triton kernel
+                                   # "chunked_kernel": chunked, its softmax-gradient pass a hand-written kernel
     prefetch: bool = False         # copy the next batch to the GPU on a side stream during the current step
     sync_every: int = 1            # steps between host-device synchronizations (loss and timing read-back)
     compile_mode: str = "default"  # torch.compile mode: default, reduce-overhead (CUDA graphs), max-autotune...
@@ -77,7 +77,7 @@ ADDITIONS = {
     "cudnn_attention": {"attention": "cudnn"},
     "fp8": {"fp8": True},
     "compiled_update": {"compile_update": True},
-    "loss_kernel": {"loss": "chunked_triton"},
+    "loss_kernel": {"loss": "chunked_kernel"},
     "bf16_residual": {"residual": "autocast"},
     "fold_clip": {"fold_clip": True},
     "gelu_epilogue": {"mlp": "epilogue"},
@@ -152,9 +152,12 @@ def apply_vocab_padding(config, recipe):
 
 def apply_loss(config, recipe, device):
     """The chunked loss never holds the B x T x vocab logits: about 1.6 GB at batch 16 in bf16. Returns
-    (config, note): without Triton on a GPU, the Triton kernel's loss runs as the plain chunked one."""
-    if recipe.loss == "chunked_triton" and not ce_kernel.available(device):
-        return replace(config, loss="chunked"), "the Triton loss kernel needs a GPU and Triton: plain chunked loss"
+    (config, note): without a GPU with NVRTC or Triton, the kernel's loss runs as the plain chunked one."""
+    if recipe.loss == "chunked_kernel":
+        if not ce_kernel.available(device):
+            note = "the loss kernel needs a GPU with NVRTC or Triton: plain chunked loss"
+            return replace(config, loss="chunked"), note
+        ce_kernel.prepare(device, apply_vocab_padding(config, recipe).padded_vocab_size)
     return replace(config, loss=recipe.loss), None
 
 

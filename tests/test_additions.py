@@ -191,10 +191,10 @@ CHUNKED_CHECKS = """
     out["autocast"] = dict(loss_dtype=str(losses[0].dtype), loss_diff=abs(losses[0].item() - losses[1].item()),
                            grad_h=rel(grads[0][0], grads[1][0]), grad_w=rel(grads[0][1], grads[1][1]))
 
-    # Through the model: loss="chunked_triton" is the full loss, up to the kernel's fp32.
+    # Through the model: loss="chunked_kernel" is the full loss, up to the kernel's fp32.
     small = M.GPTConfig(block_size=32, vocab_size=97, n_layer=2, n_head=4, n_embd=32)
     models = []
-    for loss_kind in ("full", "chunked_triton"):
+    for loss_kind in ("full", "chunked_kernel"):
         torch.manual_seed(0)
         models.append(M.GPT(replace(small, loss=loss_kind)).double())
     idx = torch.randint(0, 97, (2, 32), generator=g)

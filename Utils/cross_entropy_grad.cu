@@ -1,0 +1,92 @@
+// The chunked loss's softmax-gradient pass over one row of bf16 logits per block, the row read from
+// memory once: copied into shared memory (cp.async, 16 bytes per copy), reduced there twice (maximum, then
+// the sum of exponentials), and overwritten in memory with its gradient, softmax minus one-hot. One read
+// and one write, the least an in-place pass can move; the Triton kernel, which cannot stage a row in
+// shared memory, reads it twice. A 50,304-column row takes 98 KiB, so two blocks share an SM and one
+// computes while the other waits on memory.
+//
+// Columns from vocab_size on are left out of the softmax and get a zero gradient. Needs n_cols and
+// row_stride multiples of 8 and a 16-byte aligned row start (Utils/ce_kernel.py checks).
+#define LOG2E 1.4426950408889634f
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float block_reduce(float v, bool is_max, float* scratch) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float u = __shfl_xor_sync(0xffffffffu, v, o);
+        v = is_max ? fmaxf(v, u) : v + u;
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < n_warps ? scratch[lane] : (is_max ? NEG_INF : 0.f);
+    for (int o = 16; o > 0; o >>= 1) {
+        float u = __shfl_xor_sync(0xffffffffu, v, o);
+        v = is_max ? fmaxf(v, u) : v + u;
+    }
+    __syncthreads();   // scratch is reused by the next reduction
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+cross_entropy_grad_rows(unsigned short* logits, const long long* targets, float* row_loss,
+                        int n_cols, int vocab_size, int row_stride) {
+    extern __shared__ uint4 row_buf[];
+    __shared__ float scratch[32];
+    const int tid = threadIdx.x;
+    unsigned short* base = logits + (long long)blockIdx.x * row_stride;
+    uint4* row_vec = reinterpret_cast<uint4*>(base);
+    const int n_vec = n_cols >> 3;
+    for (int i = tid; i < n_vec; i += blockDim.x) {
+        unsigned dst = (unsigned)__cvta_generic_to_shared(row_buf + i);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(row_vec + i) : "memory");
+    }
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+    const int target = (int)targets[blockIdx.x];
+
+    float m = NEG_INF;
+    for (int i = tid; i < n_vec; i += blockDim.x) {
+        const uint4 v = row_buf[i];
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+        const int c = i * 8;
+        #pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (c + 2 * k < vocab_size) m = fmaxf(m, __uint_as_float(w[k] << 16));
+            if (c + 2 * k + 1 < vocab_size) m = fmaxf(m, __uint_as_float(w[k] & 0xffff0000u));
+        }
+    }
+    m = block_reduce(m, true, scratch);
+    const float m2 = m * LOG2E;
+    float s = 0.f;
+    for (int i = tid; i < n_vec; i += blockDim.x) {
+        const uint4 v = row_buf[i];
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+        const int c = i * 8;
+        #pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (c + 2 * k < vocab_size) s += exp2f(fmaf(__uint_as_float(w[k] << 16), LOG2E, -m2));
+            if (c + 2 * k + 1 < vocab_size) s += exp2f(fmaf(__uint_as_float(w[k] & 0xffff0000u), LOG2E, -m2));
+        }
+    }
+    s = block_reduce(s, false, scratch);
+    const float lse = m + logf(s), lse2 = lse * LOG2E;
+    if (tid == 0) {
+        const unsigned short t = reinterpret_cast<const unsigned short*>(row_buf)[target];
+        row_loss[blockIdx.x] = lse - __uint_as_float(((unsigned)t) << 16);
+    }
+    for (int i = tid; i < n_vec; i += blockDim.x) {
+        const uint4 v = row_buf[i];
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+        unsigned out[4];
+        const int c = i * 8;
+        #pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int c0 = c + 2 * k;
+            float lo = c0 < vocab_size ? exp2f(fmaf(__uint_as_float(w[k] << 16), LOG2E, -lse2)) : 0.f;
+            float hi = c0 + 1 < vocab_size ? exp2f(fmaf(__uint_as_float(w[k] & 0xffff0000u), LOG2E, -lse2)) : 0.f;
+            if (c0 == target) lo -= 1.f;
+            if (c0 + 1 == target) hi -= 1.f;
+            asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out[k]) : "f"(hi), "f"(lo));
+        }
+        row_vec[i] = make_uint4(out[0], out[1], out[2], out[3]);
+    }
+}

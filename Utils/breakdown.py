@@ -89,7 +89,7 @@ KERNEL_CLASSES = [
     (r"SoftMax\w*<.*LogSoftMax", MEMORY, "log-softmax (loss)"),       # cross-entropy = log_softmax + nll_loss
     (r"softmax", MEMORY, "softmax"),                                  # cunn_SoftMax*, softmax_warp_*
     (r"layer_norm|LayerNorm|GammaBeta|RowwiseMoments", MEMORY, "layer norm"),
-    (r"nll_loss|cross_entropy", MEMORY, "cross-entropy loss"),          # and Utils.ce_kernel's kernel
+    (r"nll_loss|cross_entropy", MEMORY, "cross-entropy loss"),          # and Utils.ce_kernel's kernels
     (r"indexSelect|index_select", MEMORY, "embedding (index select)"),
     (r"embedding_backward|compute_grad_weight|sum_and_scatter|krn_partial|compute_num_of_partial_segments|renorm",
      MEMORY, "embedding backward"),

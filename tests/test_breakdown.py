@@ -147,10 +147,11 @@ REAL_KERNELS = [
      "float, int, float, float, float, bool, int)", "memory", "8-bit AdamW (bitsandbytes)"),
     ("void kPreconditionOptimizerStatic8bit2State<float, 0>(float*, float*, unsigned char*, unsigned char*, float*, "
      "float*, float, float, float, int, float*, float*, float, int)", "memory", "8-bit AdamW (bitsandbytes)"),
-    # Utils.adamw_kernel's two Triton kernels, and Utils.ce_kernel's, named as CUPTI reports them
+    # Utils.adamw_kernel's two Triton kernels, and Utils.ce_kernel's Triton and CUDA ones, named as CUPTI reports them
     ("_adamw_kernel", "memory", "AdamW (Triton, the clip applied)"),
     ("_square_sum_kernel", "memory", "gradient norm (clip)"),
     ("_cross_entropy_grad_kernel", "memory", "cross-entropy loss"),
+    ("cross_entropy_grad_rows", "memory", "cross-entropy loss"),   # its CUDA kernel
     # embedding, indexing, sort, cat, the causal mask
     ("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int, 2, 2, -2, true>(at::"
      "cuda::detail::TensorInfo<float, unsigned int>, at::cuda::detail::TensorInfo<float const, unsigned int>, at::"

@@ -948,7 +948,8 @@ CELLS = [
     **What changes.** The fused rung plus the further changes that measured faster or lighter on an H200,
     did not slow the others down, and keep the model's mathematics (bf16 rounding aside): the vocabulary padded to 50,304 rows, a
     cross-entropy that never holds the whole B×T×vocab logits and whose softmax gradient is one hand-written
-    Triton kernel, the next batch copied on a side stream, losses and timings read back every 10 steps
+    kernel (CUDA, compiled when first used by NVRTC; Triton where NVRTC is missing), the next batch copied
+    on a side stream, losses and timings read back every 10 steps
     instead of every step, CUDA graphs (`torch.compile`'s `reduce-overhead` mode), a residual stream
     kept in bf16, the MLP's bias and GELU applied by cuBLASLt as its GEMMs store their outputs
     (forward, and GELU's derivative backward), and the gradient clip and AdamW as two Triton kernels over
@@ -958,7 +959,8 @@ CELLS = [
 
     **Why it can help.** Each addition removes a different cost: the padded vocabulary gives the largest
     GEMM aligned tiles; the chunked loss removes the logits' memory footprint (1.6 GB at batch 16), and its
-    kernel reads the logits twice where the compiled version reads them three times; the bf16 residual
+    kernel stages each row of logits in shared memory, so it reads them once where the compiled version
+    reads them three times; the bf16 residual
     stream halves the bytes of every residual add and LayerNorm; the GEMM epilogues remove two passes
     over the MLP's tokens × 3072 activations per layer (GELU forward, and its derivative backward); the
     Triton update applies the clip factor as it reads each gradient, so the clip's own read-and-write pass

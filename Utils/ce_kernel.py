@@ -3,10 +3,10 @@
 For each row of a chunk's logits the kernel finds the log-sum-exp, writes the row's loss, and overwrites
 the row with its gradient, softmax minus one-hot, in place.
 
-On a GPU it is Utils/cross_entropy_grad.cu, compiled at first use by NVRTC (Utils.nvrtc): it copies
-each row into shared memory, so the logits are read once and written once. On an H200 it takes 216 us
-for 4,096 rows of 50,304 columns, against 197 for a plain copy of them and 330 for the Triton kernel
-(results/logs/loss-kernel-cuda.log).
+On a GPU of compute capability 8.0 or newer it is Utils/cross_entropy_grad.cu, compiled at first use by
+NVRTC (Utils.nvrtc): it copies each row into shared memory, so the logits are read once and written
+once. On an H200 it takes 215 us for 4,096 rows of 50,304 columns, against 197 for a plain copy of them
+and 328 for the Triton kernel (results/logs/loss-kernel-cuda.log).
 
 The Triton kernel below is the fallback (no NVRTC, or a row that the CUDA kernel cannot take) and what
 the tests run on a CPU, through Triton's interpreter (TRITON_INTERPRET=1, set before this module is
@@ -33,7 +33,8 @@ except Exception:   # absent, or broken: apply_loss then runs the plain chunked 
 
 BLOCK = 2048   # columns per load; with 8 warps, the fastest of six pairs tried (1024..4096 x 4..16 warps)
 NUM_WARPS = 8
-CUDA_THREADS = 256   # 8 warps per block; 128 threads took 273 us per chunk against 216
+CUDA_THREADS = 256   # 8 warps per block; 128 threads took 273 us per chunk against 216. Whole warps only, and
+                     # at most the 256 of the kernel's __launch_bounds__
 USE_CUDA = True      # False: the Triton kernel on a GPU too, to compare the two
 _CUDA = nvrtc.Kernel(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cross_entropy_grad.cu")).read(),
                      "cross_entropy_grad_rows")
@@ -44,28 +45,52 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available(device):
-    """Whether the kernel runs on this device: a CUDA GPU with NVRTC or Triton, or any device under
-    Triton's interpreter."""
+    """Whether the kernel runs on this device: a CUDA GPU where the CUDA kernel can be built, or with Triton,
+    or any device under Triton's interpreter."""
     if device.type == "cuda":
-        return nvrtc.available(device) or _triton_kernel is not None
+        return _cuda_usable(device) or _triton_kernel is not None
     return _triton_kernel is not None and INTERPRETED
+
+
+# Why the CUDA kernel cannot be built here, once compiling or loading it has failed (an NVRTC too old for
+# the GPU, a driver too old for the NVRTC): the Triton kernel then runs instead.
+_cuda_failure = None
+
+
+def _cuda_usable(device):
+    # cp.async and the bf16x2 conversion need compute capability 8.0 (Ampere) or newer.
+    return (USE_CUDA and _cuda_failure is None and device.type == "cuda" and nvrtc.available(device)
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+def _shared_fits(device, n_cols):
+    # the row, and 1 KiB for the kernel's own scratch and what the hardware reserves per block
+    return 2 * n_cols + 1024 <= torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
 def prepare(device, n_cols):
     """Compile and load the CUDA kernel for rows of n_cols now, not on its first call, which may fall inside
-    a CUDA graph's capture."""
-    if USE_CUDA and nvrtc.available(device):
+    a CUDA graph's capture. Returns a note if it cannot be built here (and the Triton kernel will run)."""
+    global _cuda_failure
+    if not (_cuda_usable(device) and _shared_fits(device, n_cols)):
+        return None
+    try:
         _CUDA.prepare(device, shared_bytes=2 * n_cols)
+    except RuntimeError as e:
+        _cuda_failure = str(e).splitlines()[0]
+        return f"the CUDA loss kernel could not be built here ({_cuda_failure}): the Triton kernel instead"
+    return None
 
 
-def _cuda_takes(logits):
-    """Whether the CUDA kernel can take these logits: 16-byte vectors, and a row that fits in shared memory."""
-    if not (USE_CUDA and logits.is_cuda and nvrtc.available(logits.device)):
+def _cuda_takes(logits, targets):
+    """Whether the CUDA kernel can take these logits: 16-byte vectors, int64 targets, a row that fits in shared
+    memory, and sizes that fit the kernel's 32-bit arguments."""
+    if not (logits.is_cuda and _cuda_usable(logits.device)):
         return False
     rows, cols = logits.shape
-    shared = torch.cuda.get_device_properties(logits.device).shared_memory_per_block_optin
-    return (logits.dtype == torch.bfloat16 and cols % 8 == 0 and logits.stride(0) % 8 == 0
-            and logits.data_ptr() % 16 == 0 and 2 * cols + 1024 <= shared and rows < 2 ** 31)
+    return (logits.dtype == torch.bfloat16 and targets.dtype == torch.int64 and cols % 8 == 0
+            and logits.stride(0) % 8 == 0 and logits.data_ptr() % 16 == 0 and 0 < rows < 2 ** 31
+            and logits.stride(0) < 2 ** 31 and _shared_fits(logits.device, cols))
 
 
 def _define_triton():
@@ -121,7 +146,9 @@ if triton is not None:
 def _cross_entropy_grad_op(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
     rows, cols = logits.shape
     row_loss = torch.empty(rows, device=logits.device, dtype=torch.float32)
-    if _cuda_takes(logits):
+    if rows == 0:
+        return row_loss
+    if _cuda_takes(logits, targets):
         _CUDA.launch((rows, 1, 1), (CUDA_THREADS, 1, 1),
                      [logits, targets, row_loss, ctypes.c_int(cols), ctypes.c_int(vocab_size),
                       ctypes.c_int(logits.stride(0))], logits.device, shared_bytes=2 * cols)

@@ -24,6 +24,7 @@ _NVRTC = {
     "nvrtcDestroyProgram": [_P],
 }
 _DRIVER = {
+    "cuInit": [_UINT],
     "cuModuleLoadData": [_P, ctypes.c_char_p],
     "cuModuleGetFunction": [_P, _P, ctypes.c_char_p],
     "cuFuncSetAttribute": [_P, _INT, _INT],
@@ -39,14 +40,15 @@ _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
 def _load(names, signatures):
-    """The first of `names` that loads, its functions typed by `signatures` (each returns a status int)."""
+    """The first of `names` that loads and has every function of `signatures`, each typed (every one returns
+    a status int); None if none does."""
     for name in names:
         try:
             lib = ctypes.CDLL(name)
-        except OSError:
+            for function, argtypes in signatures.items():
+                getattr(lib, function).argtypes, getattr(lib, function).restype = argtypes, _INT
+        except (OSError, AttributeError):
             continue
-        for function, argtypes in signatures.items():
-            getattr(lib, function).argtypes, getattr(lib, function).restype = argtypes, _INT
         return lib
     return None
 
@@ -56,17 +58,22 @@ _libraries = {}
 
 def _nvrtc():
     if "nvrtc" not in _libraries:
-        major = (torch.version.cuda or "0").split(".")[0]
-        # PyTorch's wheels put NVRTC under site-packages/nvidia/..., which the loader does not search.
+        major = (torch.version.cuda or "").split(".")[0]
+        # PyTorch's wheels put NVRTC under site-packages/nvidia/..., which the loader does not search; the
+        # one of PyTorch's own CUDA version first.
         wheels = [p for d in sys.path for p in sorted(glob.glob(os.path.join(d, "nvidia", "*", "lib", "libnvrtc.so*")))
                   if "builtins" not in p]
-        _libraries["nvrtc"] = _load([f"libnvrtc.so.{major}", "libnvrtc.so"] + wheels, _NVRTC)
+        wheels.sort(key=lambda p: not (major and os.path.basename(p).startswith(f"libnvrtc.so.{major}")))
+        loader = [f"libnvrtc.so.{major}"] if major else []
+        _libraries["nvrtc"] = _load(loader + wheels + ["libnvrtc.so"], _NVRTC)
     return _libraries["nvrtc"]
 
 
 def _driver():
     if "driver" not in _libraries:
-        _libraries["driver"] = _load(["libcuda.so.1", "libcuda.so"], _DRIVER)
+        lib = _load(["libcuda.so.1", "libcuda.so"], _DRIVER)
+        # Initialized already wherever PyTorch has used the GPU; idempotent, and needed before any other call.
+        _libraries["driver"] = lib if lib is not None and lib.cuInit(0) == 0 else None
     return _libraries["driver"]
 
 

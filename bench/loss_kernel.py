@@ -34,7 +34,7 @@ def main():
     failed = False
     for use_cuda in (True, False):
         ce_kernel.USE_CUDA = use_cuda
-        if use_cuda and not ce_kernel._cuda_takes(logits):
+        if use_cuda and not ce_kernel._cuda_takes(logits, targets):
             sys.exit("error: the CUDA loss kernel cannot run here (no NVRTC, or too little shared memory)")
         grad = logits.clone()
         loss = ce_kernel.cross_entropy_grad(grad, targets, VOCAB)

@@ -203,6 +203,11 @@ CHUNK_ROWS = 4096
 KERNEL_ROW_MULTIPLE = 128
 
 
+def kernel_logits_width(n_rows):
+    """The width of the logits that the loss kernel gets for an output layer of n_rows: a multiple of 128."""
+    return -(-n_rows // KERNEL_ROW_MULTIPLE) * KERNEL_ROW_MULTIPLE
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of h @ W.T against targets over the first vocab_size columns, CHUNK_ROWS tokens at
     a time.
@@ -225,7 +230,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             # tiled where the vocabulary is not padded (Inductor pads the plain path's GEMM by itself, but
             # not a kernel's input); the extra columns are masked like the padding, their zero gradient
             # rows cut off below.
-            w = F.pad(w, (0, 0, 0, -w.size(0) % KERNEL_ROW_MULTIPLE))
+            w = F.pad(w, (0, 0, 0, kernel_logits_width(w.size(0)) - w.size(0)))
         n = h.size(0)
         loss = h.new_zeros((), dtype=acc)
         grad_h = torch.empty_like(h)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from Utils import adamw_kernel, ce_kernel, cublaslt
-from Utils.model import CHOICES, KERNEL_ROW_MULTIPLE, check_choices
+from Utils.model import CHOICES, check_choices, kernel_logits_width
 
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw8bit", "adamw_triton")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -154,8 +154,7 @@ def apply_loss(config, recipe, device):
     """The chunked loss never holds the B x T x vocab logits: about 1.6 GB at batch 16 in bf16. Returns
     (config, note): without a GPU with NVRTC or Triton, the kernel's loss runs as the plain chunked one."""
     if recipe.loss == "chunked_kernel":
-        # The kernel's rows: the padded vocabulary, rounded up as the chunked loss rounds its logits' rows.
-        n_cols = -(-apply_vocab_padding(config, recipe).padded_vocab_size // KERNEL_ROW_MULTIPLE) * KERNEL_ROW_MULTIPLE
+        n_cols = kernel_logits_width(apply_vocab_padding(config, recipe).padded_vocab_size)
         note = ce_kernel.prepare(device, n_cols) if device.type == "cuda" else None
         if not ce_kernel.available(device):
             note = "the loss kernel needs a GPU with NVRTC or Triton: plain chunked loss"

@@ -11,8 +11,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from Utils import ce_kernel
 from Utils.gelu_mlp import gelu_mlp
+from Utils.packed_attention import packed_attention
 
-ATTENTIONS = ("manual", "sdpa", "cudnn")
+ATTENTIONS = ("manual", "sdpa", "cudnn", "cudnn_packed")
 LOSSES = ("full", "chunked", "chunked_kernel")
 RESIDUALS = ("fp32", "autocast")
 MLPS = ("modules", "epilogue")
@@ -35,7 +36,9 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     attention: str = "manual"   # "manual" materializes the T x T scores; "sdpa" calls F.scaled_dot_product_attention;
-                                # "cudnn": the same call, restricted to cuDNN's fused attention kernels
+                                # "cudnn": the same call, restricted to cuDNN's fused attention kernels;
+                                # "cudnn_packed": cuDNN's kernels on the packed QKV tensor and its gradient
+                                # (Utils.packed_attention)
     vocab_multiple: int = 1     # embedding rows padded to a multiple of this; the padding never reaches the loss
     loss: str = "full"          # "full": logits then cross-entropy; "chunked": see chunked_cross_entropy;
                                 # "chunked_kernel": the same, its softmax-gradient pass a hand-written
@@ -82,6 +85,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
+        if self.attention == "cudnn_packed":
+            return self.c_proj(packed_attention(self.c_attn(x), self.n_head))
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if self.attention == "sdpa":

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from Utils import adamw_kernel, ce_kernel, cublaslt
+from Utils import adamw_kernel, ce_kernel, cublaslt, packed_attention
 from Utils.model import CHOICES, check_choices, kernel_logits_width
 
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw8bit", "adamw_triton")
@@ -25,7 +25,8 @@ class Recipe:
     bf16: bool = False
     compile: bool = False
     attention: str = "manual"      # "manual": scores written out; "sdpa": F.scaled_dot_product_attention;
-                                   # "cudnn": SDPA held to cuDNN's fused attention (Hopper kernels)
+                                   # "cudnn": SDPA held to cuDNN's fused attention (Hopper kernels);
+                                   # "cudnn_packed": cuDNN's kernels on the packed QKV tensor and gradient
     optimizer: str = "adamw"       # "adamw" (torch default implementation), "adamw_fused", "adamw8bit", or
                                    # "adamw_triton": the gradient clip and AdamW as two Triton kernels
     vocab_multiple: int = 1        # pad the embedding's rows to a multiple of this (128: 50257 -> 50304)
@@ -82,6 +83,7 @@ ADDITIONS = {
     "fold_clip": {"fold_clip": True},
     "gelu_epilogue": {"mlp": "epilogue"},
     "triton_update": {"optimizer": "adamw_triton"},
+    "packed_attention": {"attention": "cudnn_packed"},
 }
 MAX_PICKS = ("vocab_multiple", "loss_kernel", "prefetch", "sync_every", "cudagraphs", "bf16_residual",
              "gelu_epilogue", "triton_update")
@@ -132,10 +134,16 @@ def autocast_context(recipe, device):
 
 def apply_attention(config, recipe, device):
     """Choose the attention implementation through the model config, never a global switch.
-    Returns (config, note): cuDNN attention needs a GPU whose cuDNN has it, else plain SDPA runs."""
-    if recipe.attention == "cudnn" and not cudnn_attention_available(device):
-        return replace(config, attention="sdpa"), "cuDNN attention is not available here: plain SDPA instead"
-    return replace(config, attention=recipe.attention), None
+    Returns (config, note): cuDNN attention needs a GPU whose cuDNN has it, else plain SDPA runs; the packed
+    form also needs cuDNN's frontend (nvidia-cudnn-frontend), else SDPA's cuDNN backend runs."""
+    attention, note = recipe.attention, None
+    if attention == "cudnn_packed" and not packed_attention.available(device, config.n_embd // config.n_head):
+        attention, note = "cudnn", "packed attention needs cuDNN 9 and its frontend on an Ampere or newer GPU"
+    if attention == "cudnn" and not cudnn_attention_available(device):
+        attention, note = "sdpa", "cuDNN attention is not available here"
+    if attention != recipe.attention:
+        note = f"{note}: {'SDPA held to cuDNN' if attention == 'cudnn' else 'plain SDPA'} instead"
+    return replace(config, attention=attention), note
 
 
 def cudnn_attention_available(device):

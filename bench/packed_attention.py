@@ -1,0 +1,77 @@
+"""Checks and times Utils.packed_attention on a GPU against SDPA held to cuDNN, the `cudnn` attention of the
+other rungs, for one GPT-2 layer's attention (12 heads of 64, T = 1,024, bf16): forward and backward, from
+the packed [B, T, 3C] QKV tensor to its packed gradient. SDPA's path includes the copy of dq, dk and dv
+into that gradient, which autograd makes as the compiled model's backward does (one gather kernel).
+
+    python3 bench/packed_attention.py
+"""
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from Utils import packed_attention as pa  # noqa: E402
+
+T, H, D = 1024, 12, 64
+C = H * D
+
+
+def sdpa(qkv):
+    B = qkv.size(0)
+    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(C, dim=2))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return y.transpose(1, 2).reshape(B, T, C)
+
+
+def packed(qkv):
+    return pa.packed_attention(qkv, H)
+
+
+def forward_backward(attention, qkv, dy):
+    return torch.autograd.grad(attention(qkv), qkv, dy)[0]
+
+
+def main():
+    if not torch.cuda.is_available() or not pa.available(torch.device("cuda"), D):
+        sys.exit("error: this benchmark needs a CUDA GPU with cuDNN 9 and nvidia-cudnn-frontend")
+    cudnn = pa._frontend()
+    print(f"cuDNN {torch.backends.cudnn.version()}, frontend {cudnn.__version__}")
+    failed = False
+    for B in (4, 16, 64):
+        torch.manual_seed(0)
+        qkv = torch.randn(B, T, 3 * C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16)
+        if B == 4:   # the fp32 reference holds B x H x T x T scores: checked at the smallest batch
+            y, lse = pa.packed_attention_fwd(qkv, H)
+            grad = pa.packed_attention_backward(dy, qkv, y, lse, H)
+            with torch.no_grad():
+                want_y, want_lse = pa._reference_forward(qkv, H)
+                want_grad = pa._reference_backward(dy, qkv, want_y, want_lse, H)
+            errors = {"y": (y.float() - want_y.float()).abs().max().item(),
+                      "lse": (lse - want_lse).abs().max().item(),
+                      "dqkv": ((grad.float() - want_grad.float()).abs().max() / want_grad.float().abs().max()).item()}
+            sdpa_grad = forward_backward(sdpa, qkv, dy)
+            errors["dqkv vs SDPA"] = ((grad.float() - sdpa_grad.float()).abs().max()
+                                      / sdpa_grad.float().abs().max()).item()
+            print("check against the fp32 reference (largest |error|; dqkv's relative to its largest value): "
+                  + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()) + " (bounds: 2e-2, 1e-3, 2e-2, 2e-2)")
+            failed |= not (errors["y"] < 2e-2 and errors["lse"] < 1e-3 and errors["dqkv"] < 2e-2
+                           and errors["dqkv vs SDPA"] < 2e-2)
+            continue
+        times = {name: do_bench(lambda: forward_backward(fn, qkv, dy), warmup=20, rep=200) * 1e3
+                 for name, fn in (("SDPA (cuDNN) + gather", sdpa), ("packed (cuDNN frontend)", packed))}
+        base = times["SDPA (cuDNN) + gather"]
+        for name, us in times.items():
+            print(f"batch {B:2d}  {name:24s} {us:7.1f} us per layer, forward and backward; x12 layers "
+                  f"{12 * us / 1e3:6.2f} ms ({12 * (us - base) / 1e3:+.2f} ms)")
+    if failed:
+        sys.exit("error: the packed attention's results are outside those bounds")
+
+
+if __name__ == "__main__":
+    main()

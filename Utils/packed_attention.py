@@ -36,10 +36,15 @@ def layout(batch, seq_len, n_head, head_dim):
     }
 
 
+def _acc(dtype):
+    """The reference's arithmetic and lse dtype: fp32, or the input's if wider (float64 in the tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _split(qkv, n_head):
-    """q, k, v as [B, H, T, D] fp32 tensors."""
+    """q, k, v as [B, H, T, D] tensors in the reference's dtype."""
     B, T, C3 = qkv.shape
-    return qkv.float().view(B, T, 3, n_head, C3 // (3 * n_head)).permute(2, 0, 3, 1, 4).unbind(0)
+    return qkv.to(_acc(qkv.dtype)).view(B, T, 3, n_head, C3 // (3 * n_head)).permute(2, 0, 3, 1, 4).unbind(0)
 
 
 def _scores(q, k):
@@ -62,8 +67,8 @@ def _reference_backward(grad, qkv, y, lse, n_head):
     q, k, v = _split(qkv, n_head)
     B, T, C3 = qkv.shape
     D = C3 // (3 * n_head)
-    dy = grad.float().view(B, T, n_head, D).transpose(1, 2)
-    out = y.float().view(B, T, n_head, D).transpose(1, 2)
+    dy = grad.to(q.dtype).view(B, T, n_head, D).transpose(1, 2)
+    out = y.to(q.dtype).view(B, T, n_head, D).transpose(1, 2)
     p = torch.exp(_scores(q, k) - lse[..., None])   # the softmax, rebuilt from its log-sum-exp
     dv = p.transpose(-2, -1) @ dy
     dp = dy @ v.transpose(-2, -1)
@@ -76,14 +81,15 @@ def _reference_backward(grad, qkv, y, lse, n_head):
 @torch.library.custom_op("gpt_suite::packed_attention", mutates_args=())
 def packed_attention_fwd(qkv: Tensor, n_head: int) -> tuple[Tensor, Tensor]:
     """(y, lse) of causal attention over qkv [B, T, 3C] (q, k, v side by side): y [B, T, C] in qkv's dtype,
-    lse [B, H, T] in fp32, each query's log-sum-exp of its scaled scores, which the backward needs."""
+    lse [B, H, T] in fp32 (float64 for float64 qkv), each query's log-sum-exp of its scaled scores, which the
+    backward needs."""
     return _reference_forward(qkv, n_head)
 
 
 @packed_attention_fwd.register_fake
 def _(qkv, n_head):
     B, T, C3 = qkv.shape
-    return qkv.new_empty(B, T, C3 // 3), qkv.new_empty(B, n_head, T, dtype=torch.float32)
+    return qkv.new_empty(B, T, C3 // 3), qkv.new_empty(B, n_head, T, dtype=_acc(qkv.dtype))
 
 
 @torch.library.custom_op("gpt_suite::packed_attention_backward", mutates_args=())

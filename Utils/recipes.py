@@ -86,7 +86,7 @@ ADDITIONS = {
     "packed_attention": {"attention": "cudnn_packed"},
 }
 MAX_PICKS = ("vocab_multiple", "loss_kernel", "prefetch", "sync_every", "cudagraphs", "bf16_residual",
-             "gelu_epilogue", "triton_update")
+             "gelu_epilogue", "triton_update", "packed_attention")
 MAX_ADDITIONS = {field: value for name in MAX_PICKS for field, value in ADDITIONS[name].items()}
 MAX = replace(FUSED, name="max", **MAX_ADDITIONS)
 

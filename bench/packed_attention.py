@@ -52,17 +52,19 @@ def main():
             with torch.no_grad():
                 want_y, want_lse = pa._reference_forward(qkv, H)
                 want_grad = pa._reference_backward(dy, qkv, want_y, want_lse, H)
-            errors = {"y": (y.float() - want_y.float()).abs().max().item(),
+            errors = {"y": ((y.float() - want_y.float()).abs().max() / want_y.float().abs().max()).item(),
                       "lse": (lse - want_lse).abs().max().item(),
                       "dqkv": ((grad.float() - want_grad.float()).abs().max() / want_grad.float().abs().max()).item()}
             sdpa_grad = forward_backward(sdpa, qkv, dy)
             errors["dqkv vs SDPA"] = ((grad.float() - sdpa_grad.float()).abs().max()
                                       / sdpa_grad.float().abs().max()).item()
-            print("check against the fp32 reference (largest |error|; dqkv's relative to its largest value): "
-                  + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()) + " (bounds: 2e-2, 1e-3, 2e-2, 2e-2)")
-            failed |= not (errors["y"] < 2e-2 and errors["lse"] < 1e-3 and errors["dqkv"] < 2e-2
+            print("check against the fp32 reference (largest |error|, relative to the largest value but lse's): "
+                  + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()) + " (bounds: 1e-2, 1e-3, 2e-2, 2e-2)")
+            failed |= not (errors["y"] < 1e-2 and errors["lse"] < 1e-3 and errors["dqkv"] < 2e-2
                            and errors["dqkv vs SDPA"] < 2e-2)
             continue
+        for fn in (sdpa, packed):   # builds cuDNN's graphs for this shape, outside do_bench's first estimate
+            forward_backward(fn, qkv, dy)
         times = {name: do_bench(lambda: forward_backward(fn, qkv, dy), warmup=20, rep=200) * 1e3
                  for name, fn in (("SDPA (cuDNN) + gather", sdpa), ("packed (cuDNN frontend)", packed))}
         base = times["SDPA (cuDNN) + gather"]

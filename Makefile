@@ -1,7 +1,7 @@
 # The suite's one entry point. `make help` lists the targets and variables.
 PYTHON ?= python3
 RUNGS := baseline tf32 bf16 torch_compile flash fused 8bit max
-ADDITIONS := vocab_multiple loss prefetch sync_every cudagraphs cudnn_attention fp8 compiled_update loss_kernel bf16_residual fold_clip gelu_epilogue triton_update packed_attention
+ADDITIONS := vocab_multiple loss prefetch sync_every cudagraphs cudnn_attention fp8 compiled_update loss_kernel bf16_residual fold_clip gelu_epilogue triton_update packed_attention gemm_bias_grad
 
 script_baseline := no_optimization.py
 script_tf32 := tensorFloat32.py

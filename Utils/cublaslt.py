@@ -109,10 +109,11 @@ def _layout(lib, dtype, rows, cols, ld):
     return layout
 
 
-def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype):
-    """Descriptors and the heuristic's algorithms for column-major D[m, n] = op(A) @ op(B), made once per
-    shape: the bias and auxiliary pointers are set on the descriptor at each call."""
-    key = device_index, epilogue, trans_a, trans_b, m, n, k, dtype
+def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b):
+    """Descriptors and the heuristic's algorithms for column-major D[m, n] = op(A) @ op(B), B's columns ld_b
+    elements apart, made once per shape: the bias and auxiliary pointers are set on the descriptor at each
+    call."""
+    key = device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b
     if key in _plans:
         return _plans[key]
     lib, (handle, _) = _library(), _handle(device_index)
@@ -123,7 +124,7 @@ def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype):
     _set(lib, desc, _DESC_EPILOGUE, ctypes.c_int32(epilogue))
     _set(lib, desc, _DESC_AUX_LD, ctypes.c_int64(m))
     a = _layout(lib, dtype, k, m, k) if trans_a == _OP_T else _layout(lib, dtype, m, k, m)
-    b = _layout(lib, dtype, n, k, n) if trans_b == _OP_T else _layout(lib, dtype, k, n, k)
+    b = _layout(lib, dtype, n, k, ld_b) if trans_b == _OP_T else _layout(lib, dtype, k, n, ld_b)
     d = _layout(lib, dtype, m, n, m)
     preference = ctypes.c_void_p()
     _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "cublasLtMatmulPreferenceCreate")
@@ -165,8 +166,13 @@ def _matmul(epilogue, x, y, out, bias, aux, x_t=False, y_t=False, algo=None):
     if x.dtype not in _DTYPES or any(t.dtype != x.dtype for t in tensors):
         raise ValueError(f"cuBLASLt epilogue GEMMs take bf16 or fp16 tensors of one dtype, got "
                          f"{', '.join(str(t.dtype) for t in tensors)}")
-    if not all(t.is_contiguous() for t in tensors):
-        raise ValueError("cuBLASLt epilogue GEMMs take contiguous tensors")
+    # x may also be the first columns of a wider matrix, rows 16 bytes aligned: Utils.bias_gemm's inputs,
+    # stored with a column of ones beside them.
+    x_columns = x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= x.size(1) and x.stride(0) % 8 == 0
+    if not all(t.is_contiguous() for t in tensors if t is not x) or not (x.is_contiguous() or
+                                                                       (x_columns and not x_t)):
+        raise ValueError("cuBLASLt epilogue GEMMs take contiguous tensors (x may be the first columns of a "
+                         "wider matrix whose rows are 16-byte aligned)")
     # The heuristic is asked for algorithms that assume cuBLASLt's default 256-byte alignment, which
     # PyTorch's allocations have.
     if any(t.data_ptr() % 256 for t in tensors):
@@ -188,7 +194,7 @@ def _matmul(epilogue, x, y, out, bias, aux, x_t=False, y_t=False, algo=None):
     # Row-major out = op(x) @ op(y) is column-major out.T = op(y).T @ op(x).T: A is y, B is x.
     device_index = x.device.index
     plan = _plan(device_index, epilogue, _OP_T if y_t else _OP_N, _OP_T if x_t else _OP_N, columns, rows, k,
-                 _DTYPES[x.dtype])
+                 _DTYPES[x.dtype], x.stride(0))
     desc, a_layout, b_layout, d_layout, results, fastest = plan
     lib, (handle, workspace) = _library(), _handle(device_index)
     _set(lib, desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr() if bias is not None else 0))

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from Utils import cublaslt
+from Utils import bias_gemm, cublaslt
 
 
 @torch.library.custom_op("gpt_suite::linear_gelu", mutates_args=())
@@ -55,25 +55,34 @@ def _(grad, weight, h):
 
 class _GeluMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc_weight, fc_bias, proj_weight, proj_bias):
-        a, h = linear_gelu(x, fc_weight, fc_bias)
-        ctx.save_for_backward(x, fc_weight, proj_weight, a, h)
+    def forward(ctx, x, fc_weight, fc_bias, proj_weight, proj_bias, ones):
+        # With `ones`, x is kept beside a column of ones, and c_fc's bias gradient comes out of its
+        # weight-gradient GEMM (Utils.bias_gemm).
+        saved = bias_gemm.with_ones(x) if ones else x
+        a, h = linear_gelu(saved[:, :x.size(1)], fc_weight, fc_bias)
+        ctx.save_for_backward(saved, fc_weight, proj_weight, a, h)
+        ctx.ones = ones
         return torch.addmm(proj_bias, a, proj_weight.t())
 
     @staticmethod
     def backward(ctx, grad):
-        x, fc_weight, proj_weight, a, h = ctx.saved_tensors
+        saved, fc_weight, proj_weight, a, h = ctx.saved_tensors
         grad = grad.contiguous()
         grad_h = linear_dgelu(grad, proj_weight, h)
-        return grad_h @ fc_weight, grad_h.t() @ x, grad_h.sum(0), grad.t() @ a, grad.sum(0)
+        if ctx.ones:
+            fc_grads = bias_gemm.weight_and_bias_grad(grad_h, saved)
+        else:
+            fc_grads = grad_h.t() @ saved, grad_h.sum(0)
+        return grad_h @ fc_weight, *fc_grads, grad.t() @ a, grad.sum(0), None
 
 
-def gelu_mlp(x, fc, proj):
+def gelu_mlp(x, fc, proj, ones=False):
     """proj(gelu(fc(x))) for nn.Linear layers fc and proj, x [..., fc.in_features]. Under autocast, in the
-    autocast dtype, as the plain MLP's matmuls would be."""
+    autocast dtype, as the plain MLP's matmuls would be. With ones, fc's bias gradient comes out of its
+    weight-gradient GEMM (Utils.bias_gemm)."""
     device_type = x.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     params = (p.to(dtype) for p in (fc.weight, fc.bias, proj.weight, proj.bias))
     with torch.autocast(device_type, enabled=False):
-        y = _GeluMLP.apply(x.reshape(-1, x.size(-1)).to(dtype).contiguous(), *params)
+        y = _GeluMLP.apply(x.reshape(-1, x.size(-1)).to(dtype).contiguous(), *params, ones)
     return y.view(*x.shape[:-1], y.size(-1))

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from Utils import ce_kernel
+from Utils import bias_gemm, ce_kernel
 from Utils.gelu_mlp import gelu_mlp
 from Utils.packed_attention import packed_attention
 
@@ -17,8 +17,9 @@ ATTENTIONS = ("manual", "sdpa", "cudnn", "cudnn_packed")
 LOSSES = ("full", "chunked", "chunked_kernel")
 RESIDUALS = ("fp32", "autocast")
 MLPS = ("modules", "epilogue")
+BIAS_GRADS = ("sum", "gemm")
 # The model options that a config names, and a recipe passes on to it: both check them here.
-CHOICES = {"attention": ATTENTIONS, "loss": LOSSES, "residual": RESIDUALS, "mlp": MLPS}
+CHOICES = {"attention": ATTENTIONS, "loss": LOSSES, "residual": RESIDUALS, "mlp": MLPS, "bias_grad": BIAS_GRADS}
 
 
 def check_choices(obj, choices=CHOICES):
@@ -47,6 +48,8 @@ class GPTConfig:
                                 # autocast only)
     mlp: str = "modules"        # "modules": nn.Linear, nn.GELU, nn.Linear; "epilogue": c_fc's bias and GELU, and
                                 # GELU's derivative, in GEMM epilogues (Utils.gelu_mlp)
+    bias_grad: str = "sum"      # "sum": autograd sums each bias gradient over the tokens; "gemm": c_attn's and
+                                # c_fc's come out of their weight-gradient GEMMs (Utils.bias_gemm)
 
     @property
     def padded_vocab_size(self):
@@ -76,6 +79,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.attention = config.attention
+        self.bias_gemm = config.bias_grad == "gemm"
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.residual_scale = True
@@ -85,9 +89,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
+        qkv = bias_gemm.linear(x, self.c_attn) if self.bias_gemm else self.c_attn(x)
         if self.attention == "cudnn_packed":
-            return self.c_proj(packed_attention(self.c_attn(x), self.n_head))
-        q, k, v = self.c_attn(x).split(C, dim=2)
+            return self.c_proj(packed_attention(qkv, self.n_head))
+        q, k, v = qkv.split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -113,11 +118,13 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.c_proj.residual_scale = True
         self.epilogue = config.mlp == "epilogue"
+        self.bias_gemm = config.bias_grad == "gemm"
 
     def forward(self, x):
         if self.epilogue:
-            return gelu_mlp(x, self.c_fc, self.c_proj)
-        return self.c_proj(self.gelu(self.c_fc(x)))
+            return gelu_mlp(x, self.c_fc, self.c_proj, ones=self.bias_gemm)
+        h = bias_gemm.linear(x, self.c_fc) if self.bias_gemm else self.c_fc(x)
+        return self.c_proj(self.gelu(h))
 
 
 class Block(nn.Module):

@@ -40,6 +40,7 @@ class Recipe:
     residual: str = "fp32"         # the residual stream under autocast: "fp32", or "autocast" (bf16)
     fold_clip: bool = False        # fused AdamW divides by the clip factor as it reads each gradient
     mlp: str = "modules"           # "epilogue": c_fc's bias and GELU (and GELU's derivative) in cuBLASLt GEMM epilogues
+    bias_grad: str = "sum"         # "gemm": c_attn's and c_fc's bias gradients out of their weight-gradient GEMMs
 
     def __post_init__(self):
         check_choices(self, {**CHOICES, "optimizer": OPTIMIZERS, "compile_mode": COMPILE_MODES})
@@ -48,6 +49,9 @@ class Recipe:
         if self.mlp == "epilogue" and (not self.bf16 or self.fp8):
             raise ValueError("mlp='epilogue' needs bf16=True (cuBLASLt's GELU epilogues take bf16 matrices) and no "
                              "fp8 (whose layers it would bypass)")
+        if self.bias_grad == "gemm" and self.fp8:
+            raise ValueError("bias_grad='gemm' calls the linear layers' weights directly: not with fp8, whose layers "
+                             "it would bypass")
         if self.fold_clip and (self.optimizer != "adamw_fused" or self.compile_update):
             raise ValueError("fold_clip needs optimizer='adamw_fused' (the only one that takes a gradient scale) "
                              "and no compile_update (which fuses the clip its own way)")
@@ -84,9 +88,10 @@ ADDITIONS = {
     "gelu_epilogue": {"mlp": "epilogue"},
     "triton_update": {"optimizer": "adamw_triton"},
     "packed_attention": {"attention": "cudnn_packed"},
+    "gemm_bias_grad": {"bias_grad": "gemm"},
 }
 MAX_PICKS = ("vocab_multiple", "loss_kernel", "prefetch", "sync_every", "cudagraphs", "bf16_residual",
-             "gelu_epilogue", "triton_update", "packed_attention")
+             "gelu_epilogue", "triton_update", "packed_attention", "gemm_bias_grad")
 MAX_ADDITIONS = {field: value for name in MAX_PICKS for field, value in ADDITIONS[name].items()}
 MAX = replace(FUSED, name="max", **MAX_ADDITIONS)
 
@@ -180,6 +185,12 @@ def apply_mlp(config, recipe, device):
             return replace(config, mlp="modules"), "GEMM epilogues need cuBLASLt on a GPU: the plain MLP instead"
         cublaslt.prepare(device)
     return replace(config, mlp=recipe.mlp), None
+
+
+def apply_bias_grad(config, recipe):
+    """c_attn's and c_fc's bias gradients as one more column of their weight-gradient GEMMs: no pass of its
+    own over their output gradients."""
+    return replace(config, bias_grad=recipe.bias_grad)
 
 
 def apply_residual(config, recipe):

@@ -23,8 +23,8 @@ from Utils import metrics
 from Utils.cli import PROFILE_STEPS, UsageError, fail, parse_args
 from Utils.data import DataError, TokenLoader, inputs_targets, load_tokens
 from Utils.model import GPT, PRESETS
-from Utils.recipes import (CUDAGRAPH_MODES, Unavailable, apply_attention, apply_compile, apply_fp8, apply_loss,
-                           apply_mlp, apply_optimizer, apply_prefetch, apply_residual, apply_tf32,
+from Utils.recipes import (CUDAGRAPH_MODES, Unavailable, apply_attention, apply_bias_grad, apply_compile, apply_fp8,
+                           apply_loss, apply_mlp, apply_optimizer, apply_prefetch, apply_residual, apply_tf32,
                            apply_vocab_padding, autocast_context, make_update)
 from Utils.results import ResultsError, append_run, check_prefix
 
@@ -111,7 +111,7 @@ def train(recipe, cfg, device, tokens, run, rows, held):
     for apply in (apply_attention, apply_loss, apply_mlp):   # model-config changes that may not apply here
         config, note = apply(config, recipe, device)
         notes += [note] if note else []
-    for apply in (apply_vocab_padding, apply_residual):   # the other model-config changes of a rung
+    for apply in (apply_vocab_padding, apply_residual, apply_bias_grad):   # the other model-config changes of a rung
         config = apply(config, recipe)
     torch.manual_seed(cfg.seed)
     with device:   # initialized where it trains: no 124M-parameter init on the host, no copy

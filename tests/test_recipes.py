@@ -32,7 +32,8 @@ def test_the_ladder_is_cumulative_one_change_per_rung():
     assert _diff(MAX, FUSED) == set(MAX_ADDITIONS)
     assert MAX_ADDITIONS == {"vocab_multiple": 128, "loss": "chunked_kernel", "prefetch": True, "sync_every": 10,
                              "compile_mode": "reduce-overhead", "residual": "autocast", "mlp": "epilogue",
-                             "optimizer": "adamw_triton", "attention": "cudnn_packed"}
+                             "optimizer": "adamw_triton", "attention": "cudnn_packed",
+                             "bias_grad": "gemm"}
 
 
 def test_every_addition_is_one_valid_change_to_the_fused_rung_and_max_picks_from_them():

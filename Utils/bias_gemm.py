@@ -1,0 +1,49 @@
+"""Linear layers whose bias gradient comes out of their weight-gradient GEMM.
+
+A linear layer's bias gradient is its output gradient summed over the tokens: one more pass over a
+tokens x out_features tensor (0.3 GB for c_attn and 0.4 GB for c_fc per layer at batch 64) after the two
+GEMMs that read it for the input and weight gradients. With a column of ones stored beside the input X,
+that sum is one more column of the weight-gradient GEMM: dY^T [X 1] = [dY^T X, dY^T 1]. The GEMM is eight
+columns wider (eight ones, so that rows stay 16-byte aligned), which costs far less than the sum's pass;
+the forward GEMM reads X as the first columns of [X 1]. Compiled, the kernel that makes X (LayerNorm)
+writes it straight into the wider buffer. The sum is the GEMM's fp32 accumulation of the same bf16
+products, rounded to bf16 as autograd's bf16 bias gradient is: the same mathematics.
+"""
+import torch
+
+ONES = 8
+
+
+def with_ones(x):
+    """[x, 1, ..., 1]: x [N, K] with ONES columns of ones after it."""
+    return torch.cat([x, x.new_ones(()).expand(x.size(0), ONES)], dim=1)
+
+
+def weight_and_bias_grad(grad, x_ones):
+    """(dY^T X, dY^T 1) from one GEMM, for grad = dY [N, out] and x_ones = [X 1] [N, K + ONES]."""
+    k = x_ones.size(1) - ONES
+    both = grad.t() @ x_ones
+    return both[:, :k], both[:, k]
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x_ones = with_ones(x)
+        ctx.save_for_backward(x_ones, weight)
+        return torch.addmm(bias, x_ones[:, :x.size(1)], weight.t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_ones, weight = ctx.saved_tensors
+        return (grad @ weight, *weight_and_bias_grad(grad, x_ones))
+
+
+def linear(x, layer):
+    """layer(x) for an nn.Linear with a bias, x [..., in_features], its bias gradient made by its weight-gradient
+    GEMM. Under autocast, in the autocast dtype, as layer(x) would be."""
+    device_type = x.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    with torch.autocast(device_type, enabled=False):
+        y = _Linear.apply(x.reshape(-1, x.size(-1)).to(dtype), layer.weight.to(dtype), layer.bias.to(dtype))
+    return y.view(*x.shape[:-1], y.size(-1))

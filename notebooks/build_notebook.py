@@ -952,8 +952,9 @@ CELLS = [
     on a side stream, losses and timings read back every 10 steps
     instead of every step, CUDA graphs (`torch.compile`'s `reduce-overhead` mode), a residual stream
     kept in bf16, the MLP's bias and GELU applied by cuBLASLt as its GEMMs store their outputs
-    (forward, and GELU's derivative backward), and the gradient clip and AdamW as two Triton kernels over
-    all parameters. `make ablation` runs each addition alone on the fused rung, together with the ones that
+    (forward, and GELU's derivative backward), the gradient clip and AdamW as two Triton kernels over
+    all parameters, attention called through cuDNN's graph API on the packed QKV tensor, and c_attn's and
+    c_fc's bias gradients taken from their weight-gradient GEMMs. `make ablation` runs each addition alone on the fused rung, together with the ones that
     were tried and left out: the chunked loss as Inductor compiles it, cuDNN attention, FP8 matmuls, a
     compiled optimizer step and the gradient clip folded into fused AdamW.
 
@@ -964,13 +965,18 @@ CELLS = [
     stream halves the bytes of every residual add and LayerNorm; the GEMM epilogues remove two passes
     over the MLP's tokens × 3072 activations per layer (GELU forward, and its derivative backward); the
     Triton update applies the clip factor as it reads each gradient, so the clip's own read-and-write pass
-    over 124M fp32 gradients is gone; prefetch, deferred read-back and CUDA graphs remove the time the GPU
-    waits on the host.
+    over 124M fp32 gradients is gone; cuDNN writes the attention's q, k and v gradients straight into the
+    QKV projection's packed gradient, where SDPA's three tensors had to be copied into it; a column of ones
+    stored beside c_attn's and c_fc's inputs makes their bias gradients one more column of the
+    weight-gradient GEMMs (dY^T [X 1]), so no pass sums the output gradients over the tokens; prefetch,
+    deferred read-back and CUDA graphs remove the time the GPU waits on the host.
     """),
     code(r"""
     recipe_change("max")
     show(recipes.apply_loss)
     show(recipes.apply_mlp)
+    show(recipes.apply_attention)
+    show(recipes.apply_bias_grad)
     show(recipes.make_update)
     measured_effect("max")
     if os.path.exists(ABLATION_RESULTS):

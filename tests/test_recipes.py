@@ -10,9 +10,9 @@ import torch
 from Utils import recipes
 from Utils.model import GPT, PRESETS
 from Utils.recipes import (ADDITIONS, BASELINE, FLASH, FUSED, LADDER, MAX, MAX_ADDITIONS, MAX_PICKS, RECIPES, Recipe,
-                           Unavailable, apply_attention, apply_compile, apply_fp8, apply_loss, apply_optimizer,
-                           apply_prefetch, apply_residual, apply_tf32, apply_vocab_padding, autocast_context,
-                           make_update)
+                           Unavailable, apply_attention, apply_bias_grad, apply_compile, apply_fp8, apply_loss,
+                           apply_optimizer, apply_prefetch, apply_residual, apply_tf32, apply_vocab_padding,
+                           autocast_context, make_update)
 
 CPU = torch.device("cpu")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,6 +93,7 @@ def test_config_level_applies():
     config, note = apply_loss(base, MAX, CPU)
     assert config.loss == "chunked" and "loss kernel needs a GPU" in note
     assert apply_residual(base, MAX).residual == "autocast" and apply_residual(base, FUSED).residual == "fp32"
+    assert apply_bias_grad(base, MAX) == replace(base, bias_grad="gemm") and apply_bias_grad(base, FUSED) == base
 
 
 def test_apply_prefetch_on_a_cpu_keeps_the_loader_and_says_so():

@@ -7,7 +7,9 @@ that sum is one more column of the weight-gradient GEMM: dY^T [X 1] = [dY^T X, d
 columns wider (eight ones, so that rows stay 16-byte aligned), which costs far less than the sum's pass;
 the forward GEMM reads X as the first columns of [X 1]. Compiled, the kernel that makes X (LayerNorm)
 writes it straight into the wider buffer. The sum is the GEMM's fp32 accumulation of the same bf16
-products, rounded to bf16 as autograd's bf16 bias gradient is: the same mathematics.
+values, rounded to bf16 as autograd's bf16 bias gradient is: the same sums, to bf16 rounding (a split-K
+GEMM adds its partial sums in another order than a reduction kernel, and PyTorch lets cuBLAS round those
+partial sums to bf16).
 """
 import torch
 

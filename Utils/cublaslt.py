@@ -194,7 +194,7 @@ def _matmul(epilogue, x, y, out, bias, aux, x_t=False, y_t=False, algo=None):
     # Row-major out = op(x) @ op(y) is column-major out.T = op(y).T @ op(x).T: A is y, B is x.
     device_index = x.device.index
     plan = _plan(device_index, epilogue, _OP_T if y_t else _OP_N, _OP_T if x_t else _OP_N, columns, rows, k,
-                 _DTYPES[x.dtype], x.stride(0))
+                 _DTYPES[x.dtype], x.stride(0) if x.size(0) > 1 else x.size(1))   # a 1-row x's stride is arbitrary
     desc, a_layout, b_layout, d_layout, results, fastest = plan
     lib, (handle, workspace) = _library(), _handle(device_index)
     _set(lib, desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr() if bias is not None else 0))

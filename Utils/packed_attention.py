@@ -14,6 +14,7 @@ FlashAttention backward computes it), which the tests compare with the model's p
 """
 import functools
 import math
+import warnings
 
 import torch
 from torch import Tensor
@@ -107,6 +108,7 @@ def _setup_context(ctx, inputs, output):
     qkv, n_head = inputs
     y, lse = output
     ctx.save_for_backward(qkv, y, lse)
+    ctx.mark_non_differentiable(lse)   # saved for the backward; the loss does not depend on it
     ctx.n_head = n_head
 
 
@@ -134,17 +136,54 @@ def _frontend():
         return None
 
 
+_failure = None   # why cuDNN could not run a small graph here (prepare), if it could not
+
+
 def available(device, head_dim):
-    """Whether cuDNN runs these operators here: an Ampere or newer GPU, cuDNN 9 and its frontend, and a
-    head size that cuDNN's fused attention takes (a multiple of 8, at most 128)."""
-    return (device.type == "cuda" and torch.backends.cudnn.is_available()
+    """Whether cuDNN runs these operators here: an Ampere or newer GPU, cuDNN 9 and its frontend, a head size
+    that cuDNN's fused attention takes (a multiple of 8, at most 128), and no failure seen by prepare()."""
+    return (device.type == "cuda" and _failure is None and torch.backends.cudnn.is_available()
             and torch.backends.cudnn.version() >= 90000
             and torch.cuda.get_device_capability(device)[0] >= 8
             and head_dim % 8 == 0 and head_dim <= 128 and _frontend() is not None)
 
 
+def _probe(device, head_dim):
+    qkv = torch.randn(1, 64, 3 * 2 * head_dim, device=device, dtype=torch.bfloat16)
+    y, lse = packed_attention_fwd(qkv, 2)
+    packed_attention_backward(y, qkv, y, lse, 2)
+    torch.cuda.synchronize(device)
+
+
+def prepare(device, head_dim):
+    """Build and run a small forward and backward graph now, before any CUDA graph is captured. Returns None,
+    or a note saying why cuDNN cannot run them here (its library older than its frontend needs, a GPU its
+    kernels do not cover), after which available() is False and the rung runs SDPA instead."""
+    global _failure
+    if device.type != "cuda" or not available(device, head_dim):
+        return None
+    try:
+        _probe(device, head_dim)
+    except Exception as e:   # cuDNN refuses the graph, or cannot build or run its kernels
+        _failure = f"cuDNN could not run the packed attention here ({type(e).__name__}: {str(e)[:200]})"
+        _cudnn_ok.cache_clear()
+        return _failure
+    return None
+
+
+@functools.cache
+def _cudnn_ok(index, head_dim):
+    # Asked on every call: the answer cannot change within a run, and asking costs several driver queries.
+    return available(torch.device("cuda", index), head_dim)
+
+
 def _takes(qkv, n_head):
-    return qkv.dtype in DTYPES and qkv.is_contiguous() and available(qkv.device, qkv.size(-1) // (3 * n_head))
+    return qkv.dtype in DTYPES and qkv.is_contiguous() and _cudnn_ok(qkv.device.index, qkv.size(-1) // (3 * n_head))
+
+
+def _slow_path(qkv):
+    warnings.warn(f"packed attention on {qkv.device} with {qkv.dtype} {tuple(qkv.shape)} input: cuDNN cannot take it, so "
+                  f"the PyTorch reference runs, which holds every T x T score in memory; use bf16 autocast")
 
 
 @functools.cache
@@ -186,13 +225,15 @@ def _graph(index, backward, batch, seq_len, n_head, head_dim, dtype):
     return g, t
 
 
-def _execute(index, graph, pointers):
-    g, tensors = graph
-    workspace = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device=f"cuda:{index}")
-    cudnn = _frontend()
-    # The current stream, which is the capturing one inside a CUDA graph: cuDNN's kernels join it.
-    cudnn.set_stream(handle=_handle(index), stream=torch.cuda.current_stream(index).cuda_stream)
-    g.execute({tensors[name]: pointer for name, pointer in pointers.items()}, workspace, handle=_handle(index))
+def _execute(index, backward, shape, dtype, pointers):
+    # The tensors' device made current: a custom operator's kernel gets no device guard of its own.
+    with torch.cuda.device(index):
+        g, tensors = _graph(index, backward, *shape, dtype)
+        workspace = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device=f"cuda:{index}")
+        cudnn = _frontend()
+        # The current stream, which is the capturing one inside a CUDA graph: cuDNN's kernels join it.
+        cudnn.set_stream(handle=_handle(index), stream=torch.cuda.current_stream(index).cuda_stream)
+        g.execute({tensors[name]: pointer for name, pointer in pointers.items()}, workspace, handle=_handle(index))
 
 
 def _packed_pointers(qkv, names):
@@ -204,24 +245,24 @@ def _packed_pointers(qkv, names):
 @packed_attention_fwd.register_kernel("cuda")
 def _(qkv, n_head):
     if not _takes(qkv, n_head):
+        _slow_path(qkv)
         return _reference_forward(qkv, n_head)
     B, T, C3 = qkv.shape
-    index = qkv.device.index
     y = qkv.new_empty(B, T, C3 // 3)
     lse = qkv.new_empty(B, n_head, T, dtype=torch.float32)
-    graph = _graph(index, False, B, T, n_head, C3 // (3 * n_head), qkv.dtype)
-    _execute(index, graph, {**_packed_pointers(qkv, "qkv"), "o": y.data_ptr(), "lse": lse.data_ptr()})
+    _execute(qkv.device.index, False, (B, T, n_head, C3 // (3 * n_head)), qkv.dtype,
+             {**_packed_pointers(qkv, "qkv"), "o": y.data_ptr(), "lse": lse.data_ptr()})
     return y, lse
 
 
 @packed_attention_backward.register_kernel("cuda")
 def _(grad, qkv, y, lse, n_head):
     if not (_takes(qkv, n_head) and grad.is_contiguous() and y.is_contiguous() and lse.is_contiguous()):
+        _slow_path(qkv)
         return _reference_backward(grad, qkv, y, lse, n_head)
     B, T, C3 = qkv.shape
-    index = qkv.device.index
     dqkv = torch.empty_like(qkv)
-    graph = _graph(index, True, B, T, n_head, C3 // (3 * n_head), qkv.dtype)
-    _execute(index, graph, {**_packed_pointers(qkv, "qkv"), **_packed_pointers(dqkv, ("dq", "dk", "dv")),
-                            "o": y.data_ptr(), "do": grad.data_ptr(), "lse": lse.data_ptr()})
+    _execute(qkv.device.index, True, (B, T, n_head, C3 // (3 * n_head)), qkv.dtype,
+             {**_packed_pointers(qkv, "qkv"), **_packed_pointers(dqkv, ("dq", "dk", "dv")),
+              "o": y.data_ptr(), "do": grad.data_ptr(), "lse": lse.data_ptr()})
     return dqkv

@@ -49,6 +49,8 @@ class Recipe:
         if self.mlp == "epilogue" and (not self.bf16 or self.fp8):
             raise ValueError("mlp='epilogue' needs bf16=True (cuBLASLt's GELU epilogues take bf16 matrices) and no "
                              "fp8 (whose layers it would bypass)")
+        if self.attention == "cudnn_packed" and not self.bf16:
+            raise ValueError("attention='cudnn_packed' needs bf16=True: cuDNN's fused attention takes bf16 or fp16")
         if self.bias_grad == "gemm" and self.fp8:
             raise ValueError("bias_grad='gemm' calls the linear layers' weights directly: not with fp8, whose layers "
                              "it would bypass")
@@ -142,8 +144,13 @@ def apply_attention(config, recipe, device):
     Returns (config, note): cuDNN attention needs a GPU whose cuDNN has it, else plain SDPA runs; the packed
     form also needs cuDNN's frontend (nvidia-cudnn-frontend), else SDPA's cuDNN backend runs."""
     attention, note = recipe.attention, None
-    if attention == "cudnn_packed" and not packed_attention.available(device, config.n_embd // config.n_head):
-        attention, note = "cudnn", "packed attention needs cuDNN 9 and its frontend on an Ampere or newer GPU"
+    if attention == "cudnn_packed":
+        head_dim = config.n_embd // config.n_head
+        if not packed_attention.available(device, head_dim):
+            attention, note = "cudnn", "packed attention needs cuDNN 9 and its frontend on an Ampere or newer GPU"
+        else:
+            failure = packed_attention.prepare(device, head_dim)
+            attention, note = ("cudnn", failure) if failure else (attention, None)
     if attention == "cudnn" and not cudnn_attention_available(device):
         attention, note = "sdpa", "cuDNN attention is not available here"
     if attention != recipe.attention:

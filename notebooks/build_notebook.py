@@ -982,8 +982,8 @@ CELLS = [
     if os.path.exists(ABLATION_RESULTS):
         abl_steps, abl_runs = plot_results.load(ABLATION_RESULTS)
         abl = plot_results.summarize(abl_steps, abl_runs)
-        # Each addition against the fused runs made by the same commit, in the same session: GPU speed drifts
-        # between sessions by about as much as some additions gain.
+        # Each addition against the fused runs made by the same commit, in the same call: GPU speed drifts
+        # between calls and machines by about as much as some additions gain.
         commit = abl_runs.set_index("run_id")["git_commit"]
         ok_runs = abl_runs[abl_runs["status"] == "ok"]
         fused_ms = ok_runs[ok_runs["optimization"] == "fused"].groupby("git_commit")["median_step_ms"].mean()

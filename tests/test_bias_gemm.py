@@ -103,8 +103,27 @@ def _aligned(*shape):
 def test_cublaslt_takes_x_as_the_first_columns_of_a_wider_matrix_with_aligned_rows(width, accepted):
     x = _aligned(4, width)[:, :8]   # rows 16 elements (32 bytes) apart: aligned; 12 (24 bytes): not
     args = dict(y=_aligned(16, 8), out=_aligned(4, 16), bias=_aligned(16), aux=_aligned(4, 16))
+    # Everything else right, a CPU tensor is refused last: "CUDA device" means the layout was accepted.
     with pytest.raises(ValueError, match="CUDA device" if accepted else "contiguous"):
         cublaslt._matmul(cublaslt.GELU_AUX_BIAS, x, args["y"], args["out"], args["bias"], args["aux"], y_t=True)
+    # Transposed, x must be contiguous: the leading dimension given to cuBLASLt is that of x's rows.
+    with pytest.raises(ValueError, match="contiguous"):
+        cublaslt._matmul(cublaslt.GELU_AUX_BIAS, _aligned(8, width)[:, :4], args["y"], args["out"], args["bias"],
+                         args["aux"], x_t=True, y_t=True)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and cublaslt.available(torch.device("cuda"))),
+                    reason="cuBLASLt's epilogue GEMMs need a GPU")
+def test_on_a_gpu_the_epilogue_gemm_reads_x_beside_its_ones_as_it_reads_x_alone():
+    from Utils.gelu_mlp import linear_gelu
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    b = torch.randn(128, device="cuda", dtype=torch.bfloat16, generator=g)
+    view = bias_gemm.with_ones(x)[:, :64]
+    assert not view.is_contiguous()
+    for got, want in zip(linear_gelu(view, w, b), linear_gelu(x, w, b)):
+        torch.testing.assert_close(got, want)   # to rounding: each layout times its own candidate kernels
 
 
 def test_recipes_name_it_and_refuse_it_with_fp8():

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from Utils import packed_attention as pa
 from Utils import recipes
 from Utils.model import GPT, PRESETS
-from Utils.recipes import FUSED, MAX, apply_attention
+from Utils.recipes import BASELINE, FUSED, MAX, apply_attention
 
 CPU = torch.device("cpu")
 B, T, H, D = 2, 16, 3, 8
@@ -66,7 +66,12 @@ def test_fake_tensors_have_the_real_outputs_shapes_and_dtypes():
             fy, flse = pa.packed_attention_fwd(fq, H)
             fgrad = pa.packed_attention_backward(fy, fq, fy, flse, H)
         for real, fake in ((y, fy), (lse, flse), (grad, fgrad)):
-            assert (fake.shape, fake.dtype) == (real.shape, real.dtype)
+            assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+
+
+def test_the_log_sum_exp_output_is_not_differentiable():
+    y, lse = pa.packed_attention_fwd(_qkv(), H)
+    assert y.requires_grad and not lse.requires_grad
 
 
 def test_cudnn_layout_addresses_q_k_v_the_output_and_lse_as_their_views():
@@ -82,7 +87,7 @@ def test_cudnn_layout_addresses_q_k_v_the_output_and_lse_as_their_views():
 
 
 def _pair(**changes):
-    config = replace(PRESETS["tiny"], vocab_size=97, **changes)
+    config = replace(PRESETS["tiny"], vocab_size=97, **changes)   # changes apply to both models
     torch.manual_seed(0)
     plain = GPT(replace(config, attention="sdpa")).double()
     packed = GPT(replace(config, attention="cudnn_packed")).double()
@@ -91,11 +96,12 @@ def _pair(**changes):
     return plain, packed, idx, torch.roll(idx, -1, 1)
 
 
-def test_model_with_packed_attention_gives_sdpas_loss_and_gradients(monkeypatch):
+@pytest.mark.parametrize("bias_grad", ["sum", "gemm"])   # alone, and as in max, with the bias gradients' GEMMs
+def test_model_with_packed_attention_gives_sdpas_loss_and_gradients(monkeypatch, bias_grad):
     calls = []
     real = pa.packed_attention_fwd
     monkeypatch.setattr(pa, "packed_attention_fwd", lambda *a: calls.append(1) or real(*a))
-    plain, packed, x, y = _pair()
+    plain, packed, x, y = _pair(bias_grad=bias_grad)
     losses = []
     for model in (plain, packed):
         _, loss = model(x, y)
@@ -137,6 +143,25 @@ def test_packed_attention_falls_back_to_cudnn_sdpa_then_plain_sdpa(monkeypatch):
     monkeypatch.setattr(pa, "available", lambda device, head_dim: heads.append(head_dim) or True)
     assert apply_attention(base, PACKED, CPU) == (replace(base, attention="cudnn_packed"), None)
     assert heads == [base.n_embd // base.n_head]
+    # A GPU whose cuDNN refuses the small graph that prepare() runs: SDPA held to cuDNN, and the reason.
+    monkeypatch.setattr(pa, "prepare", lambda device, head_dim: "cuDNN could not run the packed attention here (x)")
+    assert apply_attention(base, PACKED, CPU) == (replace(base, attention="cudnn"), "cuDNN could not run the "
+                                                 "packed attention here (x): SDPA held to cuDNN instead")
+
+
+def test_prepare_turns_cudnn_off_with_the_reason_when_its_graph_fails(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(pa, "_failure", None)
+    monkeypatch.setattr(pa, "available", lambda device, head_dim: pa._failure is None)
+
+    def refuse(device, head_dim):
+        raise RuntimeError("cudnnGraphNotSupportedError: no engine")
+    monkeypatch.setattr(pa, "_probe", refuse)
+    note = pa.prepare(cuda, 64)
+    assert note == ("cuDNN could not run the packed attention here (RuntimeError: cudnnGraphNotSupportedError: no "
+                    "engine)")
+    assert pa._failure == note and not pa.available(cuda, 64)
+    assert pa.prepare(CPU, 64) is None
 
 
 @pytest.mark.parametrize("head_dim, ok", [(64, True), (128, True), (8, True), (60, False), (192, False)])
@@ -148,3 +173,41 @@ def test_cudnn_is_asked_only_for_head_sizes_its_fused_kernels_take(monkeypatch, 
     assert pa.available(torch.device("cuda"), head_dim) is ok
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert not pa.available(torch.device("cuda"), 64)
+
+
+def test_recipes_refuse_packed_attention_without_bf16():
+    with pytest.raises(ValueError, match="bf16"):
+        replace(BASELINE, name="x", attention="cudnn_packed")
+
+
+GPU = pytest.mark.skipif(not (torch.cuda.is_available() and pa.available(torch.device("cuda"), 64)),
+                         reason="cuDNN's packed attention needs a GPU with cuDNN 9 and nvidia-cudnn-frontend")
+
+
+@GPU
+def test_on_a_gpu_cudnn_matches_the_reference_eagerly_and_replayed_from_a_cuda_graph():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(2, 256, 3 * 4 * 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    dy = torch.randn(2, 256, 4 * 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    want_y, want_lse = pa._reference_forward(qkv, 4)
+    want_grad = pa._reference_backward(dy, qkv, want_y, want_lse, 4)
+
+    def both():
+        y, lse = pa.packed_attention_fwd(qkv, 4)
+        return y, lse, pa.packed_attention_backward(dy, qkv, y, lse, 4)
+    eager = both()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        both()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = both()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got in (eager, replayed):
+        y, lse, grad = (t.float() for t in got)
+        assert (y - want_y.float()).abs().max() <= 1e-2 * want_y.float().abs().max()
+        assert (lse - want_lse).abs().max() < 1e-3
+        assert (grad - want_grad.float()).abs().max() <= 2e-2 * want_grad.float().abs().max()

@@ -182,8 +182,8 @@ def _takes(qkv, n_head):
 
 
 def _slow_path(qkv):
-    warnings.warn(f"packed attention on {qkv.device} with {qkv.dtype} {tuple(qkv.shape)} input: cuDNN cannot take it, so "
-                  f"the PyTorch reference runs, which holds every T x T score in memory; use bf16 autocast")
+    warnings.warn(f"packed attention on {qkv.device} with {qkv.dtype} {tuple(qkv.shape)} input: cuDNN cannot take "
+                  f"it, so the PyTorch reference runs, which holds every T x T score in memory; use bf16 autocast")
 
 
 @functools.cache

@@ -41,11 +41,18 @@ class _Linear(torch.autograd.Function):
         return (grad @ weight, *weight_and_bias_grad(grad, x_ones))
 
 
-def linear(x, layer):
-    """layer(x) for an nn.Linear with a bias, x [..., in_features], its bias gradient made by its weight-gradient
-    GEMM. Under autocast, in the autocast dtype, as layer(x) would be."""
+def apply_in_autocast_dtype(function, x, params, *args):
+    """function.apply(x as a [tokens, features] matrix, *params, *args) with the tensors in the autocast dtype
+    (x's where autocast is off) and autocast off inside: the dtype that plain nn.Linear layers would compute
+    in. The result keeps x's leading dimensions."""
     device_type = x.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     with torch.autocast(device_type, enabled=False):
-        y = _Linear.apply(x.reshape(-1, x.size(-1)).to(dtype), layer.weight.to(dtype), layer.bias.to(dtype))
+        y = function.apply(x.reshape(-1, x.size(-1)).to(dtype).contiguous(), *(p.to(dtype) for p in params), *args)
     return y.view(*x.shape[:-1], y.size(-1))
+
+
+def linear(x, layer):
+    """layer(x) for an nn.Linear with a bias, x [..., in_features], its bias gradient made by its weight-gradient
+    GEMM. Under autocast, in the autocast dtype, as layer(x) would be."""
+    return apply_in_autocast_dtype(_Linear, x, (layer.weight, layer.bias))

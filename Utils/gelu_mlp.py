@@ -80,9 +80,4 @@ def gelu_mlp(x, fc, proj, ones=False):
     """proj(gelu(fc(x))) for nn.Linear layers fc and proj, x [..., fc.in_features]. Under autocast, in the
     autocast dtype, as the plain MLP's matmuls would be. With ones, fc's bias gradient comes out of its
     weight-gradient GEMM (Utils.bias_gemm)."""
-    device_type = x.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-    params = (p.to(dtype) for p in (fc.weight, fc.bias, proj.weight, proj.bias))
-    with torch.autocast(device_type, enabled=False):
-        y = _GeluMLP.apply(x.reshape(-1, x.size(-1)).to(dtype).contiguous(), *params, ones)
-    return y.view(*x.shape[:-1], y.size(-1))
+    return bias_gemm.apply_in_autocast_dtype(_GeluMLP, x, (fc.weight, fc.bias, proj.weight, proj.bias), ones)

@@ -139,13 +139,17 @@ def _frontend():
 _failure = None   # why cuDNN could not run a small graph here (prepare), if it could not
 
 
+def cudnn_fused_attention(device):
+    """Whether cuDNN has its fused attention kernels here: on Ampere and newer GPUs, from cuDNN 9 on."""
+    return (device.type == "cuda" and torch.backends.cudnn.is_available()
+            and torch.cuda.get_device_capability(device)[0] >= 8 and torch.backends.cudnn.version() >= 90000)
+
+
 def available(device, head_dim):
-    """Whether cuDNN runs these operators here: an Ampere or newer GPU, cuDNN 9 and its frontend, a head size
-    that cuDNN's fused attention takes (a multiple of 8, at most 128), and no failure seen by prepare()."""
-    return (device.type == "cuda" and _failure is None and torch.backends.cudnn.is_available()
-            and torch.backends.cudnn.version() >= 90000
-            and torch.cuda.get_device_capability(device)[0] >= 8
-            and head_dim % 8 == 0 and head_dim <= 128 and _frontend() is not None)
+    """Whether cuDNN runs these operators here: its fused attention and its frontend, a head size that the
+    fused attention takes (a multiple of 8, at most 128), and no failure seen by prepare()."""
+    return (_failure is None and cudnn_fused_attention(device) and head_dim % 8 == 0 and head_dim <= 128
+            and _frontend() is not None)
 
 
 def _probe(device, head_dim):

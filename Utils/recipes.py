@@ -159,10 +159,7 @@ def apply_attention(config, recipe, device):
 
 
 def cudnn_attention_available(device):
-    if device.type != "cuda" or not torch.backends.cudnn.is_available():
-        return False
-    # cuDNN's fused attention kernels exist for Ampere and newer, with cuDNN 9.
-    return torch.cuda.get_device_capability(device)[0] >= 8 and torch.backends.cudnn.version() >= 90000
+    return packed_attention.cudnn_fused_attention(device)
 
 
 def apply_vocab_padding(config, recipe):

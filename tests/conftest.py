@@ -8,8 +8,12 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
+import torch
+
+from Utils.model import GPT, PRESETS
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared"))
@@ -89,3 +93,17 @@ def run_interpreted(code, repo_root):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def model_pair(variant, dtype=None, batch=3, **common):
+    """(plain, changed, inputs, targets): two tiny GPTs (vocabulary 97) with the same weights in dtype
+    (float64 by default), the second with the config fields in `variant`, both with those in `common`; and
+    a batch of 24-token sequences whose targets are the inputs shifted by one."""
+    config = replace(PRESETS["tiny"], vocab_size=97, **common)
+    torch.manual_seed(0)
+    plain = GPT(config).to(dtype or torch.float64)
+    changed = GPT(replace(config, **variant)).to(dtype or torch.float64)
+    changed.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, config.vocab_size, (batch, 24))
+    return plain, changed, idx, torch.roll(idx, -1, 1)
+

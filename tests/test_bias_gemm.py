@@ -6,8 +6,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from conftest import model_pair
 from Utils import bias_gemm, cublaslt
-from Utils.model import BIAS_GRADS, GPT, PRESETS, GPTConfig
+from Utils.model import BIAS_GRADS, PRESETS, GPTConfig
 from Utils.recipes import FUSED, MAX, Recipe
 
 CONFIG = replace(PRESETS["tiny"], vocab_size=97)
@@ -25,12 +26,7 @@ def test_one_gemm_gives_the_weight_gradient_and_the_bias_gradient():
 
 
 def _pair(dtype=torch.float64, **changes):
-    torch.manual_seed(0)
-    plain = GPT(replace(CONFIG, **changes)).to(dtype)
-    gemm = GPT(replace(CONFIG, bias_grad="gemm", **changes)).to(dtype)
-    gemm.load_state_dict(plain.state_dict())
-    idx = torch.randint(0, CONFIG.vocab_size, (3, 24))
-    return plain, gemm, idx, torch.roll(idx, -1, 1)
+    return model_pair({"bias_grad": "gemm"}, dtype, **changes)
 
 
 @pytest.mark.parametrize("mlp", ["modules", "epilogue"])

@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import model_pair
 from Utils import cublaslt, gelu_mlp as gelu_mlp_module
 from Utils.gelu_mlp import gelu_mlp, linear_dgelu, linear_gelu
-from Utils.model import MLPS, PRESETS, GPT, GPTConfig
+from Utils.model import MLPS, PRESETS, GPTConfig
 from Utils.recipes import FUSED, MAX, Recipe, apply_mlp
 
 CPU = torch.device("cpu")
@@ -17,12 +18,7 @@ CONFIG = replace(PRESETS["tiny"], vocab_size=97)
 
 
 def _pair(dtype=torch.float64, **changes):
-    torch.manual_seed(0)
-    plain = GPT(replace(CONFIG, **changes)).to(dtype)
-    fused = GPT(replace(CONFIG, mlp="epilogue", **changes)).to(dtype)
-    fused.load_state_dict(plain.state_dict())
-    idx = torch.randint(0, CONFIG.vocab_size, (3, 24))
-    return plain, fused, idx, torch.roll(idx, -1, 1)
+    return model_pair({"mlp": "epilogue"}, dtype, **changes)
 
 
 @pytest.fixture

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import model_pair
 from Utils import packed_attention as pa
 from Utils import recipes
-from Utils.model import GPT, PRESETS
+from Utils.model import PRESETS
 from Utils.recipes import BASELINE, FUSED, MAX, apply_attention
 
 CPU = torch.device("cpu")
@@ -86,14 +87,8 @@ def test_cudnn_layout_addresses_q_k_v_the_output_and_lse_as_their_views():
     assert torch.equal(lse.as_strided(lay["stats_dims"], lay["stats"]), lse[..., None])
 
 
-def _pair(**changes):
-    config = replace(PRESETS["tiny"], vocab_size=97, **changes)   # changes apply to both models
-    torch.manual_seed(0)
-    plain = GPT(replace(config, attention="sdpa")).double()
-    packed = GPT(replace(config, attention="cudnn_packed")).double()
-    packed.load_state_dict(plain.state_dict())
-    idx = torch.randint(0, config.vocab_size, (2, 24))
-    return plain, packed, idx, torch.roll(idx, -1, 1)
+def _pair(**changes):   # changes apply to both models
+    return model_pair({"attention": "cudnn_packed"}, batch=2, attention="sdpa", **changes)
 
 
 @pytest.mark.parametrize("bias_grad", ["sum", "gemm"])   # alone, and as in max, with the bias gradients' GEMMs

@@ -1,8 +1,7 @@
-"""The flash rung with bitsandbytes' AdamW8bit in place of AdamW."""
+"""The 8bit rung: the flash rung with bitsandbytes' AdamW8bit (Utils.ladder.registry.RUNGS["8bit"])."""
 import sys
 
-from Utils.recipes import EIGHT_BIT
-from Utils.runner import main
+from Utils.train.run import main
 
 if __name__ == "__main__":
-    sys.exit(main(EIGHT_BIT))
+    sys.exit(main("8bit"))

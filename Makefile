@@ -1,16 +1,13 @@
 # The suite's one entry point. `make help` lists the targets and variables.
 PYTHON ?= python3
-RUNGS := baseline tf32 bf16 torch_compile flash fused 8bit max
-ADDITIONS := vocab_multiple loss prefetch sync_every cudagraphs cudnn_attention fp8 compiled_update loss_kernel bf16_residual fold_clip gelu_epilogue triton_update packed_attention gemm_bias_grad
-
-script_baseline := no_optimization.py
-script_tf32 := tensorFloat32.py
-script_bf16 := brainFloat16.py
-script_torch_compile := torch_compile.py
-script_flash := flash_attention.py
-script_fused := fused_optimizer.py
-script_8bit := 8-bit_optimizer.py
-script_max := max_throughput.py
+# The rungs, their scripts and the additions come from the registry (Utils/ladder/registry.py).
+LADDER := $(shell $(PYTHON) -m Utils.ladder rungs)
+RUNGS := $(foreach p,$(LADDER),$(firstword $(subst :, ,$(p))))
+ABLATION := $(shell $(PYTHON) -m Utils.ladder ablation)
+script = $(word 2,$(subst :, ,$(filter $(1):%,$(LADDER))))
+ifeq ($(strip $(RUNGS)),)
+$(error $(PYTHON) cannot read the registry (python -m Utils.ladder rungs): run make from the repository's root with Python 3.10+, or set PYTHON)
+endif
 
 EXAMPLE := e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out
 
@@ -24,7 +21,7 @@ RUN_ARGS = --steps '$(STEPS)' --batch-size '$(BATCH_SIZE)' --prefix '$(PREFIX)' 
 
 need = @if [ -z "$(strip $($(1)))" ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
 
-.PHONY: help all ablation profile plots test init_results reset clean notebook $(RUNGS) require-run require-prefix
+.PHONY: help all ablation additions custom profile plots test gpu-test init_results reset clean notebook $(RUNGS) require-run require-prefix
 .DEFAULT_GOAL := help
 
 help:
@@ -33,6 +30,8 @@ help:
 	@echo "  make <rung> STEPS=n BATCH_SIZE=b PREFIX=dir   run one rung: $(RUNGS)"
 	@echo "                                                (REPEAT=n: n runs in a row, judged on their median)"
 	@echo "  make all STEPS=n BATCH_SIZE=b PREFIX=dir      every rung in ladder order, then the charts"
+	@echo "  make custom WITH=\"a b ...\" STEPS=n BATCH_SIZE=b PREFIX=dir   exactly those additions"
+	@echo "  make additions                                the registry: every addition, its pillar and needs"
 	@echo "  make ablation STEPS=n BATCH_SIZE=b PREFIX=dir each addition tried for max, alone on the fused rung"
 	@echo "  make plots PREFIX=dir                         charts and summary.md from PREFIX/results.csv"
 	@echo "  make profile STEPS=n BATCH_SIZE=b PREFIX=dir  compute / memory / overhead split of every rung"
@@ -41,9 +40,11 @@ help:
 	@echo "  make reset PREFIX=dir                         remove every file the suite wrote in PREFIX, results too"
 	@echo "  make notebook [RESULTS=dir]                   execute notebooks/Optimizing_GPU_Utilization.ipynb in place"
 	@echo "  make test                                     the test suite (CPU, a few minutes)"
+	@echo "  make gpu-test                                 the tests marked gpu, on a CUDA machine"
 	@echo ""
 	@echo "Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE=auto|cuda|cpu"
 	@echo "          DATA=auto|shakespeare|synthetic|path.txt  WARMUP=n  SEED=n  DATA_DIR=dir  PYTHON=python3"
+	@echo "          REPEAT=n (rung targets, custom and all: n runs in a row, judged on their median)"
 
 require-run:
 	$(call need,STEPS)
@@ -56,18 +57,33 @@ require-prefix:
 # REPEAT=n runs a rung n times in a row, stopping at the first that is not ok: on a GPU whose clock
 # moves one run's median by a few percent, summary.md then reports the median of the n runs' medians.
 REPEAT ?= 1
-$(RUNGS): require-run
+# $(call repeat,NAME,COMMAND): COMMAND REPEAT times in a row, stopping at the first run that is not ok: on
+# a GPU whose clock moves one run's median by a few percent, summary.md then reports the median of medians.
+define repeat
 	@case '$(REPEAT)' in [1-9]|[1-9][0-9]) ;; *) echo "error: REPEAT must be a number of runs from 1 to 99, not '$(REPEAT)' (e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)" >&2; exit 2;; esac
 	@run=0; while [ $$run -lt $(REPEAT) ]; do run=$$((run + 1)); \
-		if [ $(REPEAT) -gt 1 ]; then echo "=== $@, run $$run of $(REPEAT) ==="; fi; \
-		echo "$(PYTHON) $(script_$@) $(subst ",\",$(RUN_ARGS))"; \
-		$(PYTHON) $(script_$@) $(RUN_ARGS) || exit $$?; \
+		if [ $(REPEAT) -gt 1 ]; then echo "=== $(1), run $$run of $(REPEAT) ==="; fi; \
+		echo "$(subst ",\",$(2))"; \
+		$(2) || exit $$?; \
 	done
+endef
+
+$(RUNGS): require-run
+	$(call repeat,$@,$(PYTHON) $(call script,$@) $(RUN_ARGS))
+
+# Exactly the additions named in WITH (make additions lists them), recorded under a name built from them.
+custom: require-run
+	$(call need,WITH)
+	@$(PYTHON) -m Utils.ladder check $(WITH) >/dev/null
+	$(call repeat,custom,$(PYTHON) -m Utils.train --with '$(WITH)' $(RUN_ARGS))
+
+additions:
+	@$(PYTHON) -m Utils.ladder table
 
 # $(call each,NAME,ITEMS,COMMAND,AFTER): COMMAND for every item (as $$x), going on past failures; then
 # AFTER; then exits non-zero naming what was not ok. Arguments are checked once, before the first item.
 define each
-	@$(PYTHON) -m Utils.cli $(RUN_ARGS)
+	@$(PYTHON) -m Utils.train.cli $(RUN_ARGS)
 	@failed=""; \
 	for x in $(2); do \
 		echo "=== $(1) $$x ==="; \
@@ -82,7 +98,7 @@ all: require-run
 
 # Each addition tried for the max rung alone on top of the fused rung, as rungs fused+<addition>.
 ablation: require-run
-	$(call each,ablation,$(ADDITIONS),$(PYTHON) ablation.py --add $$x $(RUN_ARGS))
+	$(call each,ablation,$(if $(ADDITIONS),$(ADDITIONS),$(ABLATION)),$(PYTHON) ablation.py --add $$x $(RUN_ARGS))
 
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
 # breakdown files and a trace per rung, and leaves results.csv alone.
@@ -93,7 +109,7 @@ plots: require-prefix
 	$(PYTHON) plot_results.py --prefix '$(PREFIX)'
 
 init_results: require-prefix
-	$(PYTHON) -m Utils.results init '$(PREFIX)'
+	$(PYTHON) -m Utils.results.store init '$(PREFIX)'
 
 # Only the files the suite writes, by name: anything else in PREFIX is left alone.
 CHARTS := speedup.png step_time.png throughput.png memory.png loss.png summary.md \
@@ -110,3 +126,7 @@ notebook:
 
 test:
 	$(PYTHON) -m pytest -q tests
+
+# The tests that need a CUDA GPU (marked gpu); `make test` leaves them out.
+gpu-test:
+	$(PYTHON) -m pytest -q -m gpu tests

@@ -1,8 +1,7 @@
-"""TF32 plus bf16 autocast."""
+"""The bf16 rung: + bf16 autocast (Utils.ladder.registry.RUNGS["bf16"])."""
 import sys
 
-from Utils.recipes import BF16
-from Utils.runner import main
+from Utils.train.run import main
 
 if __name__ == "__main__":
-    sys.exit(main(BF16))
+    sys.exit(main("bf16"))

@@ -1,8 +1,7 @@
-"""torch.compile plus F.scaled_dot_product_attention (flash kernels)."""
+"""The flash rung: + F.scaled_dot_product_attention (FlashAttention) (Utils.ladder.registry.RUNGS["flash"])."""
 import sys
 
-from Utils.recipes import FLASH
-from Utils.runner import main
+from Utils.train.run import main
 
 if __name__ == "__main__":
-    sys.exit(main(FLASH))
+    sys.exit(main("flash"))

@@ -1,8 +1,7 @@
-"""FlashAttention plus AdamW(fused=True)."""
+"""The fused rung: + AdamW(fused=True) (Utils.ladder.registry.RUNGS["fused"])."""
 import sys
 
-from Utils.recipes import FUSED
-from Utils.runner import main
+from Utils.train.run import main
 
 if __name__ == "__main__":
-    sys.exit(main(FUSED))
+    sys.exit(main("fused"))

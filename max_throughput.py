@@ -1,8 +1,7 @@
-"""Beyond the seven: the fused rung plus every further change that pays on a GPU (Utils.recipes.MAX)."""
+"""The max rung: the fused rung plus every addition that paid on an H200 (Utils.ladder.registry.RUNGS["max"])."""
 import sys
 
-from Utils.recipes import MAX
-from Utils.runner import main
+from Utils.train.run import main
 
 if __name__ == "__main__":
-    sys.exit(main(MAX))
+    sys.exit(main("max"))

@@ -1,8 +1,7 @@
-"""The baseline: fp32 with TF32 off, attention written out, eager, torch.optim.AdamW as shipped."""
+"""The baseline rung: fp32, TF32 off, attention written out, eager, torch.optim.AdamW as shipped (Utils.ladder.registry.RUNGS["baseline"])."""
 import sys
 
-from Utils.recipes import BASELINE
-from Utils.runner import main
+from Utils.train.run import main
 
 if __name__ == "__main__":
-    sys.exit(main(BASELINE))
+    sys.exit(main("baseline"))

@@ -1,8 +1,7 @@
-"""The baseline with TF32 matmuls on the tensor cores."""
+"""The tf32 rung: + TF32 matmuls (Utils.ladder.registry.RUNGS["tf32"])."""
 import sys
 
-from Utils.recipes import TF32
-from Utils.runner import main
+from Utils.train.run import main
 
 if __name__ == "__main__":
-    sys.exit(main(TF32))
+    sys.exit(main("tf32"))

@@ -1,8 +1,7 @@
-"""bf16 plus torch.compile."""
+"""The torch_compile rung: + torch.compile (Utils.ladder.registry.RUNGS["torch_compile"])."""
 import sys
 
-from Utils.recipes import TORCH_COMPILE
-from Utils.runner import main
+from Utils.train.run import main
 
 if __name__ == "__main__":
-    sys.exit(main(TORCH_COMPILE))
+    sys.exit(main("torch_compile"))

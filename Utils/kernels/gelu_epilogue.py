@@ -9,14 +9,14 @@ mathematics, without those passes. GELU is computed from the fp32 accumulator ra
 pre-activation rounded to bf16, a difference of bf16 rounding only.
 
 The two GEMMs are PyTorch operators (gpt_suite::linear_gelu and ::linear_dgelu), so torch.compile and
-CUDA graphs see them as opaque calls. On a GPU they run Utils.cublaslt; elsewhere, the same mathematics
+CUDA graphs see them as opaque calls. On a GPU they run Utils.kernels.cublaslt; elsewhere, the same mathematics
 in PyTorch operations, which the tests compare with the plain MLP.
 """
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from Utils import bias_gemm, cublaslt
+from Utils.kernels import cublaslt, gemm_bias_grad
 
 
 @torch.library.custom_op("gpt_suite::linear_gelu", mutates_args=())
@@ -57,8 +57,8 @@ class _GeluMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fc_weight, fc_bias, proj_weight, proj_bias, ones):
         # With `ones`, x is kept beside a column of ones, and c_fc's bias gradient comes out of its
-        # weight-gradient GEMM (Utils.bias_gemm).
-        saved = bias_gemm.with_ones(x) if ones else x
+        # weight-gradient GEMM (Utils.kernels.gemm_bias_grad).
+        saved = gemm_bias_grad.with_ones(x) if ones else x
         a, h = linear_gelu(saved[:, :x.size(1)], fc_weight, fc_bias)
         ctx.save_for_backward(saved, fc_weight, proj_weight, a, h)
         ctx.ones = ones
@@ -70,7 +70,7 @@ class _GeluMLP(torch.autograd.Function):
         grad = grad.contiguous()
         grad_h = linear_dgelu(grad, proj_weight, h)
         if ctx.ones:
-            fc_grads = bias_gemm.weight_and_bias_grad(grad_h, saved)
+            fc_grads = gemm_bias_grad.weight_and_bias_grad(grad_h, saved)
         else:
             fc_grads = grad_h.t() @ saved, grad_h.sum(0)
         return grad_h @ fc_weight, *fc_grads, grad.t() @ a, grad.sum(0), None
@@ -79,5 +79,5 @@ class _GeluMLP(torch.autograd.Function):
 def gelu_mlp(x, fc, proj, ones=False):
     """proj(gelu(fc(x))) for nn.Linear layers fc and proj, x [..., fc.in_features]. Under autocast, in the
     autocast dtype, as the plain MLP's matmuls would be. With ones, fc's bias gradient comes out of its
-    weight-gradient GEMM (Utils.bias_gemm)."""
-    return bias_gemm.apply_in_autocast_dtype(_GeluMLP, x, (fc.weight, fc.bias, proj.weight, proj.bias), ones)
+    weight-gradient GEMM (Utils.kernels.gemm_bias_grad)."""
+    return gemm_bias_grad.apply_in_autocast_dtype(_GeluMLP, x, (fc.weight, fc.bias, proj.weight, proj.bias), ones)

@@ -67,6 +67,11 @@ def _library():
         return None
 
 
+def unavailable(device):
+    """None where the epilogue GEMMs run on this device, else why not."""
+    return None if available(device) else "GEMM epilogues need cuBLASLt on an Ampere or newer GPU"
+
+
 def available(device):
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8 and _library() is not None
 
@@ -166,7 +171,7 @@ def _matmul(epilogue, x, y, out, bias, aux, x_t=False, y_t=False, algo=None):
     if x.dtype not in _DTYPES or any(t.dtype != x.dtype for t in tensors):
         raise ValueError(f"cuBLASLt epilogue GEMMs take bf16 or fp16 tensors of one dtype, got "
                          f"{', '.join(str(t.dtype) for t in tensors)}")
-    # x may also be the first columns of a wider matrix, rows 16 bytes aligned: Utils.bias_gemm's inputs,
+    # x may also be the first columns of a wider matrix, rows 16 bytes aligned: Utils.kernels.gemm_bias_grad's inputs,
     # stored with a column of ones beside them.
     x_columns = x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= x.size(1) and x.stride(0) % 8 == 0
     if not all(t.is_contiguous() for t in tensors if t is not x) or not (x.is_contiguous() or

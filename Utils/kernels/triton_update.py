@@ -1,4 +1,4 @@
-"""Gradient clipping and AdamW as two Triton kernels over every parameter: ClippedAdamW.
+"""Gradient clipping and AdamW as two Triton kernels over every parameter: TritonUpdate.
 
 torch's clip_grad_norm_ followed by fused AdamW passes over the gradients three times: the norm reads
 them, the clip multiplies them in place (a read and a write), and AdamW reads them again. Here the first
@@ -34,6 +34,11 @@ NUM_WARPS = 8
 
 # Read once, as @triton.jit reads it when the kernels are defined below.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def unavailable(device):
+    """None where the kernels run on this device, else why not."""
+    return None if available(device) else "the Triton clip-and-AdamW kernels need a GPU and Triton"
 
 
 def available(device):
@@ -124,7 +129,7 @@ def _log2(beta):
     return math.log2(beta) if beta > 0 else -math.inf   # beta^step = 2^(step * log2(beta)), 0 for beta = 0
 
 
-class ClippedAdamW(torch.optim.Optimizer):
+class TritonUpdate(torch.optim.Optimizer):
     """torch.optim.AdamW (decoupled weight decay, no amsgrad) whose step first clips the gradients' global
     2-norm to max_norm, as torch.nn.utils.clip_grad_norm_ does, without writing the gradients. As torch's,
     a parameter without a gradient is left alone and its step is not counted. Parameters must be fp32,
@@ -133,7 +138,7 @@ class ClippedAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, max_norm=1.0):
         if _kernels is None:
-            raise RuntimeError("ClippedAdamW needs Triton, which is not usable here: use torch's fused AdamW")
+            raise RuntimeError("TritonUpdate needs Triton, which is not usable here: use torch's fused AdamW")
         if not max_norm > 0:
             raise ValueError(f"max_norm must be positive, got {max_norm}")
         self._built = False
@@ -144,7 +149,7 @@ class ClippedAdamW(torch.optim.Optimizer):
         device = self._params[0].device
         self._check_params()
         if not available(device):
-            raise RuntimeError(f"ClippedAdamW's kernels need a CUDA GPU with Triton (or TRITON_INTERPRET=1), "
+            raise RuntimeError(f"TritonUpdate's kernels need a CUDA GPU with Triton (or TRITON_INTERPRET=1), "
                                f"not {device.type}")
         self.block = BLOCK
         # One block at least, so that an empty parameter's steps are counted too.
@@ -170,22 +175,22 @@ class ClippedAdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         if self._built:
-            raise NotImplementedError("ClippedAdamW's parameters are fixed at construction: build a new one")
+            raise NotImplementedError("TritonUpdate's parameters are fixed at construction: build a new one")
         super().add_param_group(param_group)
 
     def _check_hyperparameters(self):
         for g in self.param_groups:
             b1, b2 = g["betas"]
             if not (g["lr"] >= 0 and g["eps"] >= 0 and 0 <= b1 < 1 and 0 <= b2 < 1 and g["weight_decay"] >= 0):
-                raise ValueError(f"ClippedAdamW needs lr, eps and weight_decay >= 0 and betas in [0, 1), got "
+                raise ValueError(f"TritonUpdate needs lr, eps and weight_decay >= 0 and betas in [0, 1), got "
                                  f"lr={g['lr']}, betas={g['betas']}, eps={g['eps']}, weight_decay={g['weight_decay']}")
         if len({(tuple(g["betas"]), g["eps"]) for g in self.param_groups}) != 1:
-            raise ValueError("ClippedAdamW needs the same betas and eps in every parameter group")
+            raise ValueError("TritonUpdate needs the same betas and eps in every parameter group")
 
     def _check_params(self):
         if len({p.device for p in self._params}) != 1 or any(
                 p.dtype != torch.float32 or not p.is_contiguous() or p.data_ptr() % 16 for p in self._params):
-            raise ValueError("ClippedAdamW needs contiguous, 16-byte aligned fp32 parameters, all on one device")
+            raise ValueError("TritonUpdate needs contiguous, 16-byte aligned fp32 parameters, all on one device")
 
     def _upload(self, values, dtype):
         # Through pinned memory, so that the copy is asynchronous; kept alive by the caller's attribute.
@@ -203,21 +208,21 @@ class ClippedAdamW(torch.optim.Optimizer):
             return 0
         if (g.dtype != torch.float32 or g.shape != p.shape or not g.is_contiguous() or g.device != p.device
                 or g.data_ptr() % 16):
-            raise ValueError("ClippedAdamW needs contiguous, 16-byte aligned fp32 gradients shaped like their "
+            raise ValueError("TritonUpdate needs contiguous, 16-byte aligned fp32 gradients shaped like their "
                              "parameters")
         return g.data_ptr()
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
-            raise ValueError("ClippedAdamW.step takes no closure")
+            raise ValueError("TritonUpdate.step takes no closure")
         # The tables of addresses are uploaded again whenever a parameter or a gradient has moved (a
         # parameter's .data replaced, a gradient allocated elsewhere): normally never after the first steps.
         params_key = tuple(p.data_ptr() for p in self._params)
         if params_key != self._params_key:
             self._check_params()
             if [p.shape for p in self._params] != self._shapes or self._params[0].device != self._steps.device:
-                raise ValueError("ClippedAdamW's parameters changed shape or device since it was built")
+                raise ValueError("TritonUpdate's parameters changed shape or device since it was built")
             self._params_host, self._param_ptrs = self._upload(params_key, torch.int64)
             self._params_key = params_key
         grads_key = tuple(self._grad_address(p) for p in self._params)

@@ -13,7 +13,7 @@ import signal
 import tempfile
 from contextlib import contextmanager
 
-from Utils.files import write_atomic
+from Utils.results.files import write_atomic
 
 STEP_COLUMNS = ["run_id", "optimization", "step", "warmup", "step_ms", "tokens_per_s", "loss", "mfu"]
 

@@ -31,10 +31,10 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from Utils import markdown
-from Utils.files import write_atomic
-from Utils.recipes import rung_order
-from Utils.results import RUN_COLUMNS, RUNS_FILE, ResultsError, append_rows, check_file
+from Utils.report import markdown
+from Utils.results.files import write_atomic
+from Utils.ladder.registry import rung_order
+from Utils.results.store import RUN_COLUMNS, RUNS_FILE, ResultsError, append_rows, check_file
 
 # pyplot is never imported: the figure is a plain Figure rendered by Agg on savefig (as in plot_results.py).
 

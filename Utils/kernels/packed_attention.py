@@ -139,6 +139,18 @@ def _frontend():
 _failure = None   # why cuDNN could not run a small graph here (prepare), if it could not
 
 
+def unavailable(device, head_dim):
+    """None where cuDNN runs the packed operators on this device, else why not."""
+    if available(device, head_dim):
+        return None
+    return _failure or "packed attention needs cuDNN 9 and its frontend on an Ampere or newer GPU"
+
+
+def cudnn_unavailable(device):
+    """None where cuDNN's fused attention (SDPA's cuDNN backend) runs on this device, else why not."""
+    return None if cudnn_fused_attention(device) else "cuDNN attention is not available here"
+
+
 def cudnn_fused_attention(device):
     """Whether cuDNN has its fused attention kernels here: on Ampere and newer GPUs, from cuDNN 9 on."""
     return (device.type == "cuda" and torch.backends.cudnn.is_available()

@@ -12,7 +12,7 @@ import urllib.request
 import numpy as np
 import torch
 
-from Utils.files import write_atomic
+from Utils.results.files import write_atomic
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -147,24 +147,3 @@ def inputs_targets(window, batch_size, seq_len):
     y = window[1:].view(batch_size, seq_len)
     return x, y
 
-
-class Prefetcher:
-    """Copies the next batch from pinned memory to the GPU on a side stream while the current step runs,
-    so that no step waits for its input. Same batches, same order as the loader it wraps."""
-
-    def __init__(self, loader, device):
-        self.loader, self.device = loader, device
-        self.stream = torch.cuda.Stream(device)
-        self.ready = self._issue()
-
-    def _issue(self):
-        with torch.cuda.stream(self.stream):
-            return self.loader.next_batch().to(self.device, non_blocking=True)
-
-    def next_batch(self):
-        current = torch.cuda.current_stream(self.device)
-        current.wait_stream(self.stream)
-        batch = self.ready
-        batch.record_stream(current)   # its memory must outlive the copy stream's view of it
-        self.ready = self._issue()
-        return batch

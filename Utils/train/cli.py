@@ -133,7 +133,7 @@ def parse_args(argv=None, prog=None):
 
 def check(argv):
     """Validate a run's arguments and its PREFIX without running anything (for make all and make profile)."""
-    from Utils.results import ResultsError, check_prefix
+    from Utils.results.store import ResultsError, check_prefix
     try:
         check_prefix(parse_args(argv).prefix)
     except (UsageError, ResultsError) as e:

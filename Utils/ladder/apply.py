@@ -1,0 +1,341 @@
+"""One apply function per addition of the registry, and `build`, which applies a run's additions in order.
+
+As torchtitan's parallelize.py composes apply_tp, apply_compile and apply_fsdp, `build` makes the
+settings, then the model, swaps modules into it, compiles it, makes the optimizer and the update, then
+the batch source; within each stage the additions apply in the registry's order (Utils.ladder.registry).
+An apply function returns None, or a note when its change cannot take effect on this machine and what
+runs instead (the run records it), or raises Unavailable when the run would mean nothing without it.
+"""
+import logging
+import shutil
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from Utils.kernels import chunked_loss, cublaslt, loss_kernel, packed_attention, triton_update
+from Utils.ladder import modules
+from Utils.ladder.registry import ADDITIONS, STAGES, resolve
+from Utils.model import GPT, GPTConfig
+
+# Identical on every rung (nanoGPT's GPT-2 124M settings), so that only the additions differ.
+LEARNING_RATE = 6e-4
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+WEIGHT_DECAY = 0.1
+GRAD_CLIP = 1.0
+VOCAB_MULTIPLE = 128   # 50,257 rows leave the output GEMM without aligned tiles; 50,304 = 393 x 128
+SYNC_EVERY = 10        # steps between read-backs of losses and step times
+
+
+class Unavailable(Exception):
+    """The run's change cannot run on this machine; the message says why (the run is 'skipped')."""
+
+
+@dataclass
+class Build:
+    """What a run trains with; each stage of `build` fills in its part."""
+    device: torch.device
+    config: GPTConfig
+    additions: tuple = ()
+    autocast_dtype: torch.dtype | None = None     # bf16: the autocast dtype; None: autocast off
+    model: GPT | None = None
+    step_model: nn.Module | None = None           # the model the step calls (compiled, or the model itself)
+    cudagraphs: bool = False                      # the step model replays CUDA graphs
+    optimizer: torch.optim.Optimizer | None = None
+    update: Callable[[], None] | None = None       # clips the gradients and steps the optimizer
+    source: object = None                          # where batches come from: next_batch() -> token window
+    sync_every: int = 1
+    notes: list = field(default_factory=list)
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return torch.autocast(self.device.type, enabled=False)
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+
+def build(additions, device: torch.device, config: GPTConfig, seed: int, loader) -> Build:
+    """Apply `additions` (names; checked by registry.resolve) to a plain GPT-2 of `config` trained with AdamW as
+    torch ships it, fed by `loader`. Raises Unavailable where a change cannot run here at all."""
+    additions = resolve(additions)
+    b = Build(device=device, config=config, additions=additions)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+    def stage(name):
+        for a in additions:
+            if ADDITIONS[a].stage == name:
+                note = globals()[f"apply_{a}"](b)
+                if note:
+                    b.notes.append(note)
+
+    stage("settings")
+    torch.manual_seed(seed)
+    with device:   # initialized where it trains: no 124M-parameter init on the host, no copy
+        b.model = GPT(b.config)
+    stage("model")
+    b.step_model = b.model
+    stage("compile")
+    b.optimizer = torch.optim.AdamW(_param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS)
+    b.update = _clip_and_step(b)
+    stage("optimizer")
+    b.source = loader
+    stage("loop")
+    return b
+
+
+assert STAGES == ("settings", "model", "compile", "optimizer", "loop"), "build() applies exactly these stages"
+
+
+# --- settings -----------------------------------------------------------------------------------------
+
+def apply_tf32(b: Build) -> str | None:
+    """TF32 lets fp32 matmuls and convolutions use the tensor cores with a 10-bit mantissa."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if b.device.type != "cuda":
+        return "TF32 has no effect on a CPU"
+    if torch.cuda.get_device_capability(b.device)[0] < 8:
+        return "TF32 needs an Ampere or newer GPU: no effect here"
+    return None
+
+
+def apply_bf16(b: Build) -> None:
+    """bf16 autocast: matmuls and attention in bf16, reductions such as softmax and the loss in fp32."""
+    if b.device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise Unavailable(f"{torch.cuda.get_device_name(b.device)} has no bf16 support")
+    b.autocast_dtype = torch.bfloat16
+
+
+def apply_flash(b: Build) -> None:
+    """The model's SDPA branch: FlashAttention's algorithm never writes the T x T scores to memory."""
+    b.config = replace(b.config, flash=True)
+
+
+def apply_vocab_multiple(b: Build) -> None:
+    """Pad the embedding's rows so that the output layer's GEMM tiles evenly; the padding is masked out."""
+    b.config = replace(b.config, vocab_multiple=VOCAB_MULTIPLE)
+
+
+# --- model: modules swapped in (Utils.ladder.modules) ------------------------------------------------------
+
+def apply_bf16_residual(b: Build) -> None:
+    """A bf16 residual stream: each block's add, LayerNorm read and residual gradient in half the bytes."""
+    modules.cast_residual_to_bf16(b.model)
+
+
+def apply_gemm_bias_grad(b: Build) -> None:
+    """c_attn's and c_fc's bias gradients as more columns of their weight-gradient GEMMs: no pass of their own
+    over the output gradients."""
+    for block in modules.blocks(b.model):
+        modules.swap_linear(block.attn, "c_attn", modules.OnesLinear)
+        modules.swap_linear(block.mlp, "c_fc", modules.OnesLinear)
+
+
+def apply_gelu_epilogue(b: Build) -> str | None:
+    """c_fc's GEMM writes the GELU and its input; c_proj's input-gradient GEMM applies GELU's derivative: two
+    passes over a tokens x 3072 tensor per layer gone."""
+    why = cublaslt.unavailable(b.device)
+    if why:
+        return f"{why}: the plain MLP instead"
+    cublaslt.prepare(b.device)
+    for block in modules.blocks(b.model):
+        block.mlp = modules.EpilogueMLP(block.mlp)
+    return None
+
+
+def apply_cudnn_attention(b: Build) -> str | None:
+    """SDPA held to cuDNN's fused attention (PyTorch 2.11 already prefers it on Hopper)."""
+    why = packed_attention.cudnn_unavailable(b.device)
+    if why:
+        return f"{why}: plain SDPA instead"
+    for block in modules.blocks(b.model):
+        block.attn = modules.CudnnAttention(block.attn)
+    return None
+
+
+def apply_packed_attention(b: Build) -> str | None:
+    """cuDNN's attention kernels read q, k and v in the packed QKV output and write one packed gradient. Without
+    the frontend, SDPA held to cuDNN; without cuDNN's fused attention, plain SDPA."""
+    head_dim = b.config.n_embd // b.config.n_head
+    why = packed_attention.unavailable(b.device, head_dim) or packed_attention.prepare(b.device, head_dim)
+    if not why:
+        for block in modules.blocks(b.model):
+            block.attn = modules.PackedAttention(block.attn)
+        return None
+    fallback = packed_attention.cudnn_unavailable(b.device)
+    swap = modules.CudnnAttention if not fallback else None
+    for block in modules.blocks(b.model):
+        block.attn.flash = True
+        if swap:
+            block.attn = swap(block.attn)
+    return f"{why}: {'SDPA held to cuDNN' if swap else 'plain SDPA'} instead"
+
+
+def apply_loss(b: Build) -> None:
+    """The chunked loss never holds the B x T x vocab logits: 1.6 GB at batch 16 in bf16."""
+    b.model.loss = modules.ChunkedLoss(b.config.vocab_size, kernel=False)
+
+
+def apply_loss_kernel(b: Build) -> str | None:
+    """The chunked loss, each chunk's softmax and gradient one kernel that reads the logits once. Without NVRTC
+    or Triton on a GPU, the plain chunked loss."""
+    why = loss_kernel.unavailable(b.device)
+    note = None if why else loss_kernel.prepare(b.device, chunked_loss.kernel_logits_width(b.config.padded_vocab_size))
+    b.model.loss = modules.ChunkedLoss(b.config.vocab_size, kernel=not why)
+    return f"{why}: the plain chunked loss instead" if why else note
+
+
+def apply_fp8(b: Build) -> None:
+    """Hopper and Ada tensor cores multiply FP8 (e4m3) at twice the bf16 rate. torchao swaps each block's
+    nn.Linear for one that casts its input, weight and output gradient to FP8 with a per-tensor scale, and
+    keeps the weights and the optimizer in fp32. The output layer stays bf16: its weight is the tied
+    embedding. torchao is not in requirements.txt: FP8 did not pay for GPT-2 124M on an H200 (BENCHMARKS.md)."""
+    if b.device.type != "cuda" or tuple(torch.cuda.get_device_capability(b.device)) < (8, 9):
+        raise Unavailable("FP8 matmuls need an Ada or Hopper GPU (compute capability 8.9 or newer)")
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except Exception as e:
+        raise Unavailable(f"FP8 needs torchao, which is not usable here ({type(e).__name__}: {str(e)[:200]}); "
+                          f"pip install torchao") from None
+    convert_to_float8_training(b.model, module_filter_fn=lambda module, fqn: fqn.startswith("transformer.h."))
+
+
+# --- compile ---------------------------------------------------------------------------------------------
+
+def require_compiler(device: torch.device) -> None:
+    """Raise Unavailable unless torch.compile can generate code here: Triton on a GPU, C++ on a CPU."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+        if not has_triton():
+            raise Unavailable("torch.compile needs Triton for this GPU, and Triton is not installed")
+    elif not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
+        raise Unavailable("torch.compile on a CPU needs a C++ compiler (g++ or clang++) on the PATH")
+
+
+def apply_torch_compile(b: Build) -> None:
+    """torch.compile fuses elementwise work into few Triton (GPU) or C++ (CPU) kernels."""
+    require_compiler(b.device)
+    b.step_model = torch.compile(b.model)
+
+
+def apply_cudagraphs(b: Build) -> str | None:
+    """torch.compile's reduce-overhead mode replays a whole step's launches as one CUDA graph. Compilation is
+    lazy, so this replaces apply_torch_compile's wrapper before anything was compiled."""
+    if b.device.type != "cuda":
+        return "CUDA graphs need a GPU: compiled in the default mode"
+    b.step_model, b.cudagraphs = torch.compile(b.model, mode="reduce-overhead"), True
+    return None
+
+
+# --- optimizer -------------------------------------------------------------------------------------------
+
+def _param_groups(model: nn.Module) -> list:
+    # Weight decay on matrices only (nanoGPT): biases and LayerNorm gains are not decayed.
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def _clip_and_step(b: Build) -> Callable[[], None]:
+    params = [p for p in b.model.parameters() if p.requires_grad]
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+        b.optimizer.step()
+    return update
+
+
+def apply_fused(b: Build) -> None:
+    """torch's fused AdamW: one pass over parameters, gradients and states instead of a dozen multi-tensor ones."""
+    b.optimizer = torch.optim.AdamW(_param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS, fused=True)
+
+
+def apply_8bit(b: Build) -> None:
+    """bitsandbytes' AdamW8bit: optimizer states in 8 bits, a quarter of AdamW's state memory."""
+    # On CPUs with AVX512-BF16, bitsandbytes warns at import that a 4-bit matmul kernel is missing:
+    # 4-bit matmuls are not used here, so that warning would only be noise in every 8bit run.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    try:
+        import bitsandbytes as bnb
+    except Exception as e:  # ImportError, or a broken native library raising something else
+        raise Unavailable(f"bitsandbytes is not usable here ({type(e).__name__}: {e}); pip install bitsandbytes") from None
+    try:
+        b.optimizer = bnb.optim.AdamW8bit(_param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS)
+    except Exception as e:
+        raise Unavailable(f"bitsandbytes AdamW8bit does not run on this device ({e})") from None
+
+
+def apply_triton_update(b: Build) -> str | None:
+    """The gradient clip and AdamW as two Triton kernels (kernels.triton_update): the clip's read-and-write pass
+    over the gradients is gone. Without Triton on a GPU, clip_grad_norm_ and fused AdamW (the fused rung's)."""
+    why = triton_update.unavailable(b.device)
+    if why:
+        return f"{why}: clip_grad_norm_ and torch's fused AdamW instead"
+    b.optimizer = triton_update.TritonUpdate(_param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS,
+                                             max_norm=GRAD_CLIP)
+    b.update = b.optimizer.step
+    return None
+
+
+def apply_fold_clip(b: Build) -> None:
+    """Fused AdamW divides each gradient by `grad_scale` as it reads it (the hook GradScaler uses to unscale):
+    dividing by the inverse of clip_grad_norm_'s factor there saves the clip pass's read, not its write."""
+    params = [p for p in b.model.parameters() if p.requires_grad]
+
+    def update():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        b.optimizer.grad_scale = torch.clamp((norm + 1e-6) / GRAD_CLIP, min=1.0)
+        b.optimizer.step()
+    b.update = update
+
+
+def apply_compiled_update(b: Build) -> str | None:
+    """torch.compile traces the clip and the optimizer step together, fusing the clip's scaling into the
+    optimizer's own kernels."""
+    if "8bit" in b.additions:
+        return "bitsandbytes' AdamW8bit is not traceable by torch.compile: its step runs eagerly"
+    require_compiler(b.device)
+    b.update = torch.compile(b.update)
+    return None
+
+
+# --- loop ------------------------------------------------------------------------------------------------
+
+def apply_prefetch(b: Build) -> str | None:
+    """The next batch is copied from pinned memory to the GPU on a side stream while the current step runs."""
+    if b.device.type != "cuda":
+        return "prefetch has no effect on a CPU"
+    b.source = Prefetcher(b.source, b.device)
+    return None
+
+
+def apply_sync_every(b: Build) -> str | None:
+    """The host reads losses and step times back every SYNC_EVERY steps, so the CPU queues work ahead."""
+    b.sync_every = SYNC_EVERY
+    if b.device.type != "cuda":
+        return "deferred synchronization has no effect on a CPU, where every operation is synchronous"
+    return None
+
+
+class Prefetcher:
+    """Copies the next batch from pinned memory to the GPU on a side stream while the current step runs,
+    so that no step waits for its input. Same batches, same order as the loader it wraps."""
+
+    def __init__(self, loader, device):
+        self.loader, self.device = loader, device
+        self.stream = torch.cuda.Stream(device)
+        self.ready = self._issue()
+
+    def _issue(self):
+        with torch.cuda.stream(self.stream):
+            return self.loader.next_batch().to(self.device, non_blocking=True)
+
+    def next_batch(self):
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self.stream)
+        batch = self.ready
+        batch.record_stream(current)   # its memory must outlive the copy stream's view of it
+        self.ready = self._issue()
+        return batch

@@ -1,0 +1,100 @@
+"""The modules that additions swap into a built model, each over one op of Utils.kernels.
+
+gpt-fast's quantize.py swaps its Linear layers the same way: the model is built as nanoGPT writes it,
+then a module is replaced by one that computes the same function faster, keeping the same parameters
+(so the weights drawn at initialization, and their tying, are untouched). Every swap here happens
+before torch.compile and before the optimizer is built.
+"""
+import torch
+import torch.nn as nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from Utils.kernels import chunked_loss, gelu_epilogue, gemm_bias_grad, packed_attention
+from Utils.model import GPT, CausalSelfAttention, OutputLoss
+
+
+class OnesLinear(nn.Linear):
+    """nn.Linear whose bias gradient comes out of its weight-gradient GEMM (kernels.gemm_bias_grad)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemm_bias_grad.linear(x, self)
+
+
+class EpilogueMLP(nn.Module):
+    """The block's MLP with c_fc's bias and GELU, and GELU's derivative, in GEMM epilogues
+    (kernels.gelu_epilogue); c_fc's bias gradient from its GEMM too where c_fc is a OnesLinear."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.c_fc, self.c_proj = mlp.c_fc, mlp.c_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_epilogue.gelu_mlp(x, self.c_fc, self.c_proj, ones=isinstance(self.c_fc, OnesLinear))
+
+
+class CudnnAttention(CausalSelfAttention):
+    """The model's SDPA attention, held to cuDNN's fused attention kernels."""
+
+    def __init__(self, attn: CausalSelfAttention):
+        nn.Module.__init__(self)
+        self.n_head, self.flash, self.c_attn, self.c_proj = attn.n_head, True, attn.c_attn, attn.c_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return super().forward(x)
+
+
+class PackedAttention(nn.Module):
+    """Attention on the QKV projection's packed output, its gradient written packed
+    (kernels.packed_attention)."""
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        self.n_head, self.c_attn, self.c_proj = attn.n_head, attn.c_attn, attn.c_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(packed_attention.packed_attention(self.c_attn(x), self.n_head))
+
+
+class ChunkedLoss(OutputLoss):
+    """The output layer's cross-entropy without the whole logits (kernels.chunked_loss); no logits returned."""
+
+    def __init__(self, vocab_size: int, kernel: bool):
+        super().__init__(vocab_size)
+        self.kernel = kernel
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+        loss = chunked_loss.chunked_cross_entropy(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1),
+                                                  self.vocab_size, kernel=self.kernel)
+        return None, loss
+
+
+def swap_linear(parent: nn.Module, name: str, cls: type) -> None:
+    """Replace parent.<name>, an nn.Linear, with a `cls` holding the same weight and bias Parameters."""
+    old = getattr(parent, name)
+    new = cls(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
+    new.weight, new.bias = old.weight, old.bias
+    new.__dict__.update({k: v for k, v in old.__dict__.items() if k == "residual_scale"})
+    setattr(parent, name, new)
+
+
+def blocks(model: GPT):
+    return model.transformer.h
+
+
+def cast_residual_to_bf16(model: GPT) -> None:
+    """Cast the residual stream to bf16 where it enters the first block, under bf16 autocast.
+
+    Autocast leaves the residual stream in the embeddings' fp32, since adding a bf16 block output to it
+    promotes; cast once, and every add, LayerNorm read and their gradients move half the bytes. The
+    blocks' outputs are bf16 already: only the sum's rounding changes. bf16 only: fp16's range could
+    overflow a residual stream that has no loss scaling."""
+
+    def cast(module, args):
+        x = args[0]
+        if torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) == torch.bfloat16:
+            return (x.to(torch.bfloat16),)
+        return None
+
+    blocks(model)[0].register_forward_pre_hook(cast)
+

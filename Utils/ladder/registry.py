@@ -1,0 +1,159 @@
+"""The registry: every addition the suite knows, and the rungs as named combinations of them.
+
+An addition is one change to the training loop, applied by `Utils.ladder.apply.apply_<name>`. The
+rung scripts, the Makefile (`make additions`, `make custom WITH=...`), ablation, the README's table and
+the tests all read this file; it imports nothing, so `make help` and `make plots` do not load torch.
+
+Additions apply in STAGES order, and within a stage in the order they are listed here:
+  settings   switches read when the model and the step are built (precision, attention, padding)
+  model      modules swapped into the built model, before anything is compiled
+  compile    torch.compile of the model
+  optimizer  the optimizer and the update step (gradient clip + optimizer step)
+  loop       the step loop itself (where batches come from, how often the host reads results back)
+"""
+from dataclasses import dataclass
+
+PILLARS = ("compute", "memory", "overhead")
+STAGES = ("settings", "model", "compile", "optimizer", "loop")
+
+
+@dataclass(frozen=True)
+class Addition:
+    name: str
+    stage: str
+    pillar: str                    # the part of a step's time it targets: compute, memory or overhead
+    changes: str                   # what it changes, in one line
+    needs: str = ""                # what the machine must have; without it the run says what ran instead
+    requires: tuple = ()           # additions it builds on
+    excludes: tuple = ()           # additions it cannot run with
+
+    def __post_init__(self):
+        if self.stage not in STAGES or self.pillar not in PILLARS:
+            raise ValueError(f"{self.name}: stage must be one of {STAGES} and pillar one of {PILLARS}")
+
+
+_ADDITIONS = [
+    # settings
+    Addition("tf32", "settings", "compute", "fp32 matmuls on the tensor cores in TF32 (10-bit mantissa)",
+             needs="an Ampere or newer GPU"),
+    Addition("bf16", "settings", "compute", "bf16 autocast: matmuls and attention in bf16, softmax and loss in fp32",
+             needs="a GPU with bf16, or a CPU"),
+    Addition("flash", "settings", "memory", "F.scaled_dot_product_attention: the T x T scores never reach memory"),
+    Addition("vocab_multiple", "settings", "compute",
+             "embedding padded to 50,304 rows, so the output layer's GEMM tiles evenly"),
+    # model
+    Addition("bf16_residual", "model", "memory", "the residual stream in bf16 instead of autocast's fp32",
+             requires=("bf16",)),
+    Addition("gemm_bias_grad", "model", "memory",
+             "c_attn's and c_fc's bias gradients out of their weight-gradient GEMMs (input beside columns of ones)",
+             excludes=("fp8",)),
+    Addition("gelu_epilogue", "model", "memory",
+             "c_fc's bias and GELU, and GELU's derivative, in cuBLASLt GEMM epilogues", needs="cuBLASLt on a GPU",
+             requires=("bf16",), excludes=("fp8",)),
+    Addition("cudnn_attention", "model", "compute", "SDPA held to cuDNN's fused attention", needs="cuDNN on a GPU",
+             requires=("flash",), excludes=("packed_attention",)),
+    Addition("packed_attention", "model", "memory",
+             "cuDNN attention reading q, k, v in the packed QKV tensor and writing one packed gradient",
+             needs="nvidia-cudnn-frontend and cuDNN 9 on a GPU", requires=("bf16",)),
+    Addition("loss", "model", "memory", "cross-entropy 4,096 tokens at a time: the logits never exist whole",
+             excludes=("loss_kernel",)),
+    Addition("loss_kernel", "model", "memory",
+             "the chunked loss with each chunk's softmax and gradient as one hand-written kernel",
+             needs="NVRTC or Triton on a GPU"),
+    Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
+             needs="torchao and an Ada or Hopper GPU", requires=("bf16",)),
+    # compile
+    Addition("torch_compile", "compile", "overhead",
+             "torch.compile: elementwise work fused into few kernels, far fewer launches",
+             needs="Triton on a GPU, a C++ compiler on a CPU"),
+    Addition("cudagraphs", "compile", "overhead", "torch.compile with CUDA graphs: a step's launches replayed as one",
+             needs="a GPU", requires=("torch_compile",)),
+    # optimizer
+    Addition("fused", "optimizer", "overhead", "AdamW(fused=True): one kernel over all parameters per step",
+             excludes=("8bit",)),
+    Addition("8bit", "optimizer", "memory", "bitsandbytes' AdamW8bit: optimizer states in 8 bits",
+             needs="bitsandbytes"),
+    Addition("triton_update", "optimizer", "memory",
+             "the gradient clip and AdamW as two Triton kernels: the gradients are read, never written",
+             needs="Triton on a GPU", requires=("fused",), excludes=("compiled_update", "fold_clip")),
+    Addition("fold_clip", "optimizer", "memory",
+             "fused AdamW divides by the clip factor as it reads each gradient", requires=("fused",),
+             excludes=("compiled_update",)),
+    Addition("compiled_update", "optimizer", "overhead", "torch.compile of the gradient clip and optimizer step",
+             requires=("torch_compile",)),
+    # loop
+    Addition("prefetch", "loop", "overhead", "the next batch copied to the GPU on a side stream", needs="a GPU"),
+    Addition("sync_every", "loop", "overhead", "the host reads losses and step times back every 10 steps",
+             needs="a GPU"),
+]
+ADDITIONS = {a.name: a for a in _ADDITIONS}
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    script: str
+    additions: tuple
+
+
+_FLASH = ("tf32", "bf16", "torch_compile", "flash")
+_FUSED = _FLASH + ("fused",)
+# The fused rung plus every addition that measured faster on an H200 and kept the loss (BENCHMARKS.md
+# gives each one's predicted and measured gain, and why the others were left out).
+MAX_ADDITIONS = ("vocab_multiple", "loss_kernel", "prefetch", "sync_every", "cudagraphs", "bf16_residual",
+                 "gelu_epilogue", "triton_update", "packed_attention", "gemm_bias_grad")
+RUNGS = {r.name: r for r in [
+    Rung("baseline", "no_optimization.py", ()),
+    Rung("tf32", "tensorFloat32.py", ("tf32",)),
+    Rung("bf16", "brainFloat16.py", ("tf32", "bf16")),
+    Rung("torch_compile", "torch_compile.py", ("tf32", "bf16", "torch_compile")),
+    Rung("flash", "flash_attention.py", _FLASH),
+    Rung("fused", "fused_optimizer.py", _FUSED),
+    Rung("8bit", "8-bit_optimizer.py", _FLASH + ("8bit",)),
+    Rung("max", "max_throughput.py", _FUSED + MAX_ADDITIONS),
+]}
+LADDER = list(RUNGS)
+# `make ablation` tries each of these alone on top of the fused rung: every addition beyond the seven rungs.
+ABLATION = tuple(name for name in ADDITIONS if not any(name in RUNGS[r].additions for r in LADDER if r != "max"))
+
+
+class RegistryError(ValueError):
+    """An unknown addition or an impossible combination; the message is one line and names the fix."""
+
+
+def resolve(names) -> tuple:
+    """The additions `names` (an iterable of names, in any order, repeats ignored) in the order they apply.
+    Raises RegistryError for an unknown name or an impossible combination, naming the fix."""
+    chosen = set(names)
+    unknown = sorted(chosen - set(ADDITIONS))
+    if unknown:
+        raise RegistryError(f"unknown addition{'s' * (len(unknown) > 1)} {', '.join(unknown)}: use names from "
+                            f"`make additions` ({', '.join(ADDITIONS)})")
+    for name in sorted(chosen, key=list(ADDITIONS).index):
+        addition = ADDITIONS[name]
+        missing = [r for r in addition.requires if r not in chosen]
+        if missing:
+            raise RegistryError(f"{name} needs {' and '.join(missing)}: add {' '.join(missing)} to WITH")
+        clash = [x for x in addition.excludes if x in chosen]
+        if clash:
+            raise RegistryError(f"{name} cannot run with {' or '.join(clash)}: keep one of {name}, {', '.join(clash)}")
+    return tuple(name for name in ADDITIONS if name in chosen)
+
+
+def run_name(additions) -> str:
+    """The name a run of these additions is recorded under: the rung's name where a rung has exactly these,
+    else the largest rung they contain plus the rest, e.g. fused+loss ('baseline' is left out of it)."""
+    chosen = resolve(additions)
+    for rung in RUNGS.values():
+        if set(rung.additions) == set(chosen):
+            return rung.name
+    base = max((r for r in RUNGS.values() if set(r.additions) <= set(chosen)), key=lambda r: len(r.additions))
+    rest = [a for a in chosen if a not in base.additions]
+    return "+".join(([base.name] if base.additions else []) + rest)
+
+
+def rung_order(names) -> list:
+    """Run names in ladder order; names the ladder does not know (fused+loss, custom runs) follow,
+    alphabetically."""
+    present = set(names)
+    return [r for r in LADDER if r in present] + sorted(present - set(LADDER))

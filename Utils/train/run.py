@@ -1,0 +1,206 @@
+"""A run from start to record: parse the arguments, build the run's additions, train, and append the
+result with its status (ok, oom, skipped, failed, interrupted) whatever happened.
+"""
+import gc
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import traceback
+import uuid
+from datetime import datetime, timezone
+
+import torch
+
+from Utils.ladder.apply import Unavailable, build
+from Utils.ladder.registry import RUNGS, RegistryError, resolve, run_name
+from Utils.model import PRESETS
+from Utils.results import metrics
+from Utils.results.store import ResultsError, append_run, check_prefix
+from Utils.train.cli import RunConfig, UsageError, fail, parse_args
+from Utils.train.data import DataError, TokenLoader, load_tokens
+from Utils.train.loop import train
+
+EXIT_FAILED, EXIT_USAGE, EXIT_OOM, EXIT_SKIPPED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(additions, argv=None) -> int:
+    """Entry point of every rung script and of `make custom`: `additions` is a rung's name or a list of
+    addition names. Parse, check PREFIX, run, record; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        additions = RUNGS[additions].additions if isinstance(additions, str) else resolve(additions)
+        cfg = parse_args(argv, prog=os.path.basename(sys.argv[0]))
+        check_prefix(cfg.prefix)
+    except (UsageError, ResultsError, RegistryError) as e:
+        return fail(str(e))
+    command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.argv[0])] + argv)
+    return run(additions, cfg, command)
+
+
+def environment(device):
+    cuda = device.type == "cuda"
+    return {
+        "device": device.type,
+        "gpu_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda if cuda else "",
+        "git_commit": git_commit(),
+    }
+
+
+def git_commit():
+    """The commit the code ran from; GIT_COMMIT wins for copies of the tree that carry no .git."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"{sha}-dirty" if sha and dirty else sha
+
+
+def summarize(additions, cfg, run, rows):
+    measured = [r for r in rows if not r["warmup"]]
+    if measured:
+        med, iqr = metrics.median_iqr([r["step_ms"] for r in measured])
+        run.update(median_step_ms=med, iqr_step_ms=iqr,
+                   median_tokens_per_s=cfg.batch_size * cfg.seq_len / (med / 1e3))
+        mfus = [r["mfu"] for r in measured if r["mfu"] is not None]
+        run["mfu"] = metrics.median_iqr(mfus)[0] if mfus else None
+        if "torch_compile" in additions and rows:
+            # The first step holds the compilation; what it took beyond a normal step is compile time.
+            run["compile_s"] = max(0.0, (rows[0]["step_ms"] - med) / 1e3)
+    if rows:
+        run["final_loss"] = rows[-1]["loss"]
+
+
+def summary_line(run):
+    def num(key, fmt, unit=""):
+        v = run.get(key)
+        return f"{v:{fmt}}{unit}" if isinstance(v, (int, float)) else "n/a"
+    parts = [f"{run['optimization']}: {run['status']}",
+             f"median {num('median_step_ms', '.1f', ' ms')} (IQR {num('iqr_step_ms', '.1f', ' ms')})",
+             f"{num('median_tokens_per_s', ',.0f', ' tok/s')}",
+             f"MFU {num('mfu', '.1%')}",
+             f"peak mem {num('peak_mem_allocated_gib', '.2f', ' GiB')} alloc / "
+             f"{num('peak_mem_reserved_gib', '.2f', ' GiB')} reserved",
+             f"compile {num('compile_s', '.1f', ' s')}",
+             f"final loss {num('final_loss', '.4f')}"]
+    return "summary | " + " | ".join(parts)
+
+
+def write_breakdown(cfg, run, profiled):
+    from Utils.report import breakdown   # pandas and matplotlib: only profiled runs pay their import
+    breakdown.append_breakdown_csv(cfg.prefix, run["optimization"], run["run_id"], profiled, run.get("median_step_ms"))
+    context = (f"{run['gpu_name']} · {cfg.model} ({run['n_params'] / 1e6:.0f}M params) · batch {cfg.batch_size} "
+               f"× seq_len {cfg.seq_len} · data {run['data']}")
+    breakdown.write_report(cfg.prefix, context=context)
+    split = ", ".join(f"{name} {ms:.1f} ms" for name, ms in profiled.ms.items())
+    print(f"profile | {run['optimization']}: {split} per profiled step of {profiled.step_ms:.1f} ms"
+          + ("" if profiled.gpu else " (CPU run: the compute/memory split is GPU-only)"))
+
+
+def _compile_failure(e):
+    return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gib(device):
+    """(max allocated, max reserved) in GiB since the last reset; None on a CPU."""
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
+
+
+def run(additions: tuple, cfg: RunConfig, command: str) -> int:
+    name = run_name(additions)
+    device = torch.device(cfg.device)
+    try:
+        tokens, data_name = load_tokens(cfg.data, PRESETS[cfg.model].vocab_size, cfg.seed, cfg.data_dir)
+    except DataError as e:
+        return fail(str(e))
+    if len(tokens) < cfg.batch_size * cfg.seq_len + 1:
+        return fail(f"DATA={data_name} has {len(tokens):,} tokens, fewer than one batch needs "
+                    f"(BATCH_SIZE={cfg.batch_size} x SEQ_LEN={cfg.seq_len} + 1): use a smaller BATCH_SIZE or "
+                    f"SEQ_LEN, or more text")
+    run = {"run_id": f"{datetime.now():%Y%m%d-%H%M%S}-{name}-{uuid.uuid4().hex[:6]}",
+           "optimization": name, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "steps": cfg.steps, "warmup_steps": cfg.warmup, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
+           "model": cfg.model, "data": data_name, "command": command,
+           "config": json.dumps({"run": cfg.as_dict(), "additions": list(additions)}, sort_keys=True),
+           **environment(device)}
+    changes = " ".join(additions) or "none"
+    print(f"{name} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {data_name} | "
+          f"{device.type} {run['gpu_name']} | additions: {changes} | steps {cfg.steps} (warm-up {cfg.warmup}) "
+          f"| seed {cfg.seed}", flush=True)
+
+    rows, held = [], {}
+    status, message, code = "ok", "", 0
+    reset_peak_memory(device)
+    # Both signals end the run the same way, even where SIGINT was inherited as ignored (a background job).
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    profiled = None
+    try:
+        loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda")
+        b = held["build"] = build(additions, device, PRESETS[cfg.model], cfg.seed, loader)
+        run["n_params"] = b.model.num_params(exclude_position_embedding=False)
+        run["notes"] = "; ".join(b.notes)
+        for note in b.notes:
+            print(f"note: {note}")
+        profiled = train(b, cfg, run, rows)
+    except Unavailable as e:
+        status, message, code = "skipped", str(e), EXIT_SKIPPED
+    except torch.OutOfMemoryError:
+        peak = peak_memory_gib(device)[0] or 0.0
+        status, code = "oom", EXIT_OOM
+        message = (f"out of memory at BATCH_SIZE={cfg.batch_size} after {len(rows)} steps "
+                   f"(peak {peak:.1f} GiB allocated): try a smaller BATCH_SIZE, e.g. {max(1, cfg.batch_size // 2)}")
+    except KeyboardInterrupt:
+        status, code = "interrupted", EXIT_INTERRUPTED
+        message = f"interrupted after {len(rows)} of {cfg.steps} steps; the measured steps are kept"
+    except Exception as e:
+        if _compile_failure(e) and not rows:
+            status, code = "skipped", EXIT_SKIPPED
+            message = f"torch.compile cannot compile here: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        else:
+            traceback.print_exc()
+            status, code = "failed", EXIT_FAILED
+            message = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    run["peak_mem_allocated_gib"], run["peak_mem_reserved_gib"] = peak_memory_gib(device)
+    held.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    run.update(status=status, message=message)
+    summarize(additions, cfg, run, rows)
+    try:
+        if profiled is not None:
+            write_breakdown(cfg, run, profiled)
+        elif not cfg.profile:
+            append_run(cfg.prefix, run, rows)
+    except (ResultsError, OSError) as e:
+        return fail(f"results not written: {e}")
+    print(summary_line(run))
+    if status != "ok":
+        print(f"error: {name} {status}: {message}", file=sys.stderr)
+    return code

@@ -11,17 +11,20 @@ endif
 
 EXAMPLE := e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out
 
+# $(call q,VAR): VAR's value exactly as the user typed it (make does not expand a $ in it), quoted for the
+# shell, so that PREFIX='runs $$5' reaches the script as it was written.
+q = '$(subst ','\'',$(value $(1)))'
 # An optional variable is passed on when it is set at all, even to nothing, so that WARMUP= is refused
 # by the script with a clear message instead of being silently dropped.
-opt = $(if $(filter undefined,$(origin $(1))),,$(2) '$($(1))')
-RUN_ARGS = --steps '$(STEPS)' --batch-size '$(BATCH_SIZE)' --prefix '$(PREFIX)' \
+opt = $(if $(filter undefined,$(origin $(1))),,$(2) $(call q,$(1)))
+RUN_ARGS = --steps $(call q,STEPS) --batch-size $(call q,BATCH_SIZE) --prefix $(call q,PREFIX) \
 	$(call opt,MODEL,--model) $(call opt,SEQ_LEN,--seq-len) $(call opt,DEVICE,--device) \
 	$(call opt,DATA,--data) $(call opt,WARMUP,--warmup) $(call opt,SEED,--seed) $(call opt,DATA_DIR,--data-dir) \
 	$(if $(PROFILE),--profile)
 
-need = @if [ -z "$(strip $($(1)))" ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
+need = @if [ -z "$(strip $(value $(1)))" ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
 
-.PHONY: help all ablation additions custom profile plots test gpu-test init_results reset clean notebook $(RUNGS) require-run require-prefix
+.PHONY: help install all ablation additions custom profile plots test gpu-test init_results reset clean notebook $(RUNGS) require-run require-prefix
 .DEFAULT_GOAL := help
 
 help:
@@ -39,7 +42,8 @@ help:
 	@echo "  make clean PREFIX=dir                         remove the charts, summary.md and breakdown.md/.png"
 	@echo "  make reset PREFIX=dir                         remove every file the suite wrote in PREFIX, results too"
 	@echo "  make notebook [RESULTS=dir]                   execute notebooks/Optimizing_GPU_Utilization.ipynb in place"
-	@echo "  make test                                     the test suite (CPU, a few minutes)"
+	@echo "  make install                                  what the suite needs (PyTorch's CPU build where there is no GPU)"
+	@echo "  make test                                     the test suite (CPU, a few minutes; installs requirements-test.txt)"
 	@echo "  make gpu-test                                 the tests marked gpu, on a CUDA machine"
 	@echo ""
 	@echo "Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE=auto|cuda|cpu"
@@ -61,9 +65,9 @@ REPEAT ?= 1
 # a GPU whose clock moves one run's median by a few percent, summary.md then reports the median of medians.
 define repeat
 	@case '$(REPEAT)' in [1-9]|[1-9][0-9]) ;; *) echo "error: REPEAT must be a number of runs from 1 to 99, not '$(REPEAT)' (e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)" >&2; exit 2;; esac
+	$(info $(2))
 	@run=0; while [ $$run -lt $(REPEAT) ]; do run=$$((run + 1)); \
 		if [ $(REPEAT) -gt 1 ]; then echo "=== $(1), run $$run of $(REPEAT) ==="; fi; \
-		echo "$(subst ",\",$(2))"; \
 		$(2) || exit $$?; \
 	done
 endef
@@ -74,8 +78,8 @@ $(RUNGS): require-run
 # Exactly the additions named in WITH (make additions lists them), recorded under a name built from them.
 custom: require-run
 	$(call need,WITH)
-	@$(PYTHON) -m Utils.ladder check $(WITH) >/dev/null
-	$(call repeat,custom,$(PYTHON) -m Utils.train --with '$(WITH)' $(RUN_ARGS))
+	@$(PYTHON) -m Utils.ladder check $(value WITH) >/dev/null
+	$(call repeat,custom,$(PYTHON) -m Utils.train --with $(call q,WITH) $(RUN_ARGS))
 
 additions:
 	@$(PYTHON) -m Utils.ladder table
@@ -90,7 +94,7 @@ define each
 		$(3) || failed="$$failed $$x"; \
 	done; \
 	$(4) \
-	if [ -n "$$failed" ]; then echo "error: make $(1): not ok:$$failed (see $(PREFIX))" >&2; exit 1; fi
+	if [ -n "$$failed" ]; then echo "error: make $(1): not ok:$$failed (see "$(call q,PREFIX)")" >&2; exit 1; fi
 endef
 
 all: require-run
@@ -106,25 +110,48 @@ profile: require-run
 	$(call each,profile,$(RUNGS),$(MAKE) --no-print-directory $$x PROFILE=1)
 
 plots: require-prefix
-	$(PYTHON) plot_results.py --prefix '$(PREFIX)'
+	$(PYTHON) plot_results.py --prefix $(call q,PREFIX)
 
 init_results: require-prefix
-	$(PYTHON) -m Utils.results.store init '$(PREFIX)'
+	$(PYTHON) -m Utils.results.store init $(call q,PREFIX)
 
 # Only the files the suite writes, by name: anything else in PREFIX is left alone.
 CHARTS := speedup.png step_time.png throughput.png memory.png loss.png summary.md \
 	breakdown.md breakdown.png
+# $(call remove,FILES): remove FILES from PREFIX; a PREFIX that does not exist has nothing to remove, one
+# that is not a folder or whose files cannot be removed is an error, naming it.
+define remove
+	@if [ ! -e $(call q,PREFIX) ]; then echo "PREFIX="$(call q,PREFIX)" does not exist: nothing to remove"; exit 0; fi; \
+	if [ ! -d $(call q,PREFIX) ]; then echo "error: PREFIX="$(call q,PREFIX)" is not a folder" >&2; exit 2; fi; \
+	cd $(call q,PREFIX) && rm -f $(1) || { echo "error: cannot remove the suite's files in PREFIX="$(call q,PREFIX)" (see above)" >&2; exit 1; }
+endef
 clean: require-prefix
-	cd '$(PREFIX)' 2>/dev/null && rm -f $(CHARTS) .tmp-* || true
+	$(call remove,$(CHARTS) .tmp-*)
 
 reset: require-prefix
-	cd '$(PREFIX)' 2>/dev/null && rm -f $(CHARTS) results.csv runs.csv breakdown.csv trace_*.json.gz .results.lock .tmp-* || true
+	$(call remove,$(CHARTS) results.csv runs.csv breakdown.csv trace_*.json.gz .results.lock .tmp-*)
 
 # Re-executes the notebook in place against RESULTS (default results/h200-b16), saving its outputs.
 notebook:
 	$(PYTHON) notebooks/build_notebook.py $(if $(RESULTS),--results '$(RESULTS)')
 
+# PyPI's torch for Linux is the CUDA build (several GB with its libraries): where no NVIDIA GPU answers,
+# PyTorch's CPU wheels instead, and none of requirements.txt's nvidia-* packages. A torch already there is kept.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+install:
+	@if nvidia-smi -L >/dev/null 2>&1; then \
+		echo "$(PYTHON) -m pip install -r requirements.txt"; $(PYTHON) -m pip install -r requirements.txt; \
+	else \
+		if $(PYTHON) -c "import torch" 2>/dev/null; then echo "torch is installed: kept"; \
+		else echo "no NVIDIA GPU: PyTorch's CPU build"; \
+			$(PYTHON) -m pip install torch --index-url '$(TORCH_CPU_INDEX)' || exit $$?; fi; \
+		reqs=$$(mktemp); grep -v '^nvidia-' requirements.txt > $$reqs; \
+		echo "$(PYTHON) -m pip install -r requirements.txt (without its nvidia-* packages)"; \
+		$(PYTHON) -m pip install -r $$reqs; rc=$$?; rm -f $$reqs; exit $$rc; \
+	fi
+
 test:
+	@PIP_DISABLE_PIP_VERSION_CHECK=1 $(PYTHON) -m pip install -q -r requirements-test.txt
 	$(PYTHON) -m pytest -q tests
 
 # The tests that need a CUDA GPU (marked gpu); `make test` leaves them out.

@@ -5,8 +5,13 @@
 import sys
 
 from Utils.ladder.registry import ABLATION, RUNGS
-from Utils.train.cli import fail
-from Utils.train.run import main
+from Utils.train.interrupts import launch
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
 
 if __name__ == "__main__":
     args = sys.argv[1:]
@@ -16,4 +21,4 @@ if __name__ == "__main__":
     name = args[i + 1]
     if name not in ABLATION:
         sys.exit(fail(f"--add {name!r} is not an addition tried for the max rung: use one of {', '.join(ABLATION)}"))
-    sys.exit(main(RUNGS["fused"].additions + (name,), args[:i] + args[i + 2:]))
+    sys.exit(launch(RUNGS["fused"].additions + (name,), args[:i] + args[i + 2:]))

@@ -1,7 +1,7 @@
 """The bf16 rung: + bf16 autocast (Utils.ladder.registry.RUNGS["bf16"])."""
 import sys
 
-from Utils.train.run import main
+from Utils.train.interrupts import launch
 
 if __name__ == "__main__":
-    sys.exit(main("bf16"))
+    sys.exit(launch("bf16"))

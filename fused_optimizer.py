@@ -1,7 +1,7 @@
 """The fused rung: + AdamW(fused=True) (Utils.ladder.registry.RUNGS["fused"])."""
 import sys
 
-from Utils.train.run import main
+from Utils.train.interrupts import launch
 
 if __name__ == "__main__":
-    sys.exit(main("fused"))
+    sys.exit(launch("fused"))

@@ -1,7 +1,7 @@
 """The tf32 rung: + TF32 matmuls (Utils.ladder.registry.RUNGS["tf32"])."""
 import sys
 
-from Utils.train.run import main
+from Utils.train.interrupts import launch
 
 if __name__ == "__main__":
-    sys.exit(main("tf32"))
+    sys.exit(launch("tf32"))

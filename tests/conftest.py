@@ -24,27 +24,45 @@ def repo_root():
     return REPO_ROOT
 
 
+def _downloads(config, name):
+    """A folder under pytest's cache (.pytest_cache in the repository) that keeps a download between runs."""
+    return str(config.cache.mkdir(f"downloads-{name}"))
+
+
 @pytest.fixture(scope="session")
-def tiktoken_cache():
-    """Points TIKTOKEN_CACHE_DIR at a local copy of tiktoken's gpt2 files for the session; their folder."""
-    path = os.environ.get("TEST_TIKTOKEN_CACHE_DIR") or os.path.join(SHARED, "tiktoken_cache")
-    path = os.path.abspath(path)
+def tiktoken_cache(request):
+    """Points TIKTOKEN_CACHE_DIR at tiktoken's gpt2 files for the session; their folder. A local copy
+    (TEST_TIKTOKEN_CACHE_DIR, else ../shared/tiktoken_cache) wins; else tiktoken downloads them once into
+    pytest's cache, and the tests that need them are skipped, saying why, where that download fails."""
+    path = os.path.abspath(os.environ.get("TEST_TIKTOKEN_CACHE_DIR") or os.path.join(SHARED, "tiktoken_cache"))
     if not os.path.isdir(path) or not os.listdir(path):
-        pytest.fail(f"tiktoken's gpt2 files not found at {path}: set TEST_TIKTOKEN_CACHE_DIR to a folder "
-                    f"holding them (as tiktoken caches them)", pytrace=False)
+        path = _downloads(request.config, "tiktoken")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TIKTOKEN_CACHE_DIR", path)
+            try:
+                import tiktoken
+                tiktoken.get_encoding("gpt2").encode("hello")
+            except Exception as e:   # offline: requests' or the OS's errors, of several kinds
+                pytest.skip(f"tiktoken's gpt2 files could not be downloaded ({type(e).__name__}); set "
+                            f"TEST_TIKTOKEN_CACHE_DIR to a local copy to run this offline")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIKTOKEN_CACHE_DIR", path)
         yield path
 
 
 @pytest.fixture(scope="session")
-def shakespeare_path():
-    """Absolute path of a local copy of tiny shakespeare (read it, never write to it)."""
+def shakespeare_path(request):
+    """Absolute path of tiny shakespeare (read it, never write to it): a local copy (TEST_SHAKESPEARE, else
+    ../shared/data), else downloaded once into pytest's cache; skipped, saying why, where that fails."""
     path = os.path.abspath(os.environ.get("TEST_SHAKESPEARE") or os.path.join(SHARED, "data", "tinyshakespeare.txt"))
-    if not os.path.isfile(path):
-        pytest.fail(f"tiny shakespeare not found at {path}: set TEST_SHAKESPEARE to a local copy of it",
-                    pytrace=False)
-    return path
+    if os.path.isfile(path):
+        return path
+    from Utils.train.data import DataError, fetch_shakespeare
+    try:
+        return fetch_shakespeare(_downloads(request.config, "shakespeare"))
+    except DataError as e:
+        pytest.skip(f"tiny shakespeare could not be downloaded ({str(e).split(' (')[0]}); set TEST_SHAKESPEARE "
+                    f"to a local copy to run this offline")
 
 
 def summary_table(prefix):
@@ -95,15 +113,58 @@ def run_interpreted(code, repo_root):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def model_pair(variant, dtype=None, batch=3, **common):
-    """(plain, changed, inputs, targets): two tiny GPTs (vocabulary 97) with the same weights in dtype
-    (float64 by default), the second with the config fields in `variant`, both with those in `common`; and
-    a batch of 24-token sequences whose targets are the inputs shifted by one."""
-    config = replace(PRESETS["tiny"], vocab_size=97, **common)
-    torch.manual_seed(0)
-    plain = GPT(config).to(dtype or torch.float64)
-    changed = GPT(replace(config, **variant)).to(dtype or torch.float64)
-    changed.load_state_dict(plain.state_dict())
-    idx = torch.randint(0, config.vocab_size, (batch, 24))
+def _swap_in_cpu_paths():
+    """Addition -> a function swapping its module into a Build's model, for the additions whose apply function
+    keeps the plain module on a CPU because their kernel needs a GPU: the module they would swap in runs
+    the same mathematics in PyTorch operations on a CPU, which is what a test compares with the plain model.
+    (cudnn_attention's module asks SDPA for cuDNN's backend, which a CPU lacks: a test patches
+    Utils.ladder.modules.sdpa_kernel to run it.)"""
+    from Utils.ladder import modules
+
+    def swap(attribute, module):
+        def apply(b):
+            for block in modules.blocks(b.model):
+                setattr(block, attribute, module(getattr(block, attribute)))
+        return apply
+    return {"gelu_epilogue": swap("mlp", modules.EpilogueMLP),
+            "cudnn_attention": swap("attn", modules.CudnnAttention),
+            "packed_attention": swap("attn", modules.PackedAttention)}
+
+
+def model_pair(additions, dtype=None, batch=3, common=(), **fields):
+    """(plain, changed, inputs, targets): two tiny GPTs (vocabulary 97, and the GPTConfig `fields`) with the
+    same weights in dtype (float64 by default), both with the additions in `common`, the second with those
+    in `additions` too; and a batch of 24-token sequences whose targets are the inputs shifted by one.
+
+    Additions apply as Utils.ladder.apply.build applies them, in the registry's order: the settings ones
+    change the config, the model ones swap modules in (see _swap_in_cpu_paths for those whose kernel needs
+    a GPU). Only those two stages build a model; tf32 is refused too, since it sets process-wide flags."""
+    from Utils.ladder import apply
+    from Utils.ladder.registry import ADDITIONS
+
+    additions, common = ((names,) if isinstance(names, str) else tuple(names) for names in (additions, common))
+    order = list(ADDITIONS)
+    refused = [a for a in (*additions, *common) if a == "tf32" or ADDITIONS[a].stage not in ("settings", "model")]
+    if refused:
+        raise ValueError(f"model_pair builds models only: {', '.join(refused)} changes no module")
+    cpu_paths = _swap_in_cpu_paths()
+
+    def make(names):
+        names = sorted(set(names), key=order.index)
+        b = apply.Build(device=torch.device("cpu"), config=replace(PRESETS["tiny"], vocab_size=97, **fields),
+                        additions=tuple(names))
+        for name in names:
+            if ADDITIONS[name].stage == "settings":
+                getattr(apply, f"apply_{name}")(b)
+        # The same draws for both: the same weights (a padded vocabulary pads after the init).
+        torch.manual_seed(0)
+        b.model = GPT(b.config).to(dtype or torch.float64)
+        for name in names:
+            if ADDITIONS[name].stage == "model":
+                (cpu_paths.get(name) or getattr(apply, f"apply_{name}"))(b)
+        return b.model
+
+    plain, changed = make(common), make((*common, *additions))
+    idx = torch.randint(0, plain.config.vocab_size, (batch, 24))
     return plain, changed, idx, torch.roll(idx, -1, 1)
 

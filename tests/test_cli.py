@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from Utils.cli import parse_args
-from Utils.recipes import BASELINE
-from Utils.runner import main
+from Utils.train.cli import parse_args
+
+from Utils.train.run import main
 
 from conftest import clean_env
 
@@ -30,7 +30,7 @@ def test_defaults_on_a_cpu():
 def prefix_with_results(tmp_path):
     prefix = tmp_path / "out"
     prefix.mkdir()
-    assert main(BASELINE, ["--steps", "2", "--batch-size", "1", "--prefix", str(prefix), "--data", "synthetic",
+    assert main("baseline", ["--steps", "2", "--batch-size", "1", "--prefix", str(prefix), "--data", "synthetic",
                            "--seq-len", "8"]) == 0
     return prefix
 
@@ -72,7 +72,7 @@ def test_bad_input_is_one_line_and_leaves_results(prefix_with_results, capsys, o
         else:
             extra += override[i:i + 2]
     argv = [x for kv in args.items() for x in kv] + extra
-    assert main(BASELINE, argv) == 2
+    assert main("baseline", argv) == 2
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
@@ -81,7 +81,7 @@ def test_bad_input_is_one_line_and_leaves_results(prefix_with_results, capsys, o
 
 
 def test_device_cuda_without_gpu(capsys, tmp_path):
-    assert main(BASELINE, ["--steps", "2", "--batch-size", "1", "--prefix", str(tmp_path), "--device", "cuda"]) == 2
+    assert main("baseline", ["--steps", "2", "--batch-size", "1", "--prefix", str(tmp_path), "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert "DEVICE=cuda but PyTorch sees no CUDA GPU" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "results.csv").exists()
@@ -90,7 +90,7 @@ def test_device_cuda_without_gpu(capsys, tmp_path):
 def test_unwritable_prefix(capsys, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("keep me")
-    assert main(BASELINE, ["--steps", "2", "--batch-size", "1", "--prefix", str(blocker / "out")]) == 2
+    assert main("baseline", ["--steps", "2", "--batch-size", "1", "--prefix", str(blocker / "out")]) == 2
     err = capsys.readouterr().err
     assert f"PREFIX={blocker / 'out'} cannot be written" in err and len(err.strip().splitlines()) == 1
     assert blocker.read_text() == "keep me"
@@ -124,7 +124,7 @@ def test_make_refuses_a_repeat_that_is_not_a_number_of_runs(repeat, tmp_path):
 
 
 def test_steps_must_leave_a_measured_step(capsys, tmp_path):
-    assert main(BASELINE, ["--steps", "1", "--batch-size", "1", "--prefix", str(tmp_path)]) == 2
+    assert main("baseline", ["--steps", "1", "--batch-size", "1", "--prefix", str(tmp_path)]) == 2
     assert "STEPS=1 leaves no measured step" in capsys.readouterr().err
     assert not (tmp_path / "results.csv").exists()
 
@@ -135,7 +135,7 @@ def test_a_batch_larger_than_the_data_is_refused_before_anything_is_written(pref
     text = tmp_path / "short.txt"
     text.write_text("To be, or not to be.")
     capsys.readouterr()
-    assert main(BASELINE, ["--steps", "2", "--batch-size", "4", "--prefix", str(prefix_with_results), "--data",
+    assert main("baseline", ["--steps", "2", "--batch-size", "4", "--prefix", str(prefix_with_results), "--data",
                            str(text)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "fewer than one batch needs (BATCH_SIZE=4 x SEQ_LEN=128 + 1)" in err[0]

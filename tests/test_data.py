@@ -14,8 +14,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-import Utils.data as data  # noqa: E402
-from Utils.data import (  # noqa: E402
+import Utils.train.data as data  # noqa: E402
+from Utils.train.data import (  # noqa: E402
     SHAKESPEARE_FILE, SHAKESPEARE_SHA256, SYNTHETIC_TOKENS, TOKENS_FILE, DataError, TokenLoader,
     default_data_dir, fetch_shakespeare, gpt2_encoding, inputs_targets, load_tokens, shakespeare_tokens,
     synthetic_tokens, tokenize)

@@ -1,5 +1,6 @@
 """Faults, interruptions and concurrent runs: nothing lost, always a clear word."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -8,9 +9,8 @@ import pytest
 import torch
 
 from Utils import model as model_module
-from Utils.recipes import BASELINE, EIGHT_BIT, TORCH_COMPILE
-from Utils.results import RUN_COLUMNS, STEP_COLUMNS, check_file
-from Utils.runner import EXIT_INTERRUPTED, EXIT_OOM, EXIT_SKIPPED, main
+from Utils.results.store import RUN_COLUMNS, STEP_COLUMNS, check_file
+from Utils.train.run import EXIT_INTERRUPTED, EXIT_OOM, EXIT_SKIPPED, main
 
 from conftest import REPO_ROOT as REPO, make, read_csv
 
@@ -32,7 +32,7 @@ def test_out_of_memory_is_recorded_and_named(tmp_path, monkeypatch, capsys):
         return real_forward(self, *a, **kw)
 
     monkeypatch.setattr(model_module.GPT, "forward", forward)
-    assert main(BASELINE, ["--steps", "6", "--batch-size", "1", "--seq-len", "16", "--data", "synthetic",
+    assert main("baseline", ["--steps", "6", "--batch-size", "1", "--seq-len", "16", "--data", "synthetic",
                            "--prefix", str(tmp_path)]) == EXIT_OOM
     run = read_csv(tmp_path / "runs.csv")[-1]
     assert run["status"] == "oom"
@@ -44,15 +44,15 @@ def test_out_of_memory_is_recorded_and_named(tmp_path, monkeypatch, capsys):
 
 def test_missing_bitsandbytes_is_skipped_not_faked(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
-    assert run_in_process(EIGHT_BIT, tmp_path) == EXIT_SKIPPED
+    assert run_in_process("8bit", tmp_path) == EXIT_SKIPPED
     run = read_csv(tmp_path / "runs.csv")[-1]
     assert run["status"] == "skipped" and "bitsandbytes is not usable here" in run["message"]
     assert run["median_step_ms"] == "" and read_csv(tmp_path / "results.csv") == []
 
 
 def test_no_compiler_is_skipped(tmp_path, monkeypatch):
-    monkeypatch.setattr("Utils.recipes.shutil.which", lambda name: None)
-    assert run_in_process(TORCH_COMPILE, tmp_path) == EXIT_SKIPPED
+    monkeypatch.setattr("Utils.ladder.apply.shutil.which", lambda name: None)
+    assert run_in_process("torch_compile", tmp_path) == EXIT_SKIPPED
     run = read_csv(tmp_path / "runs.csv")[-1]
     assert run["status"] == "skipped" and "needs a C++ compiler" in run["message"]
 
@@ -61,7 +61,7 @@ def test_same_seed_same_losses(tmp_path):
     losses = []
     for i, seed in enumerate(["5", "5", "6"]):
         prefix = tmp_path / str(i)
-        assert main(BASELINE, ["--steps", "4", "--batch-size", "2", "--seq-len", "16", "--prefix", str(prefix),
+        assert main("baseline", ["--steps", "4", "--batch-size", "2", "--seq-len", "16", "--prefix", str(prefix),
                                "--data", "synthetic", "--seed", seed]) == 0
         losses.append([float(r["loss"]) for r in read_csv(prefix / "results.csv")])
     assert losses[0] == losses[1]
@@ -69,11 +69,11 @@ def test_same_seed_same_losses(tmp_path):
 
 
 def test_runs_record_how_to_repeat_them(tmp_path):
-    assert run_in_process(BASELINE, tmp_path) == 0
+    assert run_in_process("baseline", tmp_path) == 0
     run = read_csv(tmp_path / "runs.csv")[-1]
     config = json.loads(run["config"])
     assert config["run"]["batch_size"] == 2 and config["run"]["seq_len"] == 16 and config["run"]["seed"] == 1337
-    assert config["recipe"]["name"] == "baseline" and config["recipe"]["attention"] == "manual"
+    assert run["optimization"] == "baseline" and config["additions"] == []
     assert "--batch-size 2" in run["command"] and "--seq-len 16" in run["command"]
     assert run["torch_version"] == torch.__version__ and run["device"] == "cpu"
 
@@ -119,7 +119,7 @@ def test_two_makes_at_once_keep_every_row(tmp_path, suite_env):
     (lambda text: "when,what\n1,2\n", "header that is not the suite's"),
 ])
 def test_damaged_results_are_named_and_never_overwritten(tmp_path, suite_env, damage, why):
-    assert run_in_process(BASELINE, tmp_path) == 0
+    assert run_in_process("baseline", tmp_path) == 0
     path = tmp_path / "results.csv"
     path.write_text(damage(path.read_text()))
     before = path.read_bytes()
@@ -135,7 +135,7 @@ def test_damaged_results_are_named_and_never_overwritten(tmp_path, suite_env, da
 
 
 def test_a_compiler_failure_at_the_first_step_is_skipped_with_its_reason(tmp_path, monkeypatch):
-    from Utils import runner
+    from Utils.ladder import apply
 
     class BackendCompilerFailed(RuntimeError):
         pass
@@ -144,8 +144,11 @@ def test_a_compiler_failure_at_the_first_step_is_skipped_with_its_reason(tmp_pat
     def broken(*a, **kw):
         raise BackendCompilerFailed("inductor raised CppCompileError: no such header")
 
-    monkeypatch.setattr(runner, "apply_compile", lambda model, recipe, device: (broken, None))
-    assert run_in_process(TORCH_COMPILE, tmp_path) == EXIT_SKIPPED
+    def compile_broken(b):
+        b.step_model = broken
+
+    monkeypatch.setattr(apply, "apply_torch_compile", compile_broken)
+    assert run_in_process("torch_compile", tmp_path) == EXIT_SKIPPED
     run = read_csv(tmp_path / "runs.csv")[-1]
     assert run["status"] == "skipped"
     assert run["message"].startswith("torch.compile cannot compile here: BackendCompilerFailed: inductor raised")
@@ -158,6 +161,97 @@ def test_an_8bit_optimizer_that_cannot_be_built_is_skipped(tmp_path, monkeypatch
         raise RuntimeError("no kernels for this device")
 
     monkeypatch.setattr(bitsandbytes.optim, "AdamW8bit", refuse)
-    assert run_in_process(EIGHT_BIT, tmp_path) == EXIT_SKIPPED
+    assert run_in_process("8bit", tmp_path) == EXIT_SKIPPED
     run = read_csv(tmp_path / "runs.csv")[-1]
     assert run["status"] == "skipped" and "AdamW8bit does not run on this device (no kernels" in run["message"]
+
+
+def test_a_compiler_failure_keeps_the_first_line_of_its_cause_and_the_whole_error_in_a_log(tmp_path, monkeypatch):
+    # torch.compile wraps the real error: its own message starts "backend='inductor' raised:", which is all
+    # a run used to record.
+    from Utils.ladder import apply
+
+    class BackendCompilerFailed(RuntimeError):
+        def __init__(self, inner):
+            super().__init__(f"backend='inductor' raised:\n{type(inner).__name__}: {inner}")
+            self.inner_exception = inner
+    BackendCompilerFailed.__module__ = "torch._dynamo.exc"
+
+    def broken(*a, **kw):
+        raise BackendCompilerFailed(OSError("\nC++ compile error: fatal error: Python.h: No such file\nline two"))
+
+    monkeypatch.setattr(apply, "apply_torch_compile", lambda b: setattr(b, "step_model", broken))
+    assert run_in_process("torch_compile", tmp_path) == EXIT_SKIPPED
+    run = read_csv(tmp_path / "runs.csv")[-1]
+    assert run["message"].startswith("torch.compile cannot compile here: OSError: C++ compile error: fatal error: "
+                                     "Python.h: No such file (the whole error: ")
+    log = tmp_path / f"{run['run_id']}.error.log"
+    assert str(log) in run["message"] and "line two" in log.read_text() and "Traceback" in log.read_text()
+
+
+def test_running_out_of_host_memory_is_oom(tmp_path, monkeypatch):
+    def forward(self, *a, **kw):
+        # what PyTorch's CPU allocator raises (c10/core/impl/alloc_cpu.cpp)
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 68719476736 bytes. "
+                           "Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(model_module.GPT, "forward", forward)
+    assert run_in_process("baseline", tmp_path) == EXIT_OOM
+    run = read_csv(tmp_path / "runs.csv")[-1]
+    assert run["status"] == "oom" and run["message"].startswith("out of memory at BATCH_SIZE=2 after 0 steps: try")
+
+
+@pytest.mark.parametrize("target", ["clean", "reset"])
+def test_clean_and_reset_say_why_they_cannot(tmp_path, suite_env, target):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("keep me")
+    r = make([target, f"PREFIX={blocker}"], suite_env)
+    assert r.returncode != 0 and f"PREFIX={blocker} is not a folder" in r.stderr
+    # A folder whose files cannot be removed (root removes anything, so rm itself refuses here).
+    prefix = tmp_path / "out"
+    prefix.mkdir()
+    (prefix / "summary.md").write_text("kept")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "rm").write_text("#!/bin/sh\necho \"rm: cannot remove 'summary.md': Read-only file system\" >&2\nexit 1\n")
+    (bin_dir / "rm").chmod(0o755)
+    env = dict(suite_env, PATH=f"{bin_dir}:{suite_env['PATH']}")
+    r = make([target, f"PREFIX={prefix}"], env)
+    assert r.returncode != 0 and "Read-only file system" in r.stderr
+    assert f"error: cannot remove the suite's files in PREFIX={prefix}" in r.stderr
+    assert (prefix / "summary.md").read_text() == "kept"
+    missing = make([target, f"PREFIX={tmp_path / 'nowhere'}"], suite_env)
+    assert missing.returncode == 0 and "does not exist: nothing to remove" in missing.stdout
+
+
+def test_a_prefix_with_a_dollar_sign_is_used_exactly_as_written(tmp_path, suite_env):
+    prefix = tmp_path / "runs $5 $(HOME) it's"
+    r = make(["baseline", "STEPS=2", "BATCH_SIZE=1", "SEQ_LEN=16", "DATA=synthetic", f"PREFIX={prefix}"],
+             suite_env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert len(read_csv(prefix / "runs.csv")) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [prefix.name]
+
+
+def test_a_prefix_that_is_not_utf8_is_refused_before_anything(tmp_path, suite_env):
+    prefix = os.fsencode(tmp_path) + b"/runs-\xff"
+    r = subprocess.run([sys.executable.encode(), b"no_optimization.py", b"--steps", b"2", b"--prefix", prefix]
+                       + [a.encode() for a in TINY], cwd=REPO, env=suite_env, capture_output=True, timeout=300)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err.count("\n") == 1 and "holds bytes that are not UTF-8" in err
+    assert not os.path.exists(prefix)
+
+
+def test_a_binary_data_file_is_refused_naming_it(tmp_path):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 64)
+    assert main("baseline", ["--steps", "2", "--batch-size", "1", "--seq-len", "16", "--data", str(binary),
+                             "--prefix", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out" / "runs.csv").exists()
+
+
+@pytest.mark.parametrize("seed", ["18446744073709551616", "-1", "1e3"])
+def test_a_seed_out_of_range_is_one_line(tmp_path, capsys, seed):
+    assert main("baseline", ["--steps", "2", "--batch-size", "1", "--seed", seed, "--prefix", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "from 0 to 18446744073709551615" in err

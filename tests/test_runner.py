@@ -1,20 +1,19 @@
 """The training loop's own behaviour: deferred read-back, the ablation entry point, the summary."""
+import json
 import subprocess
 import sys
-from dataclasses import replace
 
-from Utils.recipes import BASELINE
-from Utils.runner import main
+from Utils.train.run import main
 
 from conftest import REPO_ROOT, read_csv
 
 ARGS = ["--batch-size", "2", "--seq-len", "16", "--data", "synthetic", "--warmup", "2"]
 
 
-def test_deferred_read_back_records_every_step_with_the_same_losses(tmp_path, capsys):
-    assert main(BASELINE, ["--steps", "7", "--prefix", str(tmp_path / "a")] + ARGS) == 0
-    deferred = replace(BASELINE, name="deferred", sync_every=3)
-    assert main(deferred, ["--steps", "7", "--prefix", str(tmp_path / "b")] + ARGS) == 0
+def test_deferred_read_back_records_every_step_with_the_same_losses(tmp_path, capsys, monkeypatch):
+    assert main("baseline", ["--steps", "7", "--prefix", str(tmp_path / "a")] + ARGS) == 0
+    monkeypatch.setattr("Utils.ladder.apply.SYNC_EVERY", 3)
+    assert main(["sync_every"], ["--steps", "7", "--prefix", str(tmp_path / "b")] + ARGS) == 0
     a, b = read_csv(tmp_path / "a" / "results.csv"), read_csv(tmp_path / "b" / "results.csv")
     assert [r["step"] for r in b] == [str(i) for i in range(7)]
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
@@ -24,7 +23,7 @@ def test_deferred_read_back_records_every_step_with_the_same_losses(tmp_path, ca
 
 
 def test_summary_uses_the_measured_steps_only(tmp_path):
-    assert main(BASELINE, ["--steps", "6", "--prefix", str(tmp_path)] + ARGS) == 0
+    assert main("baseline", ["--steps", "6", "--prefix", str(tmp_path)] + ARGS) == 0
     steps = [float(r["step_ms"]) for r in read_csv(tmp_path / "results.csv")]
     run = read_csv(tmp_path / "runs.csv")[0]
     measured = sorted(steps[2:])
@@ -38,8 +37,8 @@ def test_ablation_adds_one_change_to_the_fused_rung(tmp_path, suite_env):
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     run = read_csv(tmp_path / "runs.csv")[0]
-    assert run["optimization"] == "fused+loss" and '"loss": "chunked"' in run["config"]
-    assert '"optimizer": "adamw_fused"' in run["config"] and '"vocab_multiple": 1' in run["config"]
+    assert run["optimization"] == "fused+loss"
+    assert json.loads(run["config"])["additions"] == ["tf32", "bf16", "flash", "loss", "torch_compile", "fused"]
     bad = subprocess.run([sys.executable, "ablation.py", "--add", "turbo", "--steps", "2", "--prefix",
                           str(tmp_path)], cwd=REPO_ROOT, env=suite_env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --add 'turbo' is not an addition")
@@ -50,9 +49,9 @@ def test_a_baseline_run_is_exactly_the_textbook_loop(tmp_path):
     import pytest
     import torch
 
-    from Utils.data import TokenLoader, inputs_targets, synthetic_tokens
+    from Utils.train.data import TokenLoader, inputs_targets, synthetic_tokens
     from Utils.model import GPT, PRESETS
-    assert main(BASELINE, ["--steps", "4", "--prefix", str(tmp_path)] + ARGS) == 0
+    assert main("baseline", ["--steps", "4", "--prefix", str(tmp_path)] + ARGS) == 0
     recorded = [float(r["loss"]) for r in read_csv(tmp_path / "results.csv")]
     torch.manual_seed(1337)
     model = GPT(PRESETS["tiny"])
@@ -73,41 +72,31 @@ def test_a_baseline_run_is_exactly_the_textbook_loop(tmp_path):
     assert recorded == pytest.approx(expected, rel=1e-5)   # results.csv keeps 6 significant digits
 
 
-def test_the_runner_builds_and_steps_what_the_recipe_says(tmp_path, monkeypatch):
-    from Utils import runner
-    from Utils.recipes import MAX
-    built, calls, autocasts = [], [], []
-    real_gpt, real_autocast = runner.GPT, runner.autocast_context
+def test_the_run_builds_and_steps_what_the_rung_says(tmp_path, monkeypatch):
+    import torch
 
-    def gpt(config):
-        built.append(config)
-        return real_gpt(config)
+    from Utils.ladder import apply
+    from Utils.ladder.registry import RUNGS
+    built, calls, updates = [], [], []
+    real_build = apply.build
 
-    def compile_spy(model, recipe, device):
+    def build_spy(additions, *args):
+        b = real_build(additions, *args)
+        built.append(b)
+        step_model, update = b.step_model, b.update
+
         def stepped(*a, **kw):
             calls.append(torch.is_autocast_enabled("cpu"))
-            return model(*a, **kw)
-        return stepped, None
+            return step_model(*a, **kw)
 
-    def autocast_spy(recipe, device):
-        autocasts.append(recipe.bf16)
-        return real_autocast(recipe, device)
+        b.step_model, b.update = stepped, lambda: updates.append(update())
+        return b
 
-    updates = []
-    real_update = runner.make_update
-
-    def update_spy(model, optimizer, recipe, device):
-        update, note = real_update(model, optimizer, recipe, device)
-        return (lambda: updates.append(update())), note
-
-    import torch
-    monkeypatch.setattr(runner, "make_update", update_spy)
-    monkeypatch.setattr(runner, "GPT", gpt)
-    monkeypatch.setattr(runner, "apply_compile", compile_spy)
-    monkeypatch.setattr(runner, "autocast_context", autocast_spy)
-    assert main(MAX, ["--steps", "3", "--prefix", str(tmp_path)] + ARGS) == 0
-    (config,) = built
-    assert (config.attention, config.vocab_multiple, config.loss) == ("sdpa", 128, "chunked")
-    assert calls == [True, True, True]            # every step through the compiled model, under bf16 autocast
+    monkeypatch.setattr("Utils.train.run.build", build_spy)
+    assert main("max", ["--steps", "3", "--prefix", str(tmp_path)] + ARGS) == 0
+    (b,) = built
+    assert b.additions == tuple(a for a in apply.ADDITIONS if a in RUNGS["max"].additions)
+    assert (b.config.flash, b.config.vocab_multiple) == (True, 128)
+    assert type(b.model.loss).__name__ == "ChunkedLoss"
+    assert calls == [True, True, True]            # every step through the step model, under bf16 autocast
     assert len(updates) == 3                      # and one clip + optimizer step after each
-    assert autocasts and all(autocasts)

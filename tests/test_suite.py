@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from Utils.recipes import LADDER
+from Utils.ladder.registry import LADDER
 
 from conftest import REPO_ROOT as REPO, make, read_csv
 SCRIPTS = {"baseline": "no_optimization.py", "tf32": "tensorFloat32.py", "bf16": "brainFloat16.py",

@@ -5,8 +5,13 @@ additions (Utils.ladder.registry.run_name).
 """
 import sys
 
-from Utils.train.cli import fail
-from Utils.train.run import main
+from Utils.train.interrupts import launch
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
 
 if __name__ == "__main__":
     args = sys.argv[1:]
@@ -18,4 +23,4 @@ if __name__ == "__main__":
     if not names:
         sys.exit(fail('WITH is empty: name the additions to run, e.g. WITH="bf16 torch_compile flash" '
                       '(make additions lists them; the run with none is make baseline)'))
-    sys.exit(main(names, args[:i] + args[i + 2:]))
+    sys.exit(launch(names, args[:i] + args[i + 2:]))

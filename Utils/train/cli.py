@@ -75,14 +75,27 @@ def _positive_int(name, value, fix):
     return n
 
 
-def _non_negative_int(name, value):
+SEED_MAX = 2**64 - 1   # torch.manual_seed takes seeds up to this
+
+
+def _seed(value):
     try:
         n = int(str(value).strip())
     except ValueError:
         n = -1
-    if n < 0:
-        raise UsageError(f"{name}={value!r} is not a non-negative integer: pass e.g. {name}=1337")
+    if not 0 <= n <= SEED_MAX:
+        raise UsageError(f"SEED={value!r} is not an integer from 0 to {SEED_MAX}: pass e.g. SEED=1337")
     return n
+
+
+def _text(name, value):
+    """A path argument must be text the results can record: refuse a name with bytes that are not UTF-8."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise UsageError(f"{name}={shown} holds bytes that are not UTF-8: use a name in UTF-8") from None
+    return value
 
 
 def parse_args(argv=None, prog=None):
@@ -100,7 +113,10 @@ def parse_args(argv=None, prog=None):
         if warmup >= steps:
             raise UsageError(f"WARMUP={warmup} leaves no measured step of STEPS={steps}: "
                              f"use WARMUP < STEPS, e.g. STEPS={warmup + 20} WARMUP={warmup}")
-    seed = _non_negative_int("SEED", a.seed)
+    seed = _seed(a.seed)
+    for name, value in (("PREFIX", a.prefix), ("DATA", a.data), ("DATA_DIR", a.data_dir)):
+        if value is not None:
+            _text(name, value)
     if not a.prefix.strip():
         raise UsageError(f"PREFIX is empty: name the output folder, {EXAMPLE}")
 

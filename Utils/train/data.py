@@ -111,8 +111,14 @@ def load_tokens(data, vocab_size, seed, data_dir=None):
             return synthetic_tokens(vocab_size, seed), "synthetic"
     if not os.path.isfile(data):
         raise DataError(f"DATA={data} is not a file: give a text file, or DATA=shakespeare, synthetic or auto")
-    with open(data, encoding="utf-8", errors="replace") as f:
-        return tokenize(f.read()), os.path.abspath(data)
+    try:
+        with open(data, encoding="utf-8") as f:
+            text = f.read()
+    except (UnicodeDecodeError, OSError) as e:
+        raise DataError(f"DATA={data} is not a UTF-8 text file ({type(e).__name__}): give a text file") from None
+    if "\x00" in text:
+        raise DataError(f"DATA={data} holds NUL bytes, so it is not a text file: give a text file")
+    return tokenize(text), os.path.abspath(data)
 
 
 class TokenLoader:

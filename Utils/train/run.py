@@ -5,7 +5,6 @@ import gc
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import traceback
@@ -21,9 +20,10 @@ from Utils.results import metrics
 from Utils.results.store import ResultsError, append_run, check_prefix
 from Utils.train.cli import RunConfig, UsageError, fail, parse_args
 from Utils.train.data import DataError, TokenLoader, load_tokens
+from Utils.train.interrupts import EXIT_INTERRUPTED, Interrupts
 from Utils.train.loop import train
 
-EXIT_FAILED, EXIT_USAGE, EXIT_OOM, EXIT_SKIPPED, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
+EXIT_FAILED, EXIT_USAGE, EXIT_OOM, EXIT_SKIPPED = 1, 2, 3, 4
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -111,8 +111,34 @@ def _compile_failure(e):
     return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+def _out_of_memory(e):
+    """Out of device memory, or of host memory: PyTorch's CPU allocator raises a plain RuntimeError."""
+    return (isinstance(e, (torch.OutOfMemoryError, MemoryError))
+            or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)))
+
+
+def _first_line(e):
+    """'Type: first meaningful line' of an exception, looking through the wrappers torch.compile puts around
+    the real error (their own first line ends in 'raised:')."""
+    while True:
+        inner = getattr(e, "inner_exception", None) or e.__cause__
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        if inner is not None and (not lines or lines[0].endswith(":")):
+            e = inner
+            continue
+        text = next((ln for ln in lines if not ln.endswith("raised:")), "")
+        return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+
+def _write_error_log(prefix, run_id):
+    """The whole traceback of the exception being handled, beside the results; its path, or None."""
+    path = os.path.join(prefix, f"{run_id}.error.log")
+    try:
+        with open(path, "w", encoding="utf-8", errors="backslashreplace") as f:
+            traceback.print_exc(file=f)
+    except OSError:
+        return None
+    return path
 
 
 def reset_peak_memory(device):
@@ -152,47 +178,56 @@ def run(additions: tuple, cfg: RunConfig, command: str) -> int:
     rows, held = [], {}
     status, message, code = "ok", "", 0
     reset_peak_memory(device)
-    # Both signals end the run the same way, even where SIGINT was inherited as ignored (a background job).
-    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     profiled = None
-    try:
-        loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda")
-        b = held["build"] = build(additions, device, PRESETS[cfg.model], cfg.seed, loader)
-        run["n_params"] = b.model.num_params(exclude_position_embedding=False)
-        run["notes"] = "; ".join(b.notes)
-        for note in b.notes:
-            print(f"note: {note}")
-        profiled = train(b, cfg, run, rows)
-    except Unavailable as e:
-        status, message, code = "skipped", str(e), EXIT_SKIPPED
-    except torch.OutOfMemoryError:
-        peak = peak_memory_gib(device)[0] or 0.0
-        status, code = "oom", EXIT_OOM
-        message = (f"out of memory at BATCH_SIZE={cfg.batch_size} after {len(rows)} steps "
-                   f"(peak {peak:.1f} GiB allocated): try a smaller BATCH_SIZE, e.g. {max(1, cfg.batch_size // 2)}")
-    except KeyboardInterrupt:
-        status, code = "interrupted", EXIT_INTERRUPTED
-        message = f"interrupted after {len(rows)} of {cfg.steps} steps; the measured steps are kept"
-    except Exception as e:
-        if _compile_failure(e) and not rows:
-            status, code = "skipped", EXIT_SKIPPED
-            message = f"torch.compile cannot compile here: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        else:
-            traceback.print_exc()
-            status, code = "failed", EXIT_FAILED
-            message = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with Interrupts() as interrupts:
+        try:
+            loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda")
+            b = held["build"] = build(additions, device, PRESETS[cfg.model], cfg.seed, loader)
+            run["n_params"] = b.model.num_params(exclude_position_embedding=False)
+            run["notes"] = "; ".join(b.notes)
+            for note in b.notes:
+                print(f"note: {note}")
+            profiled = train(b, cfg, run, rows)
+            interrupts.disarm()
+        except Unavailable as e:
+            status, message, code = "skipped", str(e), EXIT_SKIPPED
+        except KeyboardInterrupt:
+            pass   # recorded below, with a signal that came after training
+        except Exception as e:
+            interrupts.disarm()
+            if _out_of_memory(e):
+                peak = peak_memory_gib(device)[0]
+                status, code = "oom", EXIT_OOM
+                message = (f"out of memory at BATCH_SIZE={cfg.batch_size} after {len(rows)} steps"
+                           + (f" (peak {peak:.1f} GiB allocated)" if peak is not None else "")
+                           + f": try a smaller BATCH_SIZE, e.g. {max(1, cfg.batch_size // 2)}")
+            else:
+                log = _write_error_log(cfg.prefix, run["run_id"])
+                where = f" (the whole error: {log})" if log else ""
+                if _compile_failure(e) and not rows:
+                    status, code = "skipped", EXIT_SKIPPED
+                    message = f"torch.compile cannot compile here: {_first_line(e)}{where}"
+                else:
+                    traceback.print_exc()
+                    status, code = "failed", EXIT_FAILED
+                    message = f"{_first_line(e)}{where}"
+        interrupts.disarm()
+        run["peak_mem_allocated_gib"], run["peak_mem_reserved_gib"] = peak_memory_gib(device)
+        held.clear()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        summarize(additions, cfg, run, rows)
+        if interrupts.requested:   # at any moment until now, whatever else its arrival made of the run
+            status, code = "interrupted", EXIT_INTERRUPTED
+            message = f"interrupted after {len(rows)} of {cfg.steps} steps; the measured steps are kept"
+        run.update(status=status, message=message)
+        return _record(cfg, run, rows, profiled, code)
 
-    run["peak_mem_allocated_gib"], run["peak_mem_reserved_gib"] = peak_memory_gib(device)
-    held.clear()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
-    run.update(status=status, message=message)
-    summarize(additions, cfg, run, rows)
+def _record(cfg, run, rows, profiled, code):
+    """Append the run (signals are held off meanwhile: Utils.results.store) and say how it ended."""
+    status, message = run["status"], run["message"]
     try:
         if profiled is not None:
             write_breakdown(cfg, run, profiled)
@@ -202,5 +237,5 @@ def run(additions: tuple, cfg: RunConfig, command: str) -> int:
         return fail(f"results not written: {e}")
     print(summary_line(run))
     if status != "ok":
-        print(f"error: {name} {status}: {message}", file=sys.stderr)
+        print(f"error: {run['optimization']} {status}: {message}", file=sys.stderr)
     return code

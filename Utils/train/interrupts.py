@@ -1,0 +1,62 @@
+"""Ctrl-C and SIGTERM, from a script's first line to its run's record.
+
+Before a run exists (imports, argument checks, reading the data), a signal ends the program with one line:
+there is nothing to record. Once the run exists, the first signal raises KeyboardInterrupt wherever the run
+is; every later one, and any that comes once training is over, is only noted, so that the shutdown (the
+summary, the release of device memory, the append) always finishes and the run is recorded as interrupted
+with every step that finished. Both signals do the same, even where SIGINT was inherited as ignored (make
+runs a background job's commands so). Imports nothing heavy: a script installs it before torch loads.
+"""
+import os
+import signal
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+EXIT_INTERRUPTED = 130
+
+
+def _exit_at_once(signum, frame):
+    os.write(2, b"error: interrupted before the run started; nothing was recorded\n")
+    os._exit(EXIT_INTERRUPTED)
+
+
+def exit_on_signal() -> None:
+    """Until a run takes over: a signal ends the program at once, with one line."""
+    for sig in SIGNALS:
+        signal.signal(sig, _exit_at_once)
+
+
+class Interrupts:
+    """`with Interrupts() as interrupts:` around a run; `interrupts.requested` says whether a signal came."""
+
+    def __init__(self):
+        self.armed = False
+        self.requested = False
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        if self.armed:
+            self.armed = False   # once: a second signal must not break the shutdown of the first
+            raise KeyboardInterrupt(f"signal {signum}")
+
+    def disarm(self) -> None:
+        """Training is over: from now on a signal is only noted."""
+        self.armed = False
+
+    def __enter__(self):
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        self.armed = True
+        return self
+
+    def __exit__(self, *exc):
+        self.armed = False
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
+
+def launch(additions, argv=None) -> int:
+    """What a rung script runs: signals handled from the first moment, then the run (Utils.train.run.main)."""
+    exit_on_signal()
+    from Utils.train.run import main
+    return main(additions, argv)

@@ -1,0 +1,84 @@
+"""Ctrl-C and SIGTERM at any moment: one line, status interrupted, every finished step kept."""
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+
+from Utils.results.store import RUN_COLUMNS, STEP_COLUMNS, check_file
+from Utils.train import run as run_module
+from Utils.train.run import EXIT_INTERRUPTED, main
+
+from conftest import REPO_ROOT, read_csv
+
+TINY = ["--batch-size", "2", "--seq-len", "16", "--data", "synthetic"]
+
+
+def _interrupt_self():
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def _assert_interrupted_with_every_step(prefix, steps):
+    check_file(prefix / "results.csv", STEP_COLUMNS)
+    check_file(prefix / "runs.csv", RUN_COLUMNS)
+    (run,) = read_csv(prefix / "runs.csv")
+    assert run["status"] == "interrupted"
+    assert len(read_csv(prefix / "results.csv")) == steps
+    assert f"interrupted after {steps} of {steps} steps" in run["message"]
+
+
+def test_a_signal_just_after_the_last_step_keeps_every_step(tmp_path, monkeypatch):
+    real_train = run_module.train
+
+    def train_then_signal(*args):
+        profiled = real_train(*args)
+        _interrupt_self()   # arrives as train returns: before the run is recorded
+        return profiled
+
+    monkeypatch.setattr(run_module, "train", train_then_signal)
+    assert main("baseline", ["--steps", "3", "--prefix", str(tmp_path)] + TINY) == EXIT_INTERRUPTED
+    _assert_interrupted_with_every_step(tmp_path, 3)
+
+
+def test_signals_during_the_shutdown_change_nothing_but_the_status(tmp_path, monkeypatch, capsys):
+    # One signal while the run's memory is released, another while it is summarized: neither may break
+    # the shutdown, which used to end in a traceback with the run's rows lost.
+    monkeypatch.setattr(run_module, "gc", types.SimpleNamespace(collect=_interrupt_self))
+    real_summarize = run_module.summarize
+
+    def summarize(*args):
+        _interrupt_self()
+        return real_summarize(*args)
+
+    monkeypatch.setattr(run_module, "summarize", summarize)
+    assert main("baseline", ["--steps", "3", "--prefix", str(tmp_path)] + TINY) == EXIT_INTERRUPTED
+    _assert_interrupted_with_every_step(tmp_path, 3)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: baseline interrupted")
+
+
+def test_a_second_signal_while_the_first_is_handled_is_only_noted(tmp_path, monkeypatch):
+    real_train = run_module.train
+
+    def train_interrupted_twice(b, cfg, run, rows):
+        real_train(b, cfg, run, rows)
+        _interrupt_self()
+        raise AssertionError("the first signal must stop the run where it is")
+
+    monkeypatch.setattr(run_module, "train", train_interrupted_twice)
+    monkeypatch.setattr(run_module, "gc", types.SimpleNamespace(collect=_interrupt_self))
+    assert main("baseline", ["--steps", "2", "--prefix", str(tmp_path)] + TINY) == EXIT_INTERRUPTED
+    _assert_interrupted_with_every_step(tmp_path, 2)
+
+
+def test_a_signal_while_the_script_starts_is_one_line(tmp_path, suite_env):
+    # torch takes seconds to import: a Ctrl-C then used to print a KeyboardInterrupt traceback.
+    proc = subprocess.Popen([sys.executable, "no_optimization.py", "--steps", "2", "--prefix", str(tmp_path)] + TINY,
+                            cwd=REPO_ROOT, env=suite_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    assert err.splitlines() == ["error: interrupted before the run started; nothing was recorded"]
+    assert not (tmp_path / "runs.csv").exists()

@@ -68,9 +68,15 @@ define repeat
 	$(info $(2))
 	@run=0; while [ $$run -lt $(REPEAT) ]; do run=$$((run + 1)); \
 		if [ $(REPEAT) -gt 1 ]; then echo "=== $(1), run $$run of $(REPEAT) ==="; fi; \
-		$(2) || exit $$?; \
+		$(call wait_for,$(2)); [ $$rc -eq 0 ] || exit $$rc; \
 	done
 endef
+
+# $(call wait_for,COMMAND): COMMAND in the background, waited for, its status in $$rc; SIGTERM and SIGINT
+# are passed on to it and it is waited for again: killed alone, the shell would return to make (and make
+# to its caller) while the run is still writing its record.
+wait_for = $(1) & pid=$$!; trap 'kill -TERM $$pid 2>/dev/null; wait $$pid; exit $$?' TERM INT; \
+	wait $$pid; rc=$$?; trap - TERM INT
 
 $(RUNGS): require-run
 	$(call repeat,$@,$(PYTHON) $(call script,$@) $(RUN_ARGS))
@@ -91,7 +97,7 @@ define each
 	@failed=""; \
 	for x in $(2); do \
 		echo "=== $(1) $$x ==="; \
-		$(3) || failed="$$failed $$x"; \
+		$(call wait_for,$(3)); [ $$rc -eq 0 ] || failed="$$failed $$x"; \
 	done; \
 	$(4) \
 	if [ -n "$$failed" ]; then echo "error: make $(1): not ok:$$failed (see "$(call q,PREFIX)")" >&2; exit 1; fi
@@ -123,17 +129,18 @@ CHARTS := speedup.png step_time.png throughput.png memory.png loss.png summary.m
 define remove
 	@if [ ! -e $(call q,PREFIX) ]; then echo "PREFIX="$(call q,PREFIX)" does not exist: nothing to remove"; exit 0; fi; \
 	if [ ! -d $(call q,PREFIX) ]; then echo "error: PREFIX="$(call q,PREFIX)" is not a folder" >&2; exit 2; fi; \
-	cd $(call q,PREFIX) && rm -f $(1) || { echo "error: cannot remove the suite's files in PREFIX="$(call q,PREFIX)" (see above)" >&2; exit 1; }
+	cd $(call q,PREFIX) && rm -fv $(1) || { echo "error: cannot remove the suite's files in PREFIX="$(call q,PREFIX)" (see above)" >&2; exit 1; }
 endef
 clean: require-prefix
 	$(call remove,$(CHARTS) .tmp-*)
 
 reset: require-prefix
-	$(call remove,$(CHARTS) results.csv runs.csv breakdown.csv trace_*.json.gz .results.lock .tmp-*)
+	$(call remove,$(CHARTS) results.csv runs.csv breakdown.csv trace_*.json.gz *.error.log .results.lock .tmp-*)
 
-# Re-executes the notebook in place against RESULTS (default results/h200-b16), saving its outputs.
+# Re-executes the notebook in place against RESULTS (default results/h200-b16), saving its outputs; the file
+# depends on the cells and the results only, so a second run against the same results changes nothing.
 notebook:
-	$(PYTHON) notebooks/build_notebook.py $(if $(RESULTS),--results '$(RESULTS)')
+	$(PYTHON) notebooks/build_notebook.py $(if $(RESULTS),--results $(call q,RESULTS))
 
 # PyPI's torch for Linux is the CUDA build (several GB with its libraries): where no NVIDIA GPU answers,
 # PyTorch's CPU wheels instead, and none of requirements.txt's nvidia-* packages. A torch already there is kept.

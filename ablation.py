@@ -5,7 +5,7 @@
 import sys
 
 from Utils.ladder.registry import ABLATION, RUNGS
-from Utils.train.interrupts import launch
+from Utils.train.launch import launch
 
 
 def fail(message: str) -> int:

@@ -1,7 +1,7 @@
 """Charts and summary.md from PREFIX/results.csv and PREFIX/runs.csv (no torch): make plots PREFIX=dir."""
 import sys
 
-from Utils.report.summary import main
+from Utils.report.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

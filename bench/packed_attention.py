@@ -1,4 +1,4 @@
-"""Checks and times Utils.packed_attention on a GPU against SDPA held to cuDNN, the `cudnn` attention of the
+"""Checks and times Utils.kernels.packed_attention on a GPU against SDPA held to cuDNN, the `cudnn` attention of the
 other rungs, for one GPT-2 layer's attention (12 heads of 64, T = 1,024, bf16): forward and backward, from
 the packed [B, T, 3C] QKV tensor to its packed gradient. SDPA's path includes the copy of dq, dk and dv
 into that gradient, which autograd makes as the compiled model's backward does (one gather kernel).
@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from Utils import packed_attention as pa  # noqa: E402
+from Utils.kernels import packed_attention as pa  # noqa: E402
 
 T, H, D = 1024, 12, 64
 C = H * D
@@ -66,8 +66,10 @@ def host_us(fn, n=50):
 
 
 def main():
-    if not torch.cuda.is_available() or not pa.available(torch.device("cuda"), D):
-        sys.exit("error: this benchmark needs a CUDA GPU with cuDNN 9 and nvidia-cudnn-frontend")
+    cuda = torch.device("cuda")
+    why = (pa.unavailable(cuda, D) or pa.prepare(cuda, D)) if torch.cuda.is_available() else "no CUDA GPU"
+    if why:
+        sys.exit(f"error: this benchmark needs a CUDA GPU with cuDNN 9 and nvidia-cudnn-frontend ({why})")
     cudnn = pa._frontend()
     print(f"cuDNN {torch.backends.cudnn.version()}, frontend {cudnn.__version__}")
     failed = False

@@ -1,4 +1,4 @@
-"""Utils/breakdown.py: the kernel classifier, the arithmetic of the split, a real CPU trace, the files."""
+"""Utils/report/breakdown: the kernel classifier, the arithmetic of the split, a real CPU trace, the files."""
 import csv
 import glob
 import gzip
@@ -10,11 +10,13 @@ import shutil
 import pytest
 import torch
 
-from Utils import breakdown
-from Utils.breakdown import (BREAKDOWN_COLUMNS, KERNEL_CLASSES, TraceError, append_breakdown_csv, classify,
-                             load_breakdown, load_trace, plot_breakdown, split, write_report)
-from Utils.recipes import LADDER
-from Utils.results import ResultsError, append_run
+from Utils.ladder.registry import LADDER
+from Utils.report import breakdown
+from Utils.report.breakdown import (KERNEL_CLASSES, TraceError, append_breakdown_csv, classify, load_breakdown,
+                                    load_trace, plot_breakdown, split, write_report)
+from Utils.report.breakdown import kernels
+from Utils.results.schema import BREAKDOWN_COLUMNS
+from Utils.results.store import ResultsError, append_run
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
@@ -147,7 +149,8 @@ REAL_KERNELS = [
      "float, int, float, float, float, bool, int)", "memory", "8-bit AdamW (bitsandbytes)"),
     ("void kPreconditionOptimizerStatic8bit2State<float, 0>(float*, float*, unsigned char*, unsigned char*, float*, "
      "float*, float, float, float, int, float*, float*, float, int)", "memory", "8-bit AdamW (bitsandbytes)"),
-    # Utils.adamw_kernel's two Triton kernels, and Utils.ce_kernel's Triton and CUDA ones, named as CUPTI reports them
+    # Utils.kernels.triton_update's two Triton kernels, and Utils.kernels.loss_kernel's Triton and CUDA ones, named
+    # as CUPTI reports them
     ("_adamw_kernel", "memory", "AdamW (Triton, the clip applied)"),
     ("_square_sum_kernel", "memory", "gradient norm (clip)"),
     ("_cross_entropy_grad_kernel", "memory", "cross-entropy loss"),
@@ -213,7 +216,7 @@ def test_every_table_entry_is_exercised_by_a_real_name():
     hit = set()
     for name, _, _ in REAL_KERNELS:
         ident = breakdown.kernel_id(name)
-        hit.add(next(i for i, (pattern, _, _) in enumerate(breakdown._COMPILED) if pattern.search(ident)))
+        hit.add(next(i for i, (pattern, _, _) in enumerate(kernels._COMPILED) if pattern.search(ident)))
     assert hit == set(range(len(KERNEL_CLASSES)))
     assert {c for _, c, _ in KERNEL_CLASSES} == {"compute", "memory"}
 
@@ -543,3 +546,51 @@ def test_a_foreign_breakdown_csv_is_refused_and_left_alone(tmp_path):
 def test_write_report_without_a_breakdown_says_how_to_make_one(tmp_path):
     with pytest.raises(ResultsError, match="make profile"):
         write_report(str(tmp_path))
+
+
+def test_the_hbm_peak_comes_from_the_one_gpu_table(profiled):
+    from Utils.results.gpus import peak_bandwidth
+    write_report(profiled)
+    md = open(os.path.join(profiled, "breakdown.md")).read()
+    assert f"against the HBM peak of {peak_bandwidth('NVIDIA H200') / 1e12:.2f} TB/s" in md
+    assert not hasattr(breakdown, "PEAK_HBM_BANDWIDTH") and not hasattr(breakdown, "peak_hbm_bandwidth")
+
+
+def test_the_chart_carries_its_provenance_and_fits(profiled):
+    """A run recorded in runs.csv gives its torch, commit and date; where it records none (a profiled run
+    records itself in breakdown.csv only) its trace's metadata gives them."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from Utils.report.breakdown.files import _provenance, _recorded_runs
+    path = os.path.join(profiled, "trace_flash.json.gz")
+    trace = load_trace(path)
+    trace.update(git_commit="abcdef1234567890", started_at="2026-02-03T04:05:06+00:00", torch_version="2.11.0")
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    df = load_breakdown(profiled)
+    breakdowns = {rung: split(load_trace(breakdown.trace_path(profiled, rung))) for rung in ("baseline", "flash")}
+    foot = _provenance(df, _recorded_runs(profiled, df), breakdowns)
+    assert foot == "torch unknown, 2.11.0 · commits unknown, abcdef123456 · ran 2026-02-03"
+    append_run(profiled, {"run_id": "baseline-3", "optimization": "baseline", "status": "ok", **CONTEXT,
+                          "git_commit": "0123456789abcdef", "started_at": "2026-02-01T00:00:00+00:00",
+                          "torch_version": "2.11.0"}, [])
+    append_breakdown_csv(profiled, "baseline", "baseline-3", breakdowns["baseline"], median_step_ms=0.74)
+    df = load_breakdown(profiled)
+    foot = _provenance(df, _recorded_runs(profiled, df), breakdowns)
+    assert foot == "torch 2.11.0 · commits 0123456789ab, abcdef123456 · ran 2026-02-01 to 2026-02-03"
+    fig = plot_breakdown(df, "NVIDIA H200 · " + "a long context " * 12, foot)
+    assert fig.get_supxlabel() == foot
+    FigureCanvasAgg(fig)
+    fig.canvas.draw()
+    box = fig.get_tightbbox(fig.canvas.get_renderer())
+    width, height = fig.get_size_inches()
+    assert box.x0 >= -0.01 and box.y0 >= -0.01 and box.x1 <= width + 0.01 and box.y1 <= height + 0.01
+
+
+def test_a_damaged_number_in_breakdown_csv_is_named(profiled):
+    path = os.path.join(profiled, "breakdown.csv")
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(text.replace(",0.75,", ",abc,", 1))
+    with pytest.raises(ResultsError, match=r"line 2: profiled_step_ms='abc' is not a number"):
+        load_breakdown(profiled)

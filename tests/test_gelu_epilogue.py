@@ -1,24 +1,19 @@
-"""The MLP with c_fc's bias and GELU in GEMM epilogues (Utils.gelu_mlp), on the CPU, where its two
-operators run their PyTorch definitions: the same model, gradients and compiled graph as the plain MLP.
-The cuBLASLt kernels themselves need a GPU (results/logs/gelu-epilogue-gemms-*.log checks them there)."""
-from dataclasses import replace
-
+"""Utils.kernels.gelu_epilogue: the MLP with c_fc's bias and GELU, and GELU's derivative, in GEMM
+epilogues, against its reference, the plain MLP. On the CPU its two operators run their PyTorch
+definitions (cuBLASLt's references): the same outputs, gradients and compiled graph, over float64,
+float32 and bf16, and under bf16 autocast. On a GPU (the gpu tests) the cuBLASLt GEMMs against the same
+references, eagerly and replayed from a CUDA graph."""
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import model_pair
-from Utils import cublaslt, gelu_mlp as gelu_mlp_module
-from Utils.gelu_mlp import gelu_mlp, linear_dgelu, linear_gelu
-from Utils.model import MLPS, PRESETS, GPTConfig
-from Utils.recipes import FUSED, MAX, Recipe, apply_mlp
+from Utils.kernels import cublaslt, gelu_epilogue
+from Utils.kernels.gelu_epilogue import gelu_mlp, linear_dgelu, linear_gelu
 
 CPU = torch.device("cpu")
-CONFIG = replace(PRESETS["tiny"], vocab_size=97)
-
-
-def _pair(dtype=torch.float64, **changes):
-    return model_pair({"mlp": "epilogue"}, dtype, **changes)
+TOLERANCES = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-4, atol=1e-5),
+              torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
 @pytest.fixture
@@ -26,32 +21,42 @@ def op_calls(monkeypatch):
     """Counts the two operators' calls, so that a test knows the epilogue path ran at all."""
     calls = {"linear_gelu": 0, "linear_dgelu": 0}
     for name in calls:
-        op = getattr(gelu_mlp_module, name)
+        op = getattr(gelu_epilogue, name)
 
         def counted(*args, _op=op, _name=name):
             calls[_name] += 1
             return _op(*args)
-        monkeypatch.setattr(gelu_mlp_module, name, counted)
+        monkeypatch.setattr(gelu_epilogue, name, counted)
     return calls
 
 
-def test_epilogue_mlp_gives_the_plain_models_loss_and_gradients_in_float64(op_calls):
-    plain, fused, x, y = _pair()
-    assert fused.transformer.h[0].mlp.epilogue and not plain.transformer.h[0].mlp.epilogue
-    losses = []
-    for model in (plain, fused):
-        _, loss = model(x, y)
-        loss.backward()
-        losses.append(loss)
-    assert torch.equal(losses[0], losses[1])
-    assert op_calls == {"linear_gelu": CONFIG.n_layer, "linear_dgelu": CONFIG.n_layer}
-    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-14, msg=name)
+def _mlp(dtype, seed=0):
+    torch.manual_seed(seed)
+    fc, proj = nn.Linear(16, 64).to(dtype), nn.Linear(64, 16).to(dtype)
+    for layer in (fc, proj):
+        nn.init.normal_(layer.bias, std=0.5)
+    x = torch.randn(3, 10, 16, dtype=dtype, requires_grad=True)
+    return fc, proj, x
 
 
-def test_operators_match_their_definitions_and_gradients_flow_to_every_input():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ones", [False, True], ids=["sum", "gemm_bias_grad"])
+def test_output_and_gradients_are_the_plain_mlps(op_calls, dtype, ones):
+    results = []
+    for op in (lambda x, fc, proj: gelu_mlp(x, fc, proj, ones=ones), gelu_epilogue.reference):
+        fc, proj, x = _mlp(dtype)
+        y = op(x, fc, proj)
+        y.backward(torch.linspace(-1, 1, y.numel(), dtype=dtype).view_as(y))
+        results.append((y, x.grad, *(p.grad for p in (fc.weight, fc.bias, proj.weight, proj.bias))))
+    assert op_calls == {"linear_gelu": 1, "linear_dgelu": 1}
+    for got, want in zip(*results):
+        assert got.dtype == want.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+
+
+def test_operators_match_their_definitions_and_gradcheck():
     torch.manual_seed(1)
-    x, w1, b1 = torch.randn(10, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    x, w1, b1 = (torch.randn(*shape, dtype=torch.float64) for shape in ((10, 6), (8, 6), (8,)))
     a, h = linear_gelu(x, w1, b1)
     torch.testing.assert_close(h, x @ w1.t() + b1)
     torch.testing.assert_close(a, F.gelu(h, approximate="tanh"))
@@ -60,13 +65,9 @@ def test_operators_match_their_definitions_and_gradients_flow_to_every_input():
     expected, = torch.autograd.grad(F.gelu(h, approximate="tanh") @ w2.t(), h, g)
     torch.testing.assert_close(linear_dgelu(g, w2, h.detach()), expected)
 
-    fc, proj = torch.nn.Linear(6, 8).double(), torch.nn.Linear(8, 5).double()
+    fc, proj = nn.Linear(6, 8).double(), nn.Linear(8, 5).double()
     inputs = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: gelu_mlp(t, fc, proj), (inputs,))
-    out = gelu_mlp(inputs, fc, proj)
-    assert out.shape == (2, 5, 5)
-    out.sum().backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in (fc.weight, fc.bias, proj.weight, proj.bias))
 
 
 @pytest.mark.parametrize("op, args", [
@@ -78,54 +79,103 @@ def test_operators_pass_pytorchs_operator_checks(op, args):
     torch.library.opcheck(op, args)
 
 
-def test_under_bf16_autocast_the_mlp_computes_in_bf16_and_parameters_get_fp32_gradients(op_calls):
-    plain, fused, x, y = _pair(torch.float32)
-    seen = []
-    handle = fused.transformer.h[0].mlp.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    losses = []
-    for model in (plain, fused):
+def test_under_bf16_autocast_it_computes_in_bf16_and_parameters_get_fp32_gradients(op_calls):
+    results = []
+    for op in (gelu_mlp, gelu_epilogue.reference):
+        fc, proj, x = _mlp(torch.float32)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = model(x, y)
-        loss.backward()
-        losses.append(loss.item())
-    handle.remove()
-    assert seen == [torch.bfloat16]
-    assert op_calls == {"linear_gelu": CONFIG.n_layer, "linear_dgelu": CONFIG.n_layer}
-    assert abs(losses[0] - losses[1]) < 2e-2
-    fc = fused.transformer.h[0].mlp.c_fc
-    assert fc.weight.grad.dtype == fc.bias.grad.dtype == torch.float32
-    torch.testing.assert_close(fc.weight.grad, plain.transformer.h[0].mlp.c_fc.weight.grad, rtol=0.1, atol=2e-3)
+            y = op(x, fc, proj)
+        y.float().sum().backward()
+        results.append((y, fc.weight.grad, fc.bias.grad))
+    (y, weight_grad, bias_grad), (want_y, want_weight_grad, _) = results
+    assert y.dtype == want_y.dtype == torch.bfloat16
+    assert op_calls == {"linear_gelu": 1, "linear_dgelu": 1}
+    assert weight_grad.dtype == bias_grad.dtype == torch.float32
+    # GELU from the fp32 pre-activation here, from its bf16 rounding in the plain MLP: bf16 rounding apart.
+    torch.testing.assert_close(y, want_y, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(weight_grad, want_weight_grad, rtol=0.1, atol=2e-2)
 
 
-def test_compiled_epilogue_model_equals_eager():
-    _, fused, x, y = _pair(torch.float32)
+class _EpilogueMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return gelu_mlp(x, self.c_fc, self.c_proj)
+
+
+def test_compiled_it_calls_both_operators_and_equals_eager():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _EpilogueMLP(), torch.randn(2, 8, 16)
     graphs = []
 
     def backend(gm, example_inputs):   # records the traced graph, then compiles it as torch.compile would
         graphs.append(gm)
         return torch._inductor.compile(gm, example_inputs)
-    _, eager = fused(x, y)
+    eager = model(x).square().sum()
     eager.backward()
-    eager_grads = [p.grad.clone() for p in fused.parameters()]
-    fused.zero_grad(set_to_none=True)
-    _, compiled = torch.compile(fused, fullgraph=True, backend=backend)(x, y)
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)(x).square().sum()
     compiled.backward()
     # The autograd function was traced whole (its forward and backward as subgraphs), its operators as calls.
     code = "".join(m.code for gm in graphs for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
     assert "gpt_suite.linear_gelu" in code and "gpt_suite.linear_dgelu" in code
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
-    for a, b in zip(eager_grads, fused.parameters()):
-        torch.testing.assert_close(b.grad, a, rtol=1e-4, atol=1e-5)
+    for want, p in zip(eager_grads, model.parameters()):
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-5)
 
 
-def test_apply_mlp_falls_back_to_the_plain_mlp_with_a_note_where_cublaslt_cannot_run():
-    assert MAX.mlp == "epilogue" and FUSED.mlp == "modules"
-    config, note = apply_mlp(CONFIG, MAX, CPU)
-    assert config.mlp == "modules" and "cuBLASLt" in note
-    config, note = apply_mlp(CONFIG, FUSED, CPU)
-    assert config.mlp == "modules" and note is None
-    assert not cublaslt.available(CPU)
+def test_without_a_gpu_the_epilogues_are_unavailable_in_one_line():
+    why = gelu_epilogue.unavailable(CPU)
+    assert why == cublaslt.unavailable(CPU) and "cuBLASLt" in why and "\n" not in why
 
+
+def test_epilogue_constants_are_cublaslt_hs():
+    # cublasLtEpilogue_t's values, which cuBLASLt reads as plain ints.
+    assert cublaslt.CUBLASLT_EPILOGUE_GELU_AUX_BIAS == 164
+    assert cublaslt.CUBLASLT_EPILOGUE_DGELU == 192 and cublaslt.CUBLASLT_EPILOGUE_DGELU_BGRAD == 208
+
+
+class _RecordingLibrary:
+    """Stands in for cuBLASLt: records each call's name and arguments and returns success; the heuristic
+    offers one algorithm."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name, args))
+            if name == "cublasLtMatmulAlgoGetHeuristic":
+                args[-1]._obj.value = 1   # the count of algorithms returned
+            return 0
+        return call
+
+
+def test_a_plan_sets_cublaslts_named_attributes(monkeypatch):
+    lib = _RecordingLibrary()
+    monkeypatch.setattr(cublaslt, "_library", lambda: lib)
+    monkeypatch.setattr(cublaslt, "_handle", lambda device_index: (None, None))
+    monkeypatch.setattr(cublaslt, "_plans", {})
+    cublaslt._plan(0, cublaslt.CUBLASLT_EPILOGUE_GELU_AUX_BIAS, cublaslt.CUBLAS_OP_T, cublaslt.CUBLAS_OP_N,
+                   3072, 4096, 768, cublaslt.CUDA_R_16BF, 768)
+    attributes = {args[1]: args[2]._obj.value for name, args in lib.calls if name == "cublasLtMatmulDescSetAttribute"}
+    assert attributes == {cublaslt.CUBLASLT_MATMUL_DESC_TRANSA: cublaslt.CUBLAS_OP_T,
+                          cublaslt.CUBLASLT_MATMUL_DESC_TRANSB: cublaslt.CUBLAS_OP_N,
+                          cublaslt.CUBLASLT_MATMUL_DESC_EPILOGUE: cublaslt.CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+                          cublaslt.CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD: 3072}
+    create, = [args for name, args in lib.calls if name == "cublasLtMatmulDescCreate"]
+    assert create[1:] == (cublaslt.CUBLAS_COMPUTE_32F, cublaslt.CUDA_R_32F)
+    preference, = [args for name, args in lib.calls if name == "cublasLtMatmulPreferenceSetAttribute"]
+    assert preference[1] == cublaslt.CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
+    assert preference[2]._obj.value == cublaslt.WORKSPACE_BYTES
+
+
+# ---------------------------------------------------------------------------------------------
+# What cuBLASLt's GEMMs refuse, checked on the host before any call
 
 def _aligned(*shape):
     """A bf16 tensor whose data starts on a 256-byte boundary, as the GPU allocator's do (the CPU's need not)."""
@@ -156,13 +206,70 @@ def _gemm_args(**changes):
 def test_cublaslt_gemms_refuse_what_they_cannot_run_with_one_line_errors(changes, message):
     args = _gemm_args(**changes)
     with pytest.raises(ValueError, match=message) as error:
-        cublaslt._matmul(cublaslt.GELU_AUX_BIAS, args["x"], args["y"], args["out"], args["bias"], args["aux"],
-                         y_t=True)
+        cublaslt._matmul(cublaslt.CUBLASLT_EPILOGUE_GELU_AUX_BIAS, args["x"], args["y"], args["out"], args["bias"],
+                         args["aux"], y_t=True)
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("make", [lambda: GPTConfig(mlp="fused"), lambda: Recipe("x", mlp="fused")])
-def test_unknown_mlp_names_are_refused(make):
-    with pytest.raises(ValueError, match="mlp must be one of"):
-        make()
-    assert MLPS == ("modules", "epilogue")
+# ---------------------------------------------------------------------------------------------
+# On a GPU: cuBLASLt's epilogue GEMMs against their references, eagerly and from a CUDA graph
+
+def _gpu_gemm_inputs(m=1024, k=768, n=3072):
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).bfloat16()
+    return randn(m, k), randn(n, k, scale=0.02), randn(n, scale=0.1), randn(k, n, scale=0.02), randn(m, k, scale=1e-3)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_epilogue_gemms_match_their_references():
+    assert gelu_epilogue.unavailable(torch.device("cuda")) is None
+    x, w, b, w2, g = _gpu_gemm_inputs()
+    a, h = cublaslt.linear_gelu(x, w, b)
+    want_a, want_h = cublaslt.reference_linear_gelu(x.float(), w.float(), b.float())
+    # GELU from the fp32 accumulator, against the reference's from its fp32 pre-activation: bf16 rounding.
+    assert _rel(h, want_h) < 1e-2 and _rel(a, want_a) < 1e-2
+    grad_h = cublaslt.linear_dgelu(g, w2, h)
+    assert _rel(grad_h, cublaslt.reference_linear_dgelu(g.float(), w2.float(), h.float())) < 2e-2
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_epilogue_gemms_replay_from_a_cuda_graph():
+    cublaslt.prepare(torch.device("cuda"))   # the handle and workspace outside the graph's memory pool
+    x, w, b, w2, g = _gpu_gemm_inputs(m=512)
+    xs, gs = x.clone(), g.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # each shape's candidates timed before capture, as a warm-up step does
+        cublaslt.linear_gelu(xs, w, b), cublaslt.linear_dgelu(gs, w2, cublaslt.linear_gelu(xs, w, b)[1])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ag, hg = cublaslt.linear_gelu(xs, w, b)
+        ghg = cublaslt.linear_dgelu(gs, w2, hg)
+    xs.copy_(torch.randn_like(x))
+    gs.copy_(torch.randn_like(g) * 1e-3)
+    graph.replay()
+    a2, h2 = cublaslt.linear_gelu(xs, w, b)
+    torch.cuda.synchronize()
+    assert torch.equal(ag, a2) and torch.equal(hg, h2) and torch.equal(ghg, cublaslt.linear_dgelu(gs, w2, h2))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_mlp_matches_the_plain_mlp_under_autocast():
+    results = []
+    for op in (lambda x, fc, proj: gelu_mlp(x, fc, proj, ones=True), gelu_epilogue.reference):
+        torch.manual_seed(0)
+        fc, proj = nn.Linear(768, 3072, device="cuda"), nn.Linear(3072, 768, device="cuda")
+        x = torch.randn(4, 256, 768, device="cuda", requires_grad=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = op(x, fc, proj)
+        y.float().square().sum().backward()
+        results.append((y, x.grad, fc.weight.grad, fc.bias.grad, proj.weight.grad))
+    for got, want in zip(*results):
+        assert _rel(got, want) < 3e-2

@@ -6,7 +6,8 @@ import sys
 import time
 import types
 
-from Utils.results.store import RUN_COLUMNS, STEP_COLUMNS, check_file
+from Utils.results.schema import RUN_COLUMNS, STEP_COLUMNS
+from Utils.results.store import check_file
 from Utils.train import run as run_module
 from Utils.train.run import EXIT_INTERRUPTED, main
 
@@ -82,3 +83,28 @@ def test_a_signal_while_the_script_starts_is_one_line(tmp_path, suite_env):
     assert proc.returncode == EXIT_INTERRUPTED, err
     assert err.splitlines() == ["error: interrupted before the run started; nothing was recorded"]
     assert not (tmp_path / "runs.csv").exists()
+
+
+def test_sigterm_to_make_returns_only_once_the_run_is_recorded(tmp_path, suite_env):
+    # make passes SIGTERM to the shell it started; that shell used to die at once, so make returned while
+    # the run went on training (or writing) in the background.
+    prefix = tmp_path / "out"
+    proc = subprocess.Popen(["make", "--no-print-directory", f"PYTHON={sys.executable}", "baseline", "STEPS=100000",
+                             "BATCH_SIZE=2", "SEQ_LEN=16", "DATA=synthetic", f"PREFIX={prefix}"], cwd=REPO_ROOT,
+                            env=suite_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 3/"):
+                break
+        proc.send_signal(signal.SIGTERM)   # make alone, as a scheduler or `kill PID` would
+        proc.communicate(timeout=120)
+        (run,) = read_csv(prefix / "runs.csv")   # written before make returned
+        assert run["status"] == "interrupted" and proc.returncode != 0
+        assert len(read_csv(prefix / "results.csv")) >= 3
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()

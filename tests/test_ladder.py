@@ -1,176 +1,669 @@
-"""The ladder's recipes and each apply_* function, on the CPU."""
-import os
+"""The ladder on the CPU: the registry (Utils.ladder.registry), one apply function per addition and `build`
+(Utils.ladder.apply), the modules they swap in (Utils.ladder.modules), and `python -m Utils.ladder`."""
+import contextlib
+import inspect
+import random
+import re
+import subprocess
 import sys
 import types
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn as nn
 
-from Utils import recipes
-from Utils.model import GPT, PRESETS
-from Utils.recipes import (ADDITIONS, BASELINE, FLASH, FUSED, LADDER, MAX, MAX_ADDITIONS, MAX_PICKS, RECIPES, Recipe,
-                           Unavailable, apply_attention, apply_bias_grad, apply_compile, apply_fp8, apply_loss,
-                           apply_optimizer, apply_prefetch, apply_residual, apply_tf32, apply_vocab_padding,
-                           autocast_context, make_update)
+from conftest import REPO_ROOT, model_pair
+from Utils.kernels import chunked_loss, cublaslt, loss_kernel, packed_attention, triton_update
+from Utils.ladder import apply, modules, registry
+from Utils.ladder.apply import GRAD_CLIP, Build, Unavailable, build
+from Utils.ladder.registry import (ABLATION, ADDITIONS, LADDER, MAX_ADDITIONS, RUNGS, STAGES, Addition, RegistryError,
+                                   resolve, rung_order, run_name)
+from Utils.model import GPT, MLP, PRESETS, CausalSelfAttention, OutputLoss
 
 CPU = torch.device("cpu")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = replace(PRESETS["tiny"], vocab_size=97)   # the tiny model with a vocabulary that builds in milliseconds
+FLASH, FUSED = RUNGS["flash"].additions, RUNGS["fused"].additions
 
 
-def _diff(a, b):
-    return {k for k, v in asdict(a).items() if k != "name" and asdict(b)[k] != v}
+@pytest.fixture(autouse=True)
+def keep_tf32_flags():
+    """build() sets torch's process-wide TF32 flags: put them back for the tests that follow."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
+
+def make(additions, config=SMALL, loader=None):
+    return build(additions, CPU, config, seed=0, loader=loader)
+
+
+def requirements(name):
+    """name and every addition it needs, transitively."""
+    names, todo = set(), [name]
+    while todo:
+        n = todo.pop()
+        names.add(n)
+        todo.extend(ADDITIONS[n].requires)
+    return names
+
+
+# ================================================================================================ registry
 
 def test_the_ladder_is_cumulative_one_change_per_rung():
     assert LADDER == ["baseline", "tf32", "bf16", "torch_compile", "flash", "fused", "8bit", "max"]
-    expected = {"tf32": {"tf32"}, "bf16": {"bf16"}, "torch_compile": {"compile"}, "flash": {"attention"},
-                "fused": {"optimizer"}}
-    for prev, rung in zip(LADDER, LADDER[1:6]):
-        assert _diff(RECIPES[rung], RECIPES[prev]) == expected[rung]
-    assert _diff(RECIPES["8bit"], FLASH) == {"optimizer"} and RECIPES["8bit"].optimizer == "adamw8bit"
-    assert _diff(MAX, FUSED) == set(MAX_ADDITIONS)
-    assert MAX_ADDITIONS == {"vocab_multiple": 128, "loss": "chunked_kernel", "prefetch": True, "sync_every": 10,
-                             "compile_mode": "reduce-overhead", "residual": "autocast", "mlp": "epilogue",
-                             "optimizer": "adamw_triton", "attention": "cudnn_packed",
-                             "bias_grad": "gemm"}
+    assert RUNGS["baseline"].additions == ()
+    for prev, rung in zip(LADDER[:5], LADDER[1:6]):
+        before, after = RUNGS[prev].additions, RUNGS[rung].additions
+        assert after[:len(before)] == before, rung              # everything the rung below has, and
+        assert set(after) - set(before) == {rung}, rung         # one change, named as the rung
+    # The 8bit rung swaps the optimizer of the flash rung, as the original study did.
+    assert RUNGS["8bit"].additions == FLASH + ("8bit",)
+    assert RUNGS["max"].additions == FUSED + MAX_ADDITIONS
 
 
-def test_every_addition_is_one_valid_change_to_the_fused_rung_and_max_picks_from_them():
-    assert set(MAX_PICKS) < set(ADDITIONS)
-    for name, change in ADDITIONS.items():
-        recipe = replace(FUSED, name=f"fused+{name}", **change)   # a valid recipe on its own
-        assert _diff(recipe, FUSED) == set(change), name
-    # What the ablation tried and the max rung left out (BENCHMARKS.md says why).
-    # "loss" (the chunked loss as Inductor compiles it) is superseded by "loss_kernel", which sets the same field.
-    assert set(ADDITIONS) - set(MAX_PICKS) == {"loss", "cudnn_attention", "fp8", "compiled_update", "fold_clip"}
+def test_max_is_the_fused_rung_and_what_measured_faster_on_the_h200():
+    assert set(MAX_ADDITIONS) == {"vocab_multiple", "loss_kernel", "prefetch", "sync_every", "cudagraphs",
+                                  "bf16_residual", "gelu_epilogue", "triton_update", "packed_attention",
+                                  "gemm_bias_grad"}
+    assert set(MAX_ADDITIONS) < set(ABLATION)
+    # What the ablation tried and max left out (BENCHMARKS.md says why). "loss" (the chunked loss as Inductor
+    # compiles it) is superseded by "loss_kernel", which cannot run with it.
+    assert set(ABLATION) - set(MAX_ADDITIONS) == {"loss", "cudnn_attention", "fp8", "compiled_update", "fold_clip"}
 
 
-def test_make_ablation_runs_every_addition():
-    import re
-    with open(os.path.join(REPO, "Makefile")) as f:
-        line = re.search(r"^ADDITIONS := (.*)$", f.read(), re.M).group(1)
-    assert line.split() == list(ADDITIONS)
+def test_ablation_is_every_addition_beyond_the_seven_rungs_in_registry_order():
+    in_rungs = {a for r in LADDER if r != "max" for a in RUNGS[r].additions}
+    assert list(ABLATION) == [a for a in ADDITIONS if a not in in_rungs]
 
 
-@pytest.mark.parametrize("bad", [dict(attention="flash2"), dict(optimizer="sgd"), dict(loss="fused"),
-                                 dict(vocab_multiple=0), dict(sync_every=0), dict(compile_mode="fast"),
-                                 dict(compile_mode="reduce-overhead"), dict(mlp="epilogue"),
-                                 dict(bf16=True, fp8=True, mlp="epilogue")])
-def test_impossible_recipes_are_refused(bad):
-    with pytest.raises(ValueError):
-        replace(BASELINE, **bad)
+@pytest.mark.parametrize("name", ABLATION)
+def test_every_ablation_addition_is_valid_on_the_fused_rung(name):
+    assert set(resolve(FUSED + (name,))) == set(FUSED) | {name}
+    assert run_name(FUSED + (name,)) == f"fused+{name}"
 
 
-def test_apply_tf32_sets_the_flags_and_says_it_does_nothing_on_a_cpu():
-    try:
-        assert apply_tf32(recipes.TF32, CPU) == "TF32 has no effect on a CPU"
-        assert torch.backends.cuda.matmul.allow_tf32
-        assert apply_tf32(BASELINE, CPU) is None
-        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
-    finally:
-        apply_tf32(BASELINE, CPU)
+@pytest.mark.parametrize("rung", LADDER)
+def test_every_rungs_additions_resolve(rung):
+    additions = RUNGS[rung].additions
+    assert len(set(additions)) == len(additions), "an addition named twice"
+    assert set(resolve(additions)) == set(additions)
 
 
-def test_autocast_context():
-    with autocast_context(BASELINE, CPU):
+@pytest.mark.parametrize("names, message", [
+    (("triton_update",), r"triton_update needs fused: add fused to WITH"),
+    (("fold_clip",), r"fold_clip needs fused: add fused"),
+    (("cudagraphs",), r"cudagraphs needs torch_compile: add torch_compile"),
+    (("compiled_update",), r"compiled_update needs torch_compile: add torch_compile"),
+    (("cudnn_attention",), r"cudnn_attention needs flash: add flash"),
+    (("tf32", "bf16_residual"), r"bf16_residual needs bf16: add bf16"),
+    (("tf32", "gelu_epilogue", "packed_attention"), r"gelu_epilogue needs bf16: add bf16"),
+    (("fused", "8bit"), r"fused cannot run with 8bit: keep one of fused, 8bit"),
+    (FUSED + ("8bit",), r"fused cannot run with 8bit"),
+    (("loss", "loss_kernel"), r"loss cannot run with loss_kernel: keep one of loss, loss_kernel"),
+    (RUNGS["max"].additions + ("loss",), r"loss cannot run with loss_kernel"),
+    (("torch_compile", "fused", "fold_clip", "compiled_update"),
+     r"fold_clip cannot run with compiled_update: keep one of fold_clip, compiled_update"),
+    (("torch_compile", "fused", "triton_update", "compiled_update"), r"triton_update cannot run with compiled_update"),
+    (("fused", "triton_update", "fold_clip"), r"triton_update cannot run with fold_clip"),
+    (("bf16", "fp8", "gemm_bias_grad"), r"gemm_bias_grad cannot run with fp8"),
+    (("bf16", "fp8", "gelu_epilogue"), r"gelu_epilogue cannot run with fp8"),
+    (("bf16", "flash", "cudnn_attention", "packed_attention"), r"cudnn_attention cannot run with packed_attention"),
+    (("fused", "nonsense"), r"unknown addition nonsense: use names from `make additions` \(tf32, bf16, "),
+    (("flsh", "fused", "lose"), r"unknown additions flsh, lose: "),
+])
+def test_impossible_combinations_are_refused_in_one_line_naming_the_fix(names, message):
+    with pytest.raises(RegistryError, match=message) as e:
+        resolve(names)
+    assert "\n" not in str(e.value)
+    assert isinstance(e.value, ValueError)   # callers that catch ValueError catch it too
+    with pytest.raises(RegistryError):
+        run_name(names)
+
+
+def test_resolve_puts_additions_in_the_registry_order_and_ignores_repeats():
+    shuffled = list(RUNGS["max"].additions) * 2
+    random.Random(0).shuffle(shuffled)
+    assert resolve(shuffled) == tuple(a for a in ADDITIONS if a in RUNGS["max"].additions)
+    assert resolve(["fused", "tf32", "fused"]) == ("tf32", "fused")
+    assert resolve([]) == ()
+
+
+def test_registry_entries_are_consistent():
+    assert len(registry._ADDITIONS) == len(ADDITIONS), "two additions with one name"
+    order = list(ADDITIONS)
+    for name, a in ADDITIONS.items():
+        assert a.name == name and a.stage in STAGES and a.changes, name
+        assert set(a.requires) <= set(ADDITIONS) and set(a.excludes) <= set(ADDITIONS), name
+        assert not set(a.requires) & set(a.excludes), name
+        for r in a.requires:
+            # build applies in registry order: what an addition builds on must have been applied before it.
+            assert STAGES.index(ADDITIONS[r].stage) <= STAGES.index(a.stage), (name, r)
+            assert order.index(r) < order.index(name), (name, r)
+            assert name not in ADDITIONS[r].excludes, (name, r)
+    for name, rung in RUNGS.items():
+        assert rung.name == name and set(rung.additions) <= set(ADDITIONS), name
+    assert len({r.script for r in RUNGS.values()}) == len(RUNGS)
+    with pytest.raises(ValueError, match="stage must be one of"):
+        Addition("x", "runtime", "compute", "a stage that build() never applies")
+    with pytest.raises(ValueError, match="pillar one of"):
+        Addition("x", "model", "latency", "a pillar that the breakdown does not know")
+
+
+@pytest.mark.parametrize("rung", LADDER)
+def test_run_name_of_a_rungs_own_additions_is_the_rungs_name(rung):
+    additions = list(RUNGS[rung].additions)
+    assert run_name(additions) == rung
+    random.Random(1).shuffle(additions)
+    assert run_name(additions) == rung
+
+
+def test_run_name_is_the_largest_rung_contained_plus_the_rest_in_registry_order():
+    assert run_name(FUSED + ("loss",)) == "fused+loss"
+    assert run_name(("prefetch", "loss") + FUSED) == "fused+loss+prefetch"
+    assert run_name(FLASH + ("8bit", "bf16_residual")) == "8bit+bf16_residual"
+    assert run_name(("tf32", "bf16", "flash")) == "bf16+flash"
+    assert run_name(("tf32", "vocab_multiple")) == "tf32+vocab_multiple"
+
+
+def test_run_names_tell_different_additions_apart():
+    # A run is recorded, charted and compared under its name: two different sets of additions under one
+    # name would be mixed up as one rung.
+    combinations = [r.additions for r in RUNGS.values()]
+    combinations += [FUSED + (a,) for a in ABLATION]
+    combinations += [FLASH + (a,) for a in ABLATION if a not in ("triton_update", "fold_clip")]
+    combinations += [tuple(requirements(a)) for a in ADDITIONS]   # each addition alone, with what it needs
+    combinations += [tuple(a for i, a in enumerate(FLASH) if mask >> i & 1) for mask in range(2 ** len(FLASH))]
+    seen, clashes = {}, set()
+    for names in combinations:
+        name, chosen = run_name(names), frozenset(resolve(names))
+        if seen.setdefault(name, chosen) != chosen:
+            clashes.add(f"{name}: {sorted(seen[name])} and {sorted(chosen)}")
+    assert not clashes, "; ".join(sorted(clashes))
+
+
+def test_rung_order_puts_rungs_in_ladder_order_then_the_rest_alphabetically():
+    names = ["fused+loss", "max", "custom", "baseline", "flash", "bf16+flash", "max"]
+    assert rung_order(names) == ["baseline", "flash", "max", "bf16+flash", "custom", "fused+loss"]
+
+
+def test_every_addition_has_one_apply_function_and_every_apply_function_an_addition():
+    functions = {name for name, value in vars(apply).items() if name.startswith("apply_") and callable(value)}
+    assert functions == {f"apply_{a}" for a in ADDITIONS}
+    for name in functions:
+        assert list(inspect.signature(getattr(apply, name)).parameters) == ["b"], name
+        assert getattr(apply, name).__doc__, f"{name} says what it changes and why"
+
+
+# =================================================================================== python -m Utils.ladder
+
+def ladder_cli(*args):
+    return subprocess.run([sys.executable, "-m", "Utils.ladder", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def first_rung(name):
+    """The first rung of the ladder that has the addition, '-' for those that only ablation and custom runs run."""
+    return next((r.name for r in RUNGS.values() if name in r.additions), "-")
+
+
+def test_cli_table_lists_every_addition_with_its_pillar_stage_change_needs_and_first_rung():
+    proc = ladder_cli("table")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:3] == ["addition", "pillar", "stage"] and set(lines[1]) <= {"-", " "}
+    assert len(lines) == 2 + len(ADDITIONS)
+    for line, a in zip(lines[2:], ADDITIONS.values()):
+        assert line.split()[:3] == [a.name, a.pillar, a.stage], line
+        assert a.changes in line and a.needs in line and all(f"+{r}" in line for r in a.requires), line
+        assert line.split()[-1] == first_rung(a.name), line
+
+
+def test_cli_markdown_is_the_same_table_in_markdown():
+    proc = ladder_cli("markdown")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 + len(ADDITIONS) and lines[1].startswith("|---|")
+    for line, a in zip(lines[2:], ADDITIONS.values()):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[:4] == [f"`{a.name}`", a.pillar, a.stage, a.changes], line
+        assert cells[-1].strip("`") == first_rung(a.name), line
+
+
+def test_cli_rungs_pairs_each_rung_with_its_script_which_names_its_entry():
+    proc = ladder_cli("rungs")
+    assert proc.returncode == 0, proc.stderr
+    pairs = [p.split(":") for p in proc.stdout.split()]
+    assert pairs == [[r.name, r.script] for r in RUNGS.values()]
+    for name, script in pairs:
+        with open(f"{REPO_ROOT}/{script}") as f:
+            # A few lines that name the registry entry, e.g. main("8bit"): no loop of its own.
+            assert re.search(rf"""\(\s*["']{re.escape(name)}["']\s*\)""", f.read()), script
+
+
+def test_cli_ablation_lists_the_ablation():
+    proc = ladder_cli("ablation")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == list(ABLATION)
+
+
+@pytest.mark.parametrize("names, printed", [
+    (FUSED + ("loss",), "fused+loss"),
+    (tuple(reversed(RUNGS["max"].additions)), "max"),
+    ((), "baseline"),
+])
+def test_cli_check_prints_the_run_name_of_a_possible_combination(names, printed):
+    proc = ladder_cli("check", *names)
+    assert proc.returncode == 0 and proc.stdout == printed + "\n" and not proc.stderr, proc
+
+
+@pytest.mark.parametrize("names, fix", [
+    (("fused", "8bit"), "keep one of fused, 8bit"),
+    (("cudagraphs",), "add torch_compile to WITH"),
+    (("fused", "nonsense"), "unknown addition nonsense"),
+])
+def test_cli_check_exits_2_with_one_line_for_an_impossible_combination(names, fix):
+    proc = ladder_cli("check", *names)
+    assert proc.returncode == 2 and not proc.stdout
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and fix in proc.stderr, proc.stderr
+
+
+def test_cli_refuses_an_unknown_verb_with_its_usage():
+    proc = ladder_cli("ladder")
+    assert proc.returncode == 2 and "python -m Utils.ladder check NAMES" in proc.stderr
+
+
+def test_the_registry_and_its_cli_load_no_torch():
+    # `make help` and `make plots` read the registry where torch may not even be installed.
+    code = "import sys, Utils.ladder.__main__ as m; m.main(['table']); print('torch' in sys.modules, file=sys.stderr)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr.strip() == "False", proc.stderr
+
+
+# ======================================================================================== build, on a CPU
+
+def test_build_applies_the_stages_in_order(monkeypatch):
+    seen = []
+    for name in ADDITIONS:
+        real = getattr(apply, f"apply_{name}")
+
+        def spy(b, _name=name, _real=real):
+            # What exists when each addition applies: model, step model, optimizer and update, batch source.
+            seen.append((_name, b.model is not None, b.step_model is not None, b.optimizer is not None,
+                         b.source is not None))
+            return _real(b)
+        monkeypatch.setattr(apply, f"apply_{name}", spy)
+    loader = object()
+    b = make(RUNGS["max"].additions, loader=loader)
+    stage_of = {a: STAGES.index(ADDITIONS[a].stage) for a in ADDITIONS}
+    expected = sorted(resolve(RUNGS["max"].additions), key=stage_of.get)   # stable: registry order within a stage
+    assert [s[0] for s in seen] == expected
+    built_before = {"settings": (False, False, False, False), "model": (True, False, False, False),
+                    "compile": (True, True, False, False), "optimizer": (True, True, True, False),
+                    "loop": (True, True, True, True)}
+    for name, *state in seen:
+        assert tuple(state) == built_before[ADDITIONS[name].stage], name
+    assert b.additions == resolve(RUNGS["max"].additions) and b.source is loader
+
+
+def test_torch_compile_wraps_the_model_after_its_modules_are_swapped():
+    b = make(("torch_compile", "loss", "gemm_bias_grad"))
+    assert isinstance(b.step_model, torch._dynamo.eval_frame.OptimizedModule)
+    assert b.step_model._orig_mod is b.model
+    compiled = b.step_model._orig_mod
+    assert isinstance(compiled.transformer.h[0].attn.c_attn, modules.OnesLinear)
+    assert isinstance(compiled.loss, modules.ChunkedLoss)
+    # The optimizer, built after the swaps, steps exactly the model's parameters.
+    stepped = [p for group in b.optimizer.param_groups for p in group["params"]]
+    assert sorted(map(id, stepped)) == sorted(map(id, b.model.parameters()))
+
+
+def test_every_rung_starts_from_the_same_weights():
+    # The seed is the only source of the initial weights: swaps, settings and padding draw nothing.
+    plain = make(()).model.state_dict()
+    for rung in ("flash", "max"):
+        state = make(RUNGS[rung].additions).model.state_dict()
+        assert state.keys() == plain.keys(), rung
+        for key, value in plain.items():
+            assert torch.equal(state[key][:value.shape[0]], value), (rung, key)
+
+
+def test_build_turns_tf32_off_unless_it_is_asked_for():
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    make(("bf16",))
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    make(("tf32",))
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+
+
+# What each addition does to a build on a CPU, against a build of only what it needs: (the note it leaves
+# there, a regular expression, or None where it takes effect; a check of its effect).
+
+def _tf32(b, base):
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+
+
+def _bf16(b, base):
+    assert base.autocast_dtype is None and b.autocast_dtype == torch.bfloat16
+    with base.autocast():
         assert not torch.is_autocast_enabled("cpu")
-    with autocast_context(recipes.BF16, CPU):
+    with b.autocast():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
 
 
-def test_config_level_applies():
-    base = PRESETS["tiny"]
-    assert apply_attention(base, FLASH, CPU) == (replace(base, attention="sdpa"), None)
-    assert apply_attention(base, BASELINE, CPU) == (base, None)
-    padded = apply_vocab_padding(base, MAX)
-    assert padded.vocab_multiple == 128 and padded.padded_vocab_size == 50304
-    assert apply_vocab_padding(base, FUSED).padded_vocab_size == 50257
-    assert apply_loss(base, FUSED, CPU) == (base, None)
-    assert apply_loss(base, replace(FUSED, loss="chunked"), CPU) == (replace(base, loss="chunked"), None)
-    # Without a GPU with NVRTC or Triton, the kernel's loss runs as the chunked loss Inductor compiles, and says so.
-    config, note = apply_loss(base, MAX, CPU)
-    assert config.loss == "chunked" and "loss kernel needs a GPU" in note
-    assert apply_residual(base, MAX).residual == "autocast" and apply_residual(base, FUSED).residual == "fp32"
-    assert apply_bias_grad(base, MAX) == replace(base, bias_grad="gemm") and apply_bias_grad(base, FUSED) == base
+def _flash(b, base):
+    assert b.config.flash and not base.config.flash
+    assert all(block.attn.flash for block in b.model.transformer.h)
+    assert not any(name.endswith("mask") for name, _ in b.model.named_buffers())
 
 
-def test_apply_prefetch_on_a_cpu_keeps_the_loader_and_says_so():
+def _vocab_multiple(b, base):
+    assert b.config.vocab_multiple == apply.VOCAB_MULTIPLE == 128 and base.config.vocab_multiple == 1
+    assert b.model.transformer.wte.weight.shape[0] == b.config.padded_vocab_size == 128
+    assert b.model.num_params() == base.model.num_params()
+    # GPT-2's 50,257 rows become 50,304 = 393 x 128.
+    assert replace(PRESETS["gpt2"], vocab_multiple=apply.VOCAB_MULTIPLE).padded_vocab_size == 50304
+
+
+def _bf16_residual(b, base):
+    assert len(b.model.transformer.h[0]._forward_pre_hooks) == 1 + len(base.model.transformer.h[0]._forward_pre_hooks)
+
+
+def _gemm_bias_grad(b, base):
+    for block in b.model.transformer.h:
+        assert type(block.attn.c_attn) is type(block.mlp.c_fc) is modules.OnesLinear
+        assert type(block.attn.c_proj) is type(block.mlp.c_proj) is nn.Linear
+
+
+def _plain_mlp(b, base):
+    assert all(type(block.mlp) is MLP for block in b.model.transformer.h)
+
+
+def _plain_sdpa(b, base):
+    assert all(type(block.attn) is CausalSelfAttention and block.attn.flash for block in b.model.transformer.h)
+
+
+def _chunked_loss(b, base):
+    assert type(base.model.loss) is OutputLoss
+    assert type(b.model.loss) is modules.ChunkedLoss and not b.model.loss.kernel
+
+
+def _torch_compile(b, base):
+    assert base.step_model is base.model and b.step_model._orig_mod is b.model and not b.cudagraphs
+
+
+def _cudagraphs(b, base):
+    # torch_compile's wrapper, left as it was: no CUDA graphs, and the build says so.
+    assert b.step_model._orig_mod is b.model and not b.cudagraphs
+
+
+def _fused(b, base):
+    assert not base.optimizer.defaults["fused"] and b.optimizer.defaults["fused"]
+    assert type(b.optimizer) is torch.optim.AdamW
+
+
+def _triton_update(b, base):
+    # The fused rung's update: clip_grad_norm_, then torch's fused AdamW.
+    assert type(b.optimizer) is torch.optim.AdamW and b.optimizer.defaults["fused"]
+    assert b.update != b.optimizer.step
+
+
+def _8bit(b, base):
+    assert type(b.optimizer).__name__ == "AdamW8bit"
+
+
+def _fold_clip(b, base):
+    idx = torch.randint(0, SMALL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    b.model(idx, idx)[1].mul(100).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in b.model.parameters()])
+    b.update()
+    # fused AdamW divides each gradient by grad_scale as it reads it: the inverse of the clip's factor.
+    assert norm > GRAD_CLIP and b.optimizer.grad_scale.item() == pytest.approx(norm.item() / GRAD_CLIP, rel=1e-5)
+
+
+def _compiled_update(b, base):
+    assert hasattr(b.update, "_torchdynamo_orig_callable") and not hasattr(base.update, "_torchdynamo_orig_callable")
+
+
+def _prefetch(b, base):
+    assert b.source is base.source
+
+
+def _sync_every(b, base):
+    assert base.sync_every == 1 and b.sync_every == apply.SYNC_EVERY == 10
+
+
+CPU_EFFECTS = {
+    "tf32": (r"TF32 has no effect on a CPU", _tf32),
+    "bf16": (None, _bf16),
+    "flash": (None, _flash),
+    "vocab_multiple": (None, _vocab_multiple),
+    "bf16_residual": (None, _bf16_residual),
+    "gemm_bias_grad": (None, _gemm_bias_grad),
+    "gelu_epilogue": (r".+: the plain MLP instead", _plain_mlp),
+    "cudnn_attention": (r".+: plain SDPA instead", _plain_sdpa),
+    "packed_attention": (r".+: plain SDPA instead", _plain_sdpa),
+    "loss": (None, _chunked_loss),
+    "loss_kernel": (r".+: the plain chunked loss instead", _chunked_loss),
+    "fp8": (None, None),   # refused on a CPU: test_fp8_is_refused_where_it_cannot_run
+    "torch_compile": (None, _torch_compile),
+    "cudagraphs": (r"CUDA graphs need a GPU: compiled in the default mode", _cudagraphs),
+    "fused": (None, _fused),
+    "8bit": (None, _8bit),
+    "triton_update": (r".+: clip_grad_norm_ and torch's fused AdamW instead", _triton_update),
+    "fold_clip": (None, _fold_clip),
+    "compiled_update": (None, _compiled_update),
+    "prefetch": (r"prefetch has no effect on a CPU", _prefetch),
+    "sync_every": (r"deferred synchronization has no effect on a CPU.*", _sync_every),
+}
+
+
+def test_every_addition_has_its_cpu_effect_listed():
+    assert set(CPU_EFFECTS) == set(ADDITIONS)
+
+
+@pytest.mark.parametrize("name", [a for a in ADDITIONS if a != "fp8"])
+def test_each_addition_on_a_cpu_takes_effect_or_says_what_runs_instead(name):
+    note, check = CPU_EFFECTS[name]
     loader = object()
-    assert apply_prefetch(loader, FUSED, CPU) == (loader, None)
-    assert apply_prefetch(loader, MAX, CPU) == (loader, "prefetch has no effect on a CPU")
+    base = make(requirements(name) - {name}, loader=loader)
+    b = make(requirements(name), loader=loader)
+    added = [n for n in b.notes if n not in base.notes]
+    if note is None:
+        assert added == []
+    else:
+        assert len(added) == 1 and re.fullmatch(note, added[0]) and "\n" not in added[0], added
+    check(b, base)
 
 
-def test_apply_compile(monkeypatch):
-    model = torch.nn.Linear(2, 2)
-    assert apply_compile(model, Recipe("eager"), CPU) == (model, None)
-    compiled, note = apply_compile(model, FUSED, CPU)
-    assert compiled is not model and note is None
-    compiled, note = apply_compile(model, MAX, CPU)
-    assert "CUDA graphs need a GPU" in note
-    monkeypatch.setattr(recipes.shutil, "which", lambda name: None)
-    with pytest.raises(Unavailable, match="C\\+\\+ compiler"):
-        apply_compile(model, FUSED, CPU)
+# Where the kernels would run: the availability checks of Utils.kernels answer yes, so that each apply
+# function swaps in what it swaps on a GPU (nothing is run here).
+
+@pytest.fixture
+def kernels_available(monkeypatch):
+    prepared = []
+    monkeypatch.setattr(cublaslt, "unavailable", lambda device: None)
+    monkeypatch.setattr(cublaslt, "prepare", lambda device: prepared.append(("cublaslt", device)))
+    monkeypatch.setattr(packed_attention, "cudnn_unavailable", lambda device: None)
+    monkeypatch.setattr(packed_attention, "unavailable", lambda device, head_dim: None)
+    monkeypatch.setattr(packed_attention, "prepare",
+                        lambda device, head_dim: prepared.append(("packed_attention", head_dim)))
+    monkeypatch.setattr(loss_kernel, "unavailable", lambda device: None)
+    monkeypatch.setattr(loss_kernel, "prepare", lambda device, n_cols: prepared.append(("loss_kernel", n_cols)))
+    return prepared
 
 
-def test_apply_optimizer_builds_each_optimizer_with_the_same_hyperparameters():
-    model = GPT(PRESETS["tiny"])
-    default = apply_optimizer(model, BASELINE, CPU)
-    fused = apply_optimizer(model, FUSED, CPU)
-    eight = apply_optimizer(model, RECIPES["8bit"], CPU)
-    assert type(default) is torch.optim.AdamW and not default.defaults["fused"]
-    assert type(fused) is torch.optim.AdamW and fused.defaults["fused"]
-    assert type(eight).__name__ == "AdamW8bit"
-    for opt in (default, fused, eight):
-        decay, no_decay = opt.param_groups
-        assert decay["weight_decay"] == recipes.WEIGHT_DECAY and no_decay["weight_decay"] == 0.0
-        assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
-        # nanoGPT's GPT-2 124M settings, the same on every rung
-        assert opt.defaults["lr"] == 6e-4 and tuple(opt.defaults["betas"]) == (0.9, 0.95)
-        assert opt.defaults["eps"] == 1e-8 and decay["weight_decay"] == 0.1
-        n = sum(p.numel() for g in opt.param_groups for p in g["params"])
-        assert n == model.num_params(exclude_position_embedding=False)
+def test_where_cublaslt_runs_the_mlp_is_the_epilogue_mlp(kernels_available):
+    b = make(("bf16", "gemm_bias_grad", "gelu_epilogue"))
+    assert b.notes == [] and kernels_available == [("cublaslt", CPU)]
+    for block in b.model.transformer.h:
+        # c_fc is still the OnesLinear that gemm_bias_grad swapped in first: its bias gradient from the GEMM.
+        assert type(block.mlp) is modules.EpilogueMLP and type(block.mlp.c_fc) is modules.OnesLinear
 
 
-CUDNN = replace(FUSED, name="fused+cudnn_attention", attention="cudnn")
+def test_where_cudnn_has_fused_attention_cudnn_attention_holds_sdpa_to_it(kernels_available):
+    b = make(("flash", "cudnn_attention"))
+    assert b.notes == [] and all(type(block.attn) is modules.CudnnAttention for block in b.model.transformer.h)
 
 
-def test_cudnn_attention_falls_back_to_sdpa_where_cudnn_has_none(monkeypatch):
-    base = PRESETS["tiny"]
-    assert not recipes.cudnn_attention_available(CPU)
-    config, note = apply_attention(base, CUDNN, CPU)
-    assert config.attention == "sdpa" and note == "cuDNN attention is not available here: plain SDPA instead"
-    monkeypatch.setattr(recipes, "cudnn_attention_available", lambda device: True)
-    assert apply_attention(base, CUDNN, CPU) == (replace(base, attention="cudnn"), None)
+def test_packed_attention_falls_back_to_sdpa_held_to_cudnn_then_to_plain_sdpa(kernels_available, monkeypatch):
+    b = make(("bf16", "packed_attention"))
+    head_dim = SMALL.n_embd // SMALL.n_head
+    assert b.notes == [] and kernels_available == [("packed_attention", head_dim)]
+    assert all(type(block.attn) is modules.PackedAttention for block in b.model.transformer.h)
+
+    monkeypatch.setattr(packed_attention, "unavailable", lambda device, head_dim: "no cuDNN frontend")
+    b = make(("bf16", "packed_attention"))
+    assert b.notes == ["no cuDNN frontend: SDPA held to cuDNN instead"]
+    assert all(type(block.attn) is modules.CudnnAttention for block in b.model.transformer.h)
+
+    # prepare() finds that cuDNN cannot run the packed graphs after all: its note, and the fallback.
+    monkeypatch.setattr(packed_attention, "unavailable", lambda device, head_dim: None)
+    monkeypatch.setattr(packed_attention, "prepare", lambda device, head_dim: "cuDNN too old")
+    monkeypatch.setattr(packed_attention, "cudnn_unavailable", lambda device: "no cuDNN attention")
+    b = make(("bf16", "packed_attention"))
+    assert b.notes == ["cuDNN too old: plain SDPA instead"]
+    _plain_sdpa(b, None)
 
 
-FP8 = replace(FUSED, name="fused+fp8", fp8=True)
+@pytest.mark.parametrize("vocab_multiple", [False, True])
+def test_where_the_loss_kernel_runs_the_loss_is_the_chunked_loss_with_it(kernels_available, monkeypatch,
+                                                                          vocab_multiple):
+    config = replace(SMALL, vocab_size=1000)
+    additions = ("loss_kernel", "vocab_multiple") if vocab_multiple else ("loss_kernel",)
+    b = make(additions, config)
+    assert b.notes == [] and type(b.model.loss) is modules.ChunkedLoss and b.model.loss.kernel
+    assert b.model.loss.vocab_size == 1000
+    # Prepared for the width the kernel will get: the (padded) output layer's rows, a multiple of 128.
+    assert kernels_available == [("loss_kernel", chunked_loss.kernel_logits_width(b.config.padded_vocab_size))]
+    monkeypatch.setattr(loss_kernel, "prepare", lambda device, n_cols: "the CUDA kernel could not be built")
+    assert make(additions, config).notes == ["the CUDA kernel could not be built"]
 
 
-def test_fp8_is_refused_where_it_cannot_run_and_off_by_default(monkeypatch):
-    model = GPT(PRESETS["tiny"])
-    apply_fp8(model, FUSED, CPU)
+def test_where_triton_runs_the_update_is_one_triton_update_with_the_same_hyperparameters(monkeypatch):
+    class Recorded(torch.optim.AdamW):
+        """Stands in for TritonUpdate, which needs Triton on a GPU: what apply_triton_update passes it."""
+
+        def __init__(self, params, max_norm, **hyperparameters):
+            super().__init__(params, **hyperparameters)
+            self.max_norm = max_norm
+
+    monkeypatch.setattr(triton_update, "unavailable", lambda device: None)
+    monkeypatch.setattr(triton_update, "TritonUpdate", Recorded)
+    b = make(("fused", "triton_update"))
+    assert b.notes == [] and type(b.optimizer) is Recorded and b.optimizer.max_norm == GRAD_CLIP
+    assert b.update == b.optimizer.step   # the kernels clip as they step: no clip_grad_norm_ before
+    _check_hyperparameters(b)
+
+
+# ------------------------------------------------------------------------------------ optimizer and update
+
+def _check_hyperparameters(b):
+    decay, no_decay = b.optimizer.param_groups
+    # Weight decay on matrices only (nanoGPT); nanoGPT's GPT-2 124M settings, the same on every rung.
+    assert decay["weight_decay"] == apply.WEIGHT_DECAY == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert b.optimizer.defaults["lr"] == apply.LEARNING_RATE == 6e-4
+    assert tuple(b.optimizer.defaults["betas"]) == apply.BETAS == (0.9, 0.95)
+    assert b.optimizer.defaults["eps"] == apply.EPS == 1e-8
+    n = sum(p.numel() for g in b.optimizer.param_groups for p in g["params"])
+    assert n == b.model.num_params(exclude_position_embedding=False)
+
+
+@pytest.mark.parametrize("additions, optimizer", [((), "AdamW"), (("fused",), "AdamW"), (("8bit",), "AdamW8bit")])
+def test_every_optimizer_gets_the_same_hyperparameters(additions, optimizer):
+    b = make(additions)
+    assert type(b.optimizer).__name__ == optimizer
+    assert bool(getattr(b.optimizer, "defaults", {}).get("fused")) == ("fused" in additions)
+    _check_hyperparameters(b)
+
+
+@pytest.mark.parametrize("additions", [(), ("fused",), ("8bit",)])
+def test_the_update_clips_to_grad_clip_then_steps(additions):
+    b = make(additions)
+    seen = []
+
+    class Recorder:
+        def step(self):
+            seen.append(torch.nn.utils.get_total_norm([p.grad for p in b.model.parameters()]).item())
+
+    b.optimizer = Recorder()   # the update finds the optimizer on the build when it runs
+    idx = torch.zeros(1, 8, dtype=torch.long)
+    b.model(idx, idx)[1].mul(1e3).backward()
+    b.update()
+    assert seen == [pytest.approx(GRAD_CLIP, rel=1e-4)]
+
+
+def _two_updates(additions):
+    b = make(additions)
+    idx = torch.randint(0, SMALL.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    norms = []
+    for _ in range(2):
+        b.model(idx, idx)[1].mul(100).backward()     # a loss scaled so that the clip at norm 1.0 acts
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in b.model.parameters()]).item())
+        b.update()
+        b.optimizer.zero_grad(set_to_none=True)
+    return b, norms
+
+
+@pytest.mark.parametrize("optimizer", [(), ("fused",)], ids=["adamw", "fused"])
+def test_the_compiled_update_clips_and_steps_as_the_eager_one(optimizer):
+    eager, norms = _two_updates(("torch_compile",) + optimizer)
+    assert min(norms) > 10 * GRAD_CLIP
+    compiled, _ = _two_updates(("torch_compile", "compiled_update") + optimizer)
+    assert eager.notes == compiled.notes == []
+    assert hasattr(compiled.update, "_torchdynamo_orig_callable")
+    # Two steps move a weight by up to 2 x lr = 1.2e-3; the traced AdamW may round differently from the
+    # eager one by well under a thousandth of that.
+    for (name, a), b in zip(eager.model.named_parameters(), compiled.model.parameters()):
+        assert (a - b).abs().max().item() <= 1e-6, name
+
+
+def test_the_8bit_optimizer_update_stays_eager_and_says_so():
+    b = make(FLASH + ("8bit", "compiled_update"))
+    assert type(b.optimizer).__name__ == "AdamW8bit"
+    assert any("not traceable" in note for note in b.notes), b.notes
+    assert not hasattr(b.update, "_torchdynamo_orig_callable")
+
+
+def test_torch_compile_needs_a_cpp_compiler_on_a_cpu(monkeypatch):
+    monkeypatch.setattr(apply.shutil, "which", lambda name: None)
+    for additions in (("torch_compile",), ("torch_compile", "compiled_update")):
+        with pytest.raises(Unavailable, match=r"C\+\+ compiler"):
+            make(additions)
+
+
+# -------------------------------------------------------------------------------------------------- fp8
+
+def _fp8_build(device):
+    torch.manual_seed(0)
+    return Build(device=device, config=SMALL, additions=("bf16", "fp8"), model=GPT(SMALL))
+
+
+def test_fp8_is_refused_where_it_cannot_run(monkeypatch):
     with pytest.raises(Unavailable, match="compute capability 8.9"):
-        apply_fp8(model, FP8, CPU)
+        make(("bf16", "fp8"))
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    b = _fp8_build(cuda)
     with pytest.raises(Unavailable, match="compute capability 8.9"):
-        apply_fp8(model, FP8, cuda)
+        apply.apply_fp8(b)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setitem(sys.modules, "torchao", None)      # torchao not installed: import fails
+    monkeypatch.setitem(sys.modules, "torchao", None)      # torchao not installed: its import fails
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
-    with pytest.raises(Unavailable, match="pip install torchao"):
-        apply_fp8(model, FP8, cuda)
-    assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+    with pytest.raises(Unavailable, match="pip install torchao") as e:
+        apply.apply_fp8(b)
+    assert "\n" not in str(e.value)
+    # Refused, it changed nothing: every linear layer is still torch's.
+    assert all(type(m) is nn.Linear for m in b.model.modules() if isinstance(m, nn.Linear))
 
 
 def test_fp8_converts_the_blocks_linear_layers_only(monkeypatch):
     seen = []
 
     def convert(model, module_filter_fn):
-        seen.extend(fqn for fqn, m in model.named_modules()
-                    if isinstance(m, torch.nn.Linear) and module_filter_fn(m, fqn))
+        seen.extend(fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and module_filter_fn(m, fqn))
         return model
 
     fake = types.ModuleType("torchao.float8")
@@ -178,56 +671,75 @@ def test_fp8_converts_the_blocks_linear_layers_only(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
     monkeypatch.setitem(sys.modules, "torchao.float8", fake)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    model = GPT(PRESETS["tiny"])
-    apply_fp8(model, FP8, torch.device("cuda"))
-    blocks = [f"transformer.h.{i}.{name}" for i in range(PRESETS["tiny"].n_layer)
+    b = _fp8_build(torch.device("cuda"))
+    assert apply.apply_fp8(b) is None
+    blocks = [f"transformer.h.{i}.{name}" for i in range(SMALL.n_layer)
               for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
     assert sorted(seen) == sorted(blocks)           # the tied output layer stays in bf16
 
 
-def _one_update(recipe, compiled):
+# ======================================================================================= the swapped modules
+
+MODEL_STAGE = [a for a in ADDITIONS if ADDITIONS[a].stage == "model" and a != "fp8"]   # fp8: torchao's swap
+MAX_MODEL_STAGE = tuple(a for a in resolve(RUNGS["max"].additions) if ADDITIONS[a].stage == "model")
+
+
+@pytest.mark.parametrize("additions", [(a,) for a in MODEL_STAGE] + [MAX_MODEL_STAGE], ids=MODEL_STAGE + ["max"])
+def test_swaps_keep_the_models_parameters_and_their_tying(kernels_available, additions):
+    # The swapped-in modules hold the same Parameter objects: the weights drawn at init, their tying, a
+    # checkpoint's keys and the optimizer's view of the model are those of the plain model.
     torch.manual_seed(0)
-    model = GPT(PRESETS["tiny"])
-    opt = apply_optimizer(model, recipe, CPU)
-    update, note = make_update(model, opt, replace(recipe, compile_update=compiled), CPU)
-    idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(1))
-    for _ in range(2):
-        model(idx, idx)[1].mul(100).backward()     # a loss scaled so that the clip at norm 1.0 acts
-        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-        update()
-        opt.zero_grad(set_to_none=True)
-    return model, update, note, norm
+    model = GPT(SMALL)
+    before = list(model.named_parameters())
+    keys = list(model.state_dict())
+    scaled = {name for name, m in model.named_modules() if getattr(m, "residual_scale", False)}
+    b = Build(device=CPU, config=SMALL, additions=additions, model=model)
+    for name in resolve(("bf16", "flash") + additions):
+        if ADDITIONS[name].stage == "model":
+            getattr(apply, f"apply_{name}")(b)
+    assert [(n, id(p)) for n, p in model.named_parameters()] == [(n, id(p)) for n, p in before]
+    assert list(model.state_dict()) == keys
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert {name for name, m in model.named_modules() if getattr(m, "residual_scale", False)} == scaled
 
 
-@pytest.mark.parametrize("recipe", [FUSED, BASELINE])
-def test_the_compiled_update_clips_and_steps_as_the_eager_one(recipe):
-    eager, eager_update, note, norm = _one_update(recipe, compiled=False)
-    assert note is None and norm > 10 * recipes.GRAD_CLIP
-    compiled, compiled_update, note, _ = _one_update(recipe, compiled=True)
-    assert note is None and compiled_update is not eager_update and hasattr(compiled_update, "_torchdynamo_orig_callable")
-    # Two steps move a weight by up to 2 x lr = 1.2e-3; the traced foreach AdamW may round differently
-    # from the eager one by well under a thousandth of that.
-    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
-        assert (a - b).abs().max().item() <= 1e-6, name
+def _sdpa_kernel_spy(monkeypatch):
+    backends = []
+
+    def spy(backend):
+        backends.append(backend)
+        return contextlib.nullcontext()   # a CPU has no cuDNN attention: record the request, run plain SDPA
+
+    monkeypatch.setattr(modules, "sdpa_kernel", spy)
+    return backends
 
 
-def test_the_update_clips_to_grad_clip():
-    torch.manual_seed(0)
-    model = GPT(PRESETS["tiny"])
-    seen = []
-
-    class Recorder:
-        def step(self):
-            seen.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
-
-    update, _ = make_update(model, Recorder(), FUSED, CPU)
-    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].mul(1e3).backward()
-    update()
-    assert seen == [pytest.approx(recipes.GRAD_CLIP, rel=1e-4)]
+SWAPS = [("gemm_bias_grad",), ("gelu_epilogue",), ("gemm_bias_grad", "gelu_epilogue"), ("packed_attention",),
+         ("gemm_bias_grad", "packed_attention"), ("cudnn_attention",), ("loss",), ("vocab_multiple", "loss"),
+         ("bf16_residual",), MAX_MODEL_STAGE]
 
 
-def test_the_8bit_optimizer_update_stays_eager_and_says_so():
-    model = GPT(PRESETS["tiny"])
-    recipe = replace(RECIPES["8bit"], compile_update=True)
-    update, note = make_update(model, apply_optimizer(model, recipe, CPU), recipe, CPU)
-    assert "not traceable" in note and not hasattr(update, "_torchdynamo_orig_callable")
+@pytest.mark.parametrize("additions", SWAPS, ids=["+".join(a) for a in SWAPS])
+def test_swapped_model_gives_the_plain_models_loss_and_gradients_in_float64(monkeypatch, additions):
+    backends = _sdpa_kernel_spy(monkeypatch)
+    monkeypatch.setattr(chunked_loss, "CHUNK_ROWS", 20)   # several chunks, the last one short
+    # SDPA on both sides where the swap replaces SDPA (cudnn_attention needs the flash rung's attention).
+    common = ("flash",) if "cudnn_attention" in additions else ()
+    plain, changed, x, y = model_pair(additions, common=common)
+    swapped = {type(m) for m in changed.modules()} - {type(m) for m in plain.modules()}
+    assert swapped or "bf16_residual" in additions, "nothing was swapped in"
+    losses = []
+    for model in (plain, changed):
+        _, loss = model(x, y)
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=0)
+    for (name, a), b in zip(plain.named_parameters(), changed.parameters()):
+        torch.testing.assert_close(b.grad[:a.shape[0]], a.grad, rtol=1e-9, atol=1e-12, msg=name)
+    if "cudnn_attention" in additions:
+        assert backends == [modules.SDPBackend.CUDNN_ATTENTION] * SMALL.n_layer
+    if isinstance(changed.loss, modules.ChunkedLoss):
+        assert changed(x, y)[0] is None   # the chunked loss never makes the logits whole
+    # Without targets, the logits over the real vocabulary, as the plain model's.
+    with torch.no_grad():
+        torch.testing.assert_close(changed(x)[0], plain(x)[0], rtol=1e-12, atol=1e-12)

@@ -1,10 +1,11 @@
 """Utils/model.py on CPU: shapes, the loss at init, weight tying and the parameter count, the GPT-2
-initialization, manual attention against SDPA, causality, and config validation."""
+initialization, manual attention against SDPA, causality, config validation, and the padded vocabulary and
+the replaceable loss module changing nothing but rounding."""
 import copy
 import math
 import os
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -16,11 +17,14 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from Utils.model import GPT, PRESETS, GPTConfig  # noqa: E402
+from Utils.kernels import chunked_loss  # noqa: E402
+from Utils.ladder.modules import ChunkedLoss  # noqa: E402
 
 TINY = PRESETS["tiny"]
 # Small enough to run forward and backward in milliseconds, with more than one head and layer.
 SMALL = GPTConfig(block_size=32, vocab_size=97, n_layer=2, n_head=4, n_embd=32)
-ATTENTIONS = ["manual", "sdpa"]
+# The two attention branches: written out (flash=False) and F.scaled_dot_product_attention (flash=True).
+ATTENTIONS = pytest.mark.parametrize("flash", [False, True], ids=["manual", "sdpa"])
 
 
 def build(config, seed=0, **overrides):
@@ -47,9 +51,9 @@ def max_rel_diff(a, b):
 # ---------------------------------------------------------------------------------------------- forward
 
 
-@pytest.mark.parametrize("attention", ATTENTIONS)
-def test_logits_shape_and_no_loss_without_targets(attention):
-    model = build(TINY, attention=attention)
+@ATTENTIONS
+def test_logits_shape_and_no_loss_without_targets(flash):
+    model = build(TINY, flash=flash)
     for B, T in [(2, 16), (1, TINY.block_size)]:
         with torch.no_grad():
             logits, loss = model(random_tokens(TINY, B, T))
@@ -59,9 +63,9 @@ def test_logits_shape_and_no_loss_without_targets(attention):
         assert loss is None
 
 
-@pytest.mark.parametrize("attention", ATTENTIONS)
-def test_sequence_longer_than_block_size_raises(attention):
-    model = build(SMALL, attention=attention)
+@ATTENTIONS
+def test_sequence_longer_than_block_size_raises(flash):
+    model = build(SMALL, flash=flash)
     with pytest.raises(ValueError, match="block_size"):
         model(random_tokens(SMALL, 2, SMALL.block_size + 1))
 
@@ -169,8 +173,8 @@ def test_init_follows_gpt2(n_layer):
 
 
 def manual_and_sdpa(config, dtype):
-    manual = build(config, seed=0, attention="manual")
-    sdpa = build(config, seed=123, attention="sdpa")   # other weights until the state_dict is loaded
+    manual = build(config, seed=0, flash=False)
+    sdpa = build(config, seed=123, flash=True)   # other weights until the state_dict is loaded
     state = manual.state_dict()
     assert not any(k.endswith("mask") for k in state), "the causal mask must not be saved"
     sdpa.load_state_dict(state, strict=True)
@@ -179,9 +183,10 @@ def manual_and_sdpa(config, dtype):
 
 
 def test_state_dict_loads_both_ways_between_attention_kinds():
-    manual = build(SMALL, seed=0, attention="manual")
-    sdpa = build(SMALL, seed=1, attention="sdpa")
+    manual = build(SMALL, seed=0, flash=False)
+    sdpa = build(SMALL, seed=1, flash=True)
     assert "transformer.h.0.attn.mask" in dict(manual.named_buffers())
+    assert not any(name.endswith("mask") for name, _ in sdpa.named_buffers())   # SDPA masks by itself
     assert set(manual.state_dict()) == set(sdpa.state_dict())
     manual.load_state_dict(sdpa.state_dict(), strict=True)
     for (name, a), b in zip(manual.state_dict().items(), sdpa.state_dict().values()):
@@ -212,9 +217,9 @@ def test_manual_attention_equals_sdpa(dtype, rel, T):
         assert max_rel_diff(g_m, g_s) < 10 * rel, name
 
 
-@pytest.mark.parametrize("attention", ATTENTIONS)
-def test_future_tokens_do_not_change_earlier_logits(attention):
-    model = build(SMALL, attention=attention).double()
+@ATTENTIONS
+def test_future_tokens_do_not_change_earlier_logits(flash):
+    model = build(SMALL, flash=flash).double()
     idx = random_tokens(SMALL, 2, SMALL.block_size, seed=1)
     t = 10
     changed = idx.clone()
@@ -238,42 +243,57 @@ def test_config_rejects_n_embd_not_divisible_by_n_head():
         replace(TINY, n_embd=100, n_head=3)
 
 
-@pytest.mark.parametrize("attention", ["flash", "", "SDPA", "CUDNN", None])
-def test_config_rejects_unknown_attention(attention):
-    with pytest.raises(ValueError, match="attention"):
-        GPTConfig(attention=attention)
+@pytest.mark.parametrize("field", ["block_size", "vocab_size", "n_layer", "n_head", "n_embd", "vocab_multiple"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_config_rejects_sizes_that_are_not_positive(field, value):
+    with pytest.raises(ValueError, match=f"{field}={value} must be positive"):
+        replace(TINY, **{field: value})
 
 
 def test_presets_are_valid_configs():
     assert PRESETS["tiny"] == GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=64)
     for name, config in PRESETS.items():
         assert config.n_embd % config.n_head == 0, name
-        assert config.vocab_size == 50257 and config.attention == "manual", name
-        assert replace(config, attention="sdpa").attention == "sdpa"
+        # Every preset is the baseline's model: attention written out, the vocabulary unpadded.
+        assert config.vocab_size == config.padded_vocab_size == 50257 and not config.flash, name
+        assert replace(config, flash=True).flash
+
+
+def test_the_config_holds_the_model_and_its_two_switches_only():
+    # Every other addition swaps a module in from outside (Utils.ladder): the model never asks which
+    # kernels exist, so its config has no field for any of them.
+    assert {f.name for f in fields(GPTConfig)} == {"block_size", "vocab_size", "n_layer", "n_head", "n_embd",
+                                                   "flash", "vocab_multiple"}
 
 
 # ---------------------------------------------------------------------------------------------
-# The max rung's model changes keep the mathematics: padded vocabulary and chunked cross-entropy
+# A padded vocabulary (vocab_multiple) and the chunked loss module that the loss additions swap in for
+# model.loss keep the mathematics
 
-def _pair(**variant):
-    from dataclasses import replace
+V = 1000   # a vocabulary that 128 does not divide, small enough for float64 on a CPU
+
+
+def _pair(vocab_multiple=1, chunked=False):
+    """The tiny model with vocabulary V, and one drawn from the same seed with its vocabulary padded to a
+    multiple of vocab_multiple and, if chunked, its loss module replaced as the loss addition replaces it;
+    and a batch with its targets."""
+    config = replace(TINY, vocab_size=V)
     torch.manual_seed(0)
-    plain = GPT(PRESETS["tiny"]).double()
+    plain = GPT(config).double()
     torch.manual_seed(0)
-    other = GPT(replace(PRESETS["tiny"], **variant)).double()
+    other = GPT(replace(config, vocab_multiple=vocab_multiple)).double()
+    if chunked:
+        other.loss = ChunkedLoss(V, kernel=False)
     g = torch.Generator().manual_seed(3)
-    idx = torch.randint(0, 50257, (3, 40), generator=g)
-    y = torch.randint(0, 50257, (3, 40), generator=g)
+    idx = torch.randint(0, V, (3, 40), generator=g)
+    y = torch.randint(0, V, (3, 40), generator=g)
     return plain, other, idx, y
 
 
-@pytest.mark.parametrize("variant", [dict(vocab_multiple=128), dict(loss="chunked"),
-                                     dict(vocab_multiple=128, loss="chunked")])
-def test_padding_and_chunked_loss_change_nothing_but_rounding(variant, monkeypatch):
-    import Utils.model as model_module
-    monkeypatch.setattr(model_module, "CHUNK_ROWS", 37)   # several chunks, the last one short
-    plain, other, idx, y = _pair(**variant)
-    V = 50257
+@pytest.mark.parametrize("vocab_multiple, chunked", [(128, False), (1, True), (128, True)])
+def test_padding_and_chunked_loss_change_nothing_but_rounding(vocab_multiple, chunked, monkeypatch):
+    monkeypatch.setattr(chunked_loss, "CHUNK_ROWS", 37)   # several chunks, the last one short
+    plain, other, idx, y = _pair(vocab_multiple, chunked)
     for (name, p), q in zip(plain.named_parameters(), other.parameters()):
         assert torch.equal(p, q[:p.shape[0]]), name        # the same init, padding rows aside
     loss_a, loss_b = plain(idx, y)[1], other(idx, y)[1]
@@ -283,27 +303,23 @@ def test_padding_and_chunked_loss_change_nothing_but_rounding(variant, monkeypat
     for (name, p), q in zip(plain.named_parameters(), other.parameters()):
         assert torch.allclose(p.grad, q.grad[:p.shape[0]], rtol=1e-9, atol=1e-15), name
     wte = other.transformer.wte.weight
-    if other.config.padded_vocab_size > V:
+    if vocab_multiple > 1:
         assert torch.count_nonzero(wte[V:]) == 0
-        assert wte.shape[0] == 50304 and torch.count_nonzero(wte.grad[V:]) == 0
+        assert wte.shape[0] == 1024 and torch.count_nonzero(wte.grad[V:]) == 0
         assert other.num_params() == plain.num_params()      # padding is not counted as model
         assert other.lm_head.weight is wte
 
 
 def test_padded_logits_are_cut_to_the_vocabulary():
     _, padded, idx, _ = _pair(vocab_multiple=128)
-    assert padded(idx)[0].shape == (3, 40, 50257)
+    assert padded.lm_head.out_features == 1024
+    assert padded(idx)[0].shape == (3, 40, V)
 
 
 def test_chunked_loss_under_bf16_autocast_is_close(monkeypatch):
-    import Utils.model as model_module
-    monkeypatch.setattr(model_module, "CHUNK_ROWS", 50)
-    torch.manual_seed(0)
-    full = GPT(PRESETS["tiny"])
-    torch.manual_seed(0)
-    from dataclasses import replace
-    chunked = GPT(replace(PRESETS["tiny"], loss="chunked"))
-    idx = torch.randint(0, 50257, (2, 64))
+    monkeypatch.setattr(chunked_loss, "CHUNK_ROWS", 50)
+    full, chunked, idx, _ = _pair(chunked=True)
+    full, chunked = full.float(), chunked.float()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         a, b = full(idx, idx)[1], chunked(idx, idx)[1]
     a.backward()
@@ -312,37 +328,3 @@ def test_chunked_loss_under_bf16_autocast_is_close(monkeypatch):
     assert abs(a.item() - b.item()) < 5e-3
     ga, gb = full.transformer.wte.weight.grad, chunked.transformer.wte.weight.grad
     assert (ga - gb).norm() / ga.norm() < 2e-2
-
-
-def test_cudnn_attention_is_sdpa_held_to_the_cudnn_backend(monkeypatch):
-    import contextlib
-
-    import Utils.model as model_module
-    backends = []
-
-    def spy(backend):
-        backends.append(backend)
-        return contextlib.nullcontext()   # the CPU has no cuDNN attention: check the request, run plain SDPA
-
-    monkeypatch.setattr(model_module, "sdpa_kernel", spy)
-    sdpa = build(SMALL, seed=0, attention="sdpa")
-    cudnn = build(SMALL, seed=0, attention="cudnn")
-    idx = random_tokens(SMALL, 2, 16)
-    assert torch.equal(sdpa(idx)[0], cudnn(idx)[0])
-    assert backends == [model_module.SDPBackend.CUDNN_ATTENTION] * SMALL.n_layer
-
-
-def test_chunked_loss_multiplies_in_the_autocast_dtype():
-    from Utils.model import chunked_cross_entropy
-    g = torch.Generator().manual_seed(5)
-    h = torch.randn(64, 32, generator=g)
-    w = torch.randn(97, 32, generator=g)
-    y = torch.randint(0, 90, (64,), generator=g)
-    in_bf16 = F.cross_entropy((h.bfloat16() @ w[:90].bfloat16().t()).float(), y)
-    in_fp32 = F.cross_entropy(h @ w[:90].t(), y)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        chunked = chunked_cross_entropy(h, w, y, 90)
-    assert chunked.dtype == torch.float32
-    assert abs(chunked.item() - in_bf16.item()) < 1e-5
-    assert abs(in_bf16.item() - in_fp32.item()) > 1e-3   # the test can tell the two dtypes apart
-    assert abs(chunked_cross_entropy(h, w, y, 90).item() - in_fp32.item()) < 1e-5

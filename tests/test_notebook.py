@@ -1,10 +1,13 @@
-"""The notebook: it runs top to bottom on a CPU with a plain kernel, and the figures it computes are the
-ones summary.md holds, for the committed H200 measurements and for a small set written here (with a
-skipped rung, a GPU missing from the notebook's datasheet, and the optional companion files present).
-The committed .ipynb must hold build_notebook.py's cells and outputs that are current."""
+"""The notebook: it runs top to bottom on a CPU with a plain kernel and without torch, and the figures it
+computes are the ones summary.md holds, for the committed H200 measurements and for a small set written here
+(with a skipped rung, a GPU whose fp32 rate the GPU table lacks, and the optional companion files present).
+Built twice against the same results it is the same bytes, and the kernel prints no transport warning. The
+committed .ipynb must hold build_notebook.py's cells, executed."""
+import filecmp
 import json
 import os
 import re
+import subprocess
 import sys
 
 import nbformat
@@ -13,19 +16,18 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(REPO, "notebooks")
-for path in (REPO, NOTEBOOKS):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+if NOTEBOOKS not in sys.path:
+    sys.path.insert(0, NOTEBOOKS)
 
 import build_notebook  # noqa: E402
 import plot_results  # noqa: E402
-from Utils.breakdown import BREAKDOWN_COLUMNS, BREAKDOWN_FILE  # noqa: E402
-from Utils.results import append_run  # noqa: E402
-from conftest import summary_table  # noqa: E402
+from Utils.results.schema import BREAKDOWN_COLUMNS, BREAKDOWN_FILE  # noqa: E402
+from Utils.results.store import append_run  # noqa: E402
+from conftest import clean_env, summary_table  # noqa: E402
 
 H200 = os.path.join(REPO, "results", "h200-b16")
 FIGURES_TAG = "NOTEBOOK_FIGURES "
-REBUILD = "python notebooks/build_notebook.py"
+REBUILD = "make notebook"
 
 # summary.md's column -> the notebook's key; the notebook rounds as summary.md does.
 COLUMNS = {"median ms": "median_step_ms", "IQR ms": "iqr_step_ms", "speedup": "speedup",
@@ -37,9 +39,12 @@ def cell_number(text):
     return None if text == "-" else float(text.rstrip("x%").replace(",", ""))
 
 
+def code_cells(nb):
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
 def outputs_text(nb):
-    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-                   if o.output_type == "stream")
+    return "".join(o.get("text", "") for c in code_cells(nb) for o in c.get("outputs", []) if o.output_type == "stream")
 
 
 def notebook_figures(nb):
@@ -59,16 +64,37 @@ def assert_figures_match_summary(nb, prefix):
         assert figures[rung]["status"] == row["status"], rung
 
 
-def execute(tmp_path, results=None):
-    """Execute the committed notebook (a copy in memory) in notebooks/ with RESULTS set, or unset when
+def assert_normalized(nb):
+    """What makes a saved notebook depend on its cells and results only (build_notebook.normalize)."""
+    assert nb.metadata["language_info"] == build_notebook.LANGUAGE_INFO
+    assert [c["id"] for c in nb.cells] == [f"cell-{i:02d}" for i in range(len(nb.cells))]
+    for cell in code_cells(nb):
+        assert "execution" not in cell.metadata, "execution timing is recorded"
+        streams = [o for o in cell.outputs if o.output_type == "stream"]
+        assert all(o.name == "stdout" for o in streams), "stderr is saved"
+        assert not any(a.output_type == b.output_type == "stream" for a, b in zip(cell.outputs, cell.outputs[1:]))
+
+
+def no_torch_path(tmp_path):
+    """A folder that, put first on PYTHONPATH, makes `import torch` fail as where torch is not installed."""
+    blocker = tmp_path / "no-torch" / "torch"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('torch is not installed here (test)')\n")
+    return str(blocker.parent)
+
+
+def execute(tmp_path, results=None, without_torch=False):
+    """Execute the committed notebook's cells (a copy in memory) in notebooks/ with RESULTS set, or unset when
     None; the executed copy is kept in tmp_path for a look when something fails."""
     nb = nbformat.read(build_notebook.NOTEBOOK, as_version=4)
     env = {k: v for k, v in os.environ.items() if k != "RESULTS"}
     if results is not None:
         env["RESULTS"] = results
+    if without_torch:
+        env["PYTHONPATH"] = os.pathsep.join([no_torch_path(tmp_path), REPO])
     build_notebook.execute(nb, cwd=NOTEBOOKS, env=env)
     nbformat.write(nb, str(tmp_path / "executed.ipynb"))
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    errors = [o for c in code_cells(nb) for o in c.outputs if o.output_type == "error"]
     assert not errors, errors
     return nb
 
@@ -87,10 +113,11 @@ def test_committed_notebook_holds_the_built_cells():
 
 def test_committed_notebook_is_executed_without_errors():
     nb = nbformat.read(build_notebook.NOTEBOOK, as_version=4)
-    code = [c for c in nb.cells if c.cell_type == "code"]
+    code = code_cells(nb)
     assert all(c.execution_count for c in code), f"the committed notebook is not executed: run {REBUILD}"
     assert not [o for c in code for o in c.outputs if o.output_type == "error"]
     assert any("image/png" in o.get("data", {}) for c in code for o in c.outputs), "no chart in the outputs"
+    assert_normalized(nb)
 
 
 def test_committed_outputs_match_the_committed_summary():
@@ -98,12 +125,45 @@ def test_committed_outputs_match_the_committed_summary():
     assert_figures_match_summary(nb, H200)
 
 
+def test_code_cells_are_short_calls():
+    # The computations live in Utils.report (tested there); a cell only loads, computes and shows.
+    for cell in code_cells(build_notebook.build()):
+        assert not re.search(r"^\s*(def|class|for|while|with) ", cell.source, re.M), cell.source
+        assert len(cell.source.splitlines()) <= 25, cell.source
+
+
 # ---------------------------------------------------------------------------------------------
-# Executing it
+# Building it as make notebook does
 
 
-def test_runs_on_the_h200_results_by_default(tmp_path):
-    nb = execute(tmp_path, results=None)
+@pytest.fixture(scope="module")
+def built_twice(tmp_path_factory):
+    """build_notebook.py run twice as `make notebook` runs it, at once, into two copies: (paths, [(returncode,
+    stdout, stderr)])."""
+    folder = tmp_path_factory.mktemp("built")
+    paths = [str(folder / name) for name in ("first.ipynb", "second.ipynb")]
+    procs = [subprocess.Popen([sys.executable, os.path.join(NOTEBOOKS, "build_notebook.py"), "--output", path],
+                              cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for path in paths]
+    runs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        runs.append((proc.returncode, out, err))
+    return paths, runs
+
+
+def test_building_twice_against_the_same_results_makes_the_same_bytes(built_twice):
+    paths, runs = built_twice
+    for returncode, out, err in runs:
+        assert returncode == 0, out + err
+        # ipykernel's warning over TCP; and the kernel's own, when it outlives the builder that started it.
+        assert "TCP" not in err and "encryption" not in err and "Parent appears to have exited" not in err, err
+    assert filecmp.cmp(*paths, shallow=False), "two builds against the same results differ"
+    assert_normalized(nbformat.read(paths[0], as_version=4))
+
+
+def test_runs_on_the_h200_results_by_default(built_twice):
+    nb = nbformat.read(built_twice[0][0], as_version=4)
     text = " ".join(outputs_text(nb).split())
     assert "RESULTS = results/h200-b16" in text
     assert_figures_match_summary(nb, H200)
@@ -112,9 +172,13 @@ def test_runs_on_the_h200_results_by_default(tmp_path):
         if row["status"] == "ok":
             assert re.search(rf"\b{re.escape(rung)}: {re.escape(row['median ms'])} ms measured; compute floor .*? "
                              rf"sits against the (compute|memory) floor", text), rung
+    # Every section found its companion set, and every rung's section printed its additions' code.
+    assert "is absent" not in text and "No breakdown.csv" not in text
+    for rung in ("tf32", "flash", "max"):
+        assert f"# Utils/ladder/apply.py, apply_{rung if rung != 'max' else 'loss_kernel'}" in text
 
 
-BATCH, SEQ, GPU = 4, 256, "NVIDIA L4"     # L4: in Utils.metrics' table, not in the notebook's datasheet
+BATCH, SEQ, GPU = 4, 256, "NVIDIA B200"     # B200: the GPU table has its bf16 rate, not its fp32 one
 
 
 def add_run(prefix, rung, step_ms, status="ok", warmup=2, batch=BATCH, loss0=10.9, message="", compile_s=None,
@@ -148,7 +212,7 @@ def ladder(prefix, batch, steps=24, scale=1.0):
 @pytest.fixture(scope="module")
 def small_results(tmp_path_factory):
     root = tmp_path_factory.mktemp("results")
-    prefix = str(root / "l4-b4")
+    prefix = str(root / "b200-b4")
     ladder(prefix, BATCH)
     add_run(prefix, "tf32", [100.0] * 6, batch=8)     # another batch size: excluded from the comparison
     with open(os.path.join(prefix, BREAKDOWN_FILE), "w") as f:
@@ -159,20 +223,23 @@ def small_results(tmp_path_factory):
                            profiled_step_ms=ms, median_step_ms=ms, profiled_steps=5, compute_tflops="",
                            peak_tflops="", **{"class": cls})
                 f.write(",".join(str(row[c]) for c in BREAKDOWN_COLUMNS) + "\n")
-    ladder(str(root / "l4-b64"), 64, scale=3.5)
-    ladder(str(root / "l4-loss"), BATCH, steps=80)
-    for folder in ("l4-b4", "l4-b64", "l4-loss"):
+    ladder(str(root / "b200-b64"), 64, scale=3.5)
+    ladder(str(root / "b200-loss"), BATCH, steps=80)
+    for folder in ("b200-b4", "b200-b64", "b200-loss"):
         assert plot_results.main(["--prefix", str(root / folder)]) == 0
     return prefix
 
 
-def test_runs_on_a_small_results_set_with_every_optional_part(small_results, tmp_path):
-    nb = execute(tmp_path, results=small_results)
+def test_runs_without_torch_on_a_small_results_set_with_every_optional_part(small_results, tmp_path):
+    nb = execute(tmp_path, results=small_results, without_torch=True)
     assert_figures_match_summary(nb, small_results)
+    assert_normalized(nb)
     figures = notebook_figures(nb)
     assert figures["torch_compile"]["status"] == "skipped" and figures["torch_compile"]["median_step_ms"] is None
     text = outputs_text(nb)
-    assert "fp32 unknown" in text                           # L4: the floor it cannot compute is left out
-    assert "breakdown.csv: ms per profiled step by class" in text   # the optional files are read when present
-    assert "l4-b64:" in text and "mean loss over each run's last 50 steps" in text
+    assert "NVIDIA B200 fp32      unknown" in text                      # the figure the GPU table lacks
+    assert "fp32, tf32 unknown" in " ".join(text.split())
+    assert "compute floor with bf16 matmuls: 0.4 ms" in text           # the one it has: 0.79 TFLOP / 2.25 PFLOP/s
+    assert "breakdown.csv: ms per profiled step by class" in text       # the optional files are read when present
+    assert "b200-b64:" in text and "mean loss over each run's last 50 steps" in text
     assert "torch_compile has no usable run" in text

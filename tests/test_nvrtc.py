@@ -1,15 +1,14 @@
-"""Utils.nvrtc and the CUDA loss kernel's source. A CPU cannot run the kernel (bench/loss_kernel.py checks its
-results on a GPU), but NVRTC compiles it without one: these tests compile the committed source for the
-GPUs it is meant for, and check how a compile error and a missing GPU are reported."""
+"""Utils.kernels.native and Utils.kernels.nvrtc: the one native-library loader, and NVRTC compiling the CUDA
+loss kernel's source. A CPU cannot run the kernel (tests/test_loss_kernel.py's gpu tests and
+bench/loss_kernel.py do, on a GPU), but NVRTC compiles it without one: these tests compile the committed
+source for the GPUs it is meant for, and check how a compile error and a missing GPU are reported."""
+import ctypes
 import sys
 
 import pytest
 import torch
 
-from Utils import ce_kernel, nvrtc
-from Utils.model import PRESETS
-from Utils.recipes import MAX, apply_loss
-
+from Utils.kernels import loss_kernel, native, nvrtc
 
 needs_nvrtc = pytest.mark.skipif(sys.platform != "linux",
                                  reason="NVRTC's wheels (nvidia-cuda-nvrtc) are published for Linux only")
@@ -19,8 +18,9 @@ needs_nvrtc = pytest.mark.skipif(sys.platform != "linux",
 @pytest.mark.parametrize("arch", ["80", "90"])
 def test_loss_kernel_source_compiles(arch):
     # cp.async and the bf16x2 conversion need sm_80 or newer; Hopper (sm_90) is what it is tuned for.
-    cubin = nvrtc.compile_cubin(ce_kernel._CUDA.source, ce_kernel._CUDA.name, arch, ce_kernel._CUDA.options)
-    assert cubin[:4] == b"\x7fELF" and ce_kernel._CUDA.name.encode() in cubin
+    kernel = loss_kernel._CUDA
+    cubin = nvrtc.compile_cubin(kernel.source, kernel.name, arch, kernel.options)
+    assert cubin[:4] == b"\x7fELF" and kernel.name.encode() in cubin
 
 
 @needs_nvrtc
@@ -30,40 +30,65 @@ def test_compile_error_carries_nvrtc_log():
         nvrtc.compile_cubin(source, "broken", "90")
 
 
-def test_no_gpu_no_cuda_kernel():
-    cpu = torch.device("cpu")
-    assert not nvrtc.available(cpu)
-    assert not ce_kernel._cuda_takes(torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.long))
-    ce_kernel.prepare(cpu, 64)   # nothing to prepare without a GPU, and no error
+def test_no_gpu_is_one_line_saying_so():
+    why = nvrtc.unavailable(torch.device("cpu"))
+    assert why == "NVRTC kernels need a CUDA GPU"
 
 
-def _pretend_gpu(monkeypatch, capability):
-    monkeypatch.setattr(nvrtc, "available", lambda device: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(ce_kernel, "_shared_fits", lambda device, n_cols: True)
-    monkeypatch.setattr(ce_kernel, "_cuda_failure", None)
+def test_the_loader_skips_what_does_not_load_and_types_what_it_returns():
+    libc = "libc.so.6" if sys.platform == "linux" else None
+    if libc is None:
+        pytest.skip("the C library's file name is Linux's")
+    # A missing file, then a library without the function asked for, then one with it.
+    lib = native.load(["libdoes-not-exist.so", libc], {"no_such_function_here": []})
+    assert lib is None
+    lib = native.load(["libdoes-not-exist.so", libc], {"abs": [native.INT]})
+    assert lib is not None and lib.abs.argtypes == [ctypes.c_int] and lib.abs.restype is ctypes.c_int
+    assert lib.abs(-3) == 3
 
 
-def test_pre_ampere_gpus_take_the_triton_kernel(monkeypatch):
-    _pretend_gpu(monkeypatch, (7, 5))   # no cp.async: the CUDA kernel would not compile
-    assert not ce_kernel._cuda_usable(torch.device("cuda"))
-    _pretend_gpu(monkeypatch, (8, 0))
-    assert ce_kernel._cuda_usable(torch.device("cuda"))
+def test_check_raises_with_what_failed_and_its_status():
+    native.check(native.SUCCESS, "nothing")
+    with pytest.raises(RuntimeError, match="cuModuleLoadData failed with status 218"):
+        native.check(218, "cuModuleLoadData")
 
 
-def test_a_kernel_that_cannot_be_built_falls_back_with_a_note(monkeypatch):
-    cuda = torch.device("cuda")
-    _pretend_gpu(monkeypatch, (9, 0))
+def test_a_library_already_loaded_is_found_by_its_stem():
+    if sys.platform != "linux":
+        pytest.skip("read from /proc/self/maps, which only Linux has")
+    path = native.mapped_library("libc")
+    assert path is not None and "/libc.so" in path
+    assert native.mapped_library("libno-such-library") is None
 
-    def broken(device, shared_bytes=0):
-        raise RuntimeError("cuModuleLoadData failed with status 218\n(details)")
 
-    monkeypatch.setattr(ce_kernel._CUDA, "prepare", broken)
-    config, note = apply_loss(PRESETS["gpt2"], MAX, cuda)
-    if ce_kernel._triton_kernel is not None:
-        assert config.loss == "chunked_kernel" and note == ("the CUDA loss kernel could not be built here "
-                                                            "(cuModuleLoadData failed with status 218): the "
-                                                            "Triton kernel instead")
-    else:
-        assert config.loss == "chunked" and "needs a GPU with NVRTC or Triton" in note
-    assert not ce_kernel._cuda_usable(cuda)   # and no later call tries again
+class _RecordingDriver:
+    """Stands in for the CUDA driver: records each call's name and arguments and returns success."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name, args))
+            return native.SUCCESS
+        return call
+
+
+def test_a_kernel_is_loaded_once_per_device_and_allowed_the_shared_memory_it_asks_for(monkeypatch):
+    driver = _RecordingDriver()
+    monkeypatch.setattr(nvrtc, "_driver", lambda: driver)
+    monkeypatch.setattr(nvrtc, "_contexts", {})
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda source, name, arch, options: b"cubin for sm_" + arch.encode())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    kernel = nvrtc.Kernel("source", "rows")
+    kernel.prepare(torch.device("cuda", 1), shared_bytes=100_000)
+    kernel.prepare(torch.device("cuda", 1), shared_bytes=50_000)   # less than allowed already: nothing to do
+    names = [name for name, _ in driver.calls]
+    # No context was current: the device's primary one was retained and made current for the block.
+    assert names == ["cuCtxGetCurrent", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxPushCurrent_v2",
+                     "cuModuleLoadData", "cuModuleGetFunction", "cuFuncSetAttribute", "cuCtxPopCurrent_v2",
+                     "cuCtxGetCurrent", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2"]
+    load, = [args for name, args in driver.calls if name == "cuModuleLoadData"]
+    assert load[1] == b"cubin for sm_90"
+    allow, = [args for name, args in driver.calls if name == "cuFuncSetAttribute"]
+    assert allow[1:] == (nvrtc.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 100_000)

@@ -1,27 +1,25 @@
-"""Packed attention (Utils.packed_attention) on the CPU, where its two operators run their PyTorch
-definitions: the same outputs, log-sum-exp and gradients as SDPA, the same model and compiled graph as the
-sdpa attention, and cuDNN's tensor layout checked against the views it stands for. cuDNN itself needs a
-GPU (bench/packed_attention.py checks it there against the same definitions)."""
-from dataclasses import replace
-
+"""Utils.kernels.packed_attention: causal attention on the packed QKV tensor against its reference (the
+scores written out) and SDPA. On the CPU its two operators run their PyTorch definitions: the same
+outputs, log-sum-exp and gradients, over float64, float32 and bf16, compiled too; and cuDNN's tensor
+layout checked against the views it stands for. cuDNN itself runs in the gpu test (and
+bench/packed_attention.py times it)."""
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import model_pair
-from Utils import packed_attention as pa
-from Utils import recipes
-from Utils.model import PRESETS
-from Utils.recipes import BASELINE, FUSED, MAX, apply_attention
+from Utils.kernels import packed_attention as pa
 
 CPU = torch.device("cpu")
 B, T, H, D = 2, 16, 3, 8
 C = H * D
+TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6),
+              torch.bfloat16: dict(rtol=0, atol=3e-2)}
 
 
 def _qkv(dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, T, 3 * C, generator=g, dtype=dtype).requires_grad_()
+    return torch.randn(B, T, 3 * C, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
 
 
 def _sdpa(qkv):
@@ -29,15 +27,21 @@ def _sdpa(qkv):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
 
 
-def test_output_and_gradient_are_sdpas_in_float64():
-    qkv = _qkv()
-    y, want = pa.packed_attention(qkv, H), _sdpa(qkv)
-    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
-    grad_y = torch.randn(B, T, C, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    got, = torch.autograd.grad(y, qkv, grad_y)
-    expected, = torch.autograd.grad(want, qkv, grad_y)
-    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
-    assert got.shape == qkv.shape and got[..., 2 * C:].abs().max() > 0   # dv lands in v's columns
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("against", ["reference", "sdpa"])
+def test_output_and_gradient_are_the_references(dtype, against):
+    want_op = pa.reference if against == "reference" else (lambda qkv, n_head: _sdpa(qkv))
+    results = []
+    for op in (pa.packed_attention, want_op):
+        qkv = _qkv(dtype)
+        y = op(qkv, H)
+        grad, = torch.autograd.grad(y, qkv, torch.linspace(-1, 1, y.numel(), dtype=torch.float64).to(dtype).view_as(y))
+        results.append((y, grad))
+    (y, grad), (want_y, want_grad) = results
+    assert y.dtype == grad.dtype == dtype and grad.shape == (B, T, 3 * C)
+    torch.testing.assert_close(y, want_y, **TOLERANCES[dtype])
+    torch.testing.assert_close(grad, want_grad, **TOLERANCES[dtype])
+    assert grad[..., 2 * C:].abs().max() > 0   # dv lands in v's columns
 
 
 def test_log_sum_exp_is_of_the_scaled_causal_scores_and_bf16_runs_in_fp32():
@@ -50,10 +54,13 @@ def test_log_sum_exp_is_of_the_scaled_causal_scores_and_bf16_runs_in_fp32():
     assert lse.shape == (B, H, T)
     # The first query sees only itself: its log-sum-exp is its own scaled score.
     torch.testing.assert_close(lse[..., 0], scores[..., 0, 0], rtol=1e-12, atol=1e-12)
-    half = qkv.detach().bfloat16()
-    y16, lse16 = pa.packed_attention_fwd(half, H)
+    y16, lse16 = pa.packed_attention_fwd(qkv.detach().bfloat16(), H)
     assert y16.dtype == torch.bfloat16 and lse16.dtype == torch.float32
-    torch.testing.assert_close(y16.double(), _sdpa(half.double()), rtol=0, atol=2e-2)
+
+
+def test_gradcheck_in_float64():
+    qkv = torch.randn(1, 5, 3 * 2 * 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: pa.packed_attention(t, 2), (qkv,))
 
 
 def test_fake_tensors_have_the_real_outputs_shapes_and_dtypes():
@@ -87,76 +94,53 @@ def test_cudnn_layout_addresses_q_k_v_the_output_and_lse_as_their_views():
     assert torch.equal(lse.as_strided(lay["stats_dims"], lay["stats"]), lse[..., None])
 
 
-def _pair(**changes):   # changes apply to both models
-    return model_pair({"attention": "cudnn_packed"}, batch=2, attention="sdpa", **changes)
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+
+    def forward(self, x):
+        return self.c_proj(pa.packed_attention(self.c_attn(x), H))
 
 
-@pytest.mark.parametrize("bias_grad", ["sum", "gemm"])   # alone, and as in max, with the bias gradients' GEMMs
-def test_model_with_packed_attention_gives_sdpas_loss_and_gradients(monkeypatch, bias_grad):
-    calls = []
-    real = pa.packed_attention_fwd
-    monkeypatch.setattr(pa, "packed_attention_fwd", lambda *a: calls.append(1) or real(*a))
-    plain, packed, x, y = _pair(bias_grad=bias_grad)
-    losses = []
-    for model in (plain, packed):
-        _, loss = model(x, y)
-        loss.backward()
-        losses.append(loss)
-    assert len(calls) == packed.config.n_layer
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=0)
-    for (name, a), b in zip(plain.named_parameters(), packed.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-9, atol=1e-12, msg=name)
-
-
-def test_compiled_model_with_packed_attention_matches_eager():
+def test_compiled_it_equals_eager():
     torch._dynamo.reset()
-    _, packed, x, y = _pair()
-    eager = packed(x, y)[1]
+    torch.manual_seed(0)
+    model, x = _Attention().double(), torch.randn(B, T, C, dtype=torch.float64)
+    eager = model(x).square().sum()
     eager.backward()
-    grads = [p.grad.clone() for p in packed.parameters()]
-    packed.zero_grad()
-    compiled = torch.compile(packed)(x, y)[1]
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model)(x).square().sum()
     compiled.backward()
     torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=0)
-    for a, p in zip(grads, packed.parameters()):
-        torch.testing.assert_close(p.grad, a, rtol=1e-8, atol=1e-12)
+    for want, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, want, rtol=1e-8, atol=1e-12)
 
 
-PACKED = replace(FUSED, name="fused+packed_attention", attention="cudnn_packed")
+# ---------------------------------------------------------------------------------------------
+# Where cuDNN can run them
 
-
-def test_packed_attention_falls_back_to_cudnn_sdpa_then_plain_sdpa(monkeypatch):
-    base = PRESETS["tiny"]
-    assert not pa.available(CPU, 64) and MAX.attention == "cudnn_packed"
-    assert apply_attention(base, PACKED, CPU) == (replace(base, attention="sdpa"),
-                                                 "cuDNN attention is not available here: plain SDPA instead")
-    monkeypatch.setattr(recipes, "cudnn_attention_available", lambda device: True)
-    config, note = apply_attention(base, PACKED, CPU)
-    assert config.attention == "cudnn" and note == ("packed attention needs cuDNN 9 and its frontend on an Ampere "
-                                                    "or newer GPU: SDPA held to cuDNN instead")
-    heads = []
-    monkeypatch.setattr(pa, "available", lambda device, head_dim: heads.append(head_dim) or True)
-    assert apply_attention(base, PACKED, CPU) == (replace(base, attention="cudnn_packed"), None)
-    assert heads == [base.n_embd // base.n_head]
-    # A GPU whose cuDNN refuses the small graph that prepare() runs: SDPA held to cuDNN, and the reason.
-    monkeypatch.setattr(pa, "prepare", lambda device, head_dim: "cuDNN could not run the packed attention here (x)")
-    assert apply_attention(base, PACKED, CPU) == (replace(base, attention="cudnn"), "cuDNN could not run the "
-                                                 "packed attention here (x): SDPA held to cuDNN instead")
+def test_without_a_gpu_both_attentions_are_unavailable_in_one_line():
+    assert pa.unavailable(CPU, 64) == "packed attention needs cuDNN 9 and its frontend on an Ampere or newer GPU"
+    assert pa.cudnn_unavailable(CPU) == "cuDNN attention is not available here"
+    assert pa.prepare(CPU, 64) is None
 
 
 def test_prepare_turns_cudnn_off_with_the_reason_when_its_graph_fails(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(pa, "_failure", None)
-    monkeypatch.setattr(pa, "available", lambda device, head_dim: pa._failure is None)
+    monkeypatch.setattr(pa, "_cudnn_fused_attention", lambda device: True)
+    monkeypatch.setattr(pa, "_frontend", lambda: object())
 
     def refuse(device, head_dim):
         raise RuntimeError("cudnnGraphNotSupportedError: no engine")
     monkeypatch.setattr(pa, "_probe", refuse)
+    assert pa.unavailable(cuda, 64) is None
     note = pa.prepare(cuda, 64)
     assert note == ("cuDNN could not run the packed attention here (RuntimeError: cudnnGraphNotSupportedError: no "
                     "engine)")
-    assert pa._failure == note and not pa.available(cuda, 64)
-    assert pa.prepare(CPU, 64) is None
+    assert pa.unavailable(cuda, 64) == note
 
 
 @pytest.mark.parametrize("head_dim, ok", [(64, True), (128, True), (8, True), (60, False), (192, False)])
@@ -165,27 +149,28 @@ def test_cudnn_is_asked_only_for_head_sizes_its_fused_kernels_take(monkeypatch, 
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(pa, "_frontend", lambda: object())
-    assert pa.available(torch.device("cuda"), head_dim) is ok
+    assert (pa.unavailable(torch.device("cuda"), head_dim) is None) is ok
+    assert pa.cudnn_unavailable(torch.device("cuda")) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    assert not pa.available(torch.device("cuda"), 64)
+    assert pa.unavailable(torch.device("cuda"), 64) is not None
+    assert pa.cudnn_unavailable(torch.device("cuda")) is not None
 
 
-def test_recipes_refuse_packed_attention_without_bf16():
-    with pytest.raises(ValueError, match="bf16"):
-        replace(BASELINE, name="x", attention="cudnn_packed")
+# ---------------------------------------------------------------------------------------------
+# On a GPU: cuDNN against the reference, eagerly and replayed from a CUDA graph
 
-
-GPU = pytest.mark.skipif(not (torch.cuda.is_available() and pa.available(torch.device("cuda"), 64)),
-                         reason="cuDNN's packed attention needs a GPU with cuDNN 9 and nvidia-cudnn-frontend")
-
-
-@GPU
+@pytest.mark.gpu
 def test_on_a_gpu_cudnn_matches_the_reference_eagerly_and_replayed_from_a_cuda_graph():
+    cuda = torch.device("cuda")
+    assert pa.unavailable(cuda, 64) is None and pa.prepare(cuda, 64) is None
     g = torch.Generator(device="cuda").manual_seed(0)
     qkv = torch.randn(2, 256, 3 * 4 * 64, device="cuda", dtype=torch.bfloat16, generator=g)
     dy = torch.randn(2, 256, 4 * 64, device="cuda", dtype=torch.bfloat16, generator=g)
     want_y, want_lse = pa._reference_forward(qkv, 4)
     want_grad = pa._reference_backward(dy, qkv, want_y, want_lse, 4)
+    ref = qkv.float().requires_grad_()
+    ref_y = pa.reference(ref, 4)
+    autograd_grad, = torch.autograd.grad(ref_y, ref, dy.float())
 
     def both():
         y, lse = pa.packed_attention_fwd(qkv, 4)
@@ -204,5 +189,7 @@ def test_on_a_gpu_cudnn_matches_the_reference_eagerly_and_replayed_from_a_cuda_g
     for got in (eager, replayed):
         y, lse, grad = (t.float() for t in got)
         assert (y - want_y.float()).abs().max() <= 1e-2 * want_y.float().abs().max()
+        assert (y - ref_y.float()).abs().max() <= 1e-2 * ref_y.float().abs().max()
         assert (lse - want_lse).abs().max() < 1e-3
         assert (grad - want_grad.float()).abs().max() <= 2e-2 * want_grad.float().abs().max()
+        assert (grad - autograd_grad).abs().max() <= 2e-2 * autograd_grad.abs().max()

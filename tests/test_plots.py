@@ -1,4 +1,5 @@
-"""plot_results.py on small results files written here: the numbers, the files, run matching, bad input."""
+"""plot_results.py and Utils/report on small results files written here: the numbers, the files, run matching,
+bad input, and charts whose every text fits on them."""
 import contextlib
 import io
 import os
@@ -12,10 +13,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-import plot_results  # noqa: E402
-from plot_results import main  # noqa: E402
-from Utils.results import RUN_COLUMNS, STEP_COLUMNS, append_run  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
 from conftest import summary_table  # noqa: E402
+from Utils.ladder.registry import rung_order  # noqa: E402
+from Utils.report.charts import CHARTS as CHART_PLOTS, plot_step_time  # noqa: E402
+from Utils.report.cli import main  # noqa: E402
+from Utils.report.selection import select_runs  # noqa: E402
+from Utils.report.stats import build_report, summarize  # noqa: E402
+from Utils.results.read import load  # noqa: E402
+from Utils.results.schema import RUN_COLUMNS, STEP_COLUMNS  # noqa: E402
+from Utils.results.store import append_run  # noqa: E402
 
 CHARTS = ["speedup.png", "step_time.png", "throughput.png", "memory.png", "loss.png"]
 OUTPUTS = CHARTS + ["summary.md"]
@@ -104,8 +113,8 @@ def test_summary_numbers_match_a_hand_computation(ladder):
 
 def test_summarize_frame_holds_the_unrounded_numbers(ladder):
     prefix = ladder[0]
-    steps, runs = plot_results.load(prefix)
-    frame = plot_results.summarize(steps, runs)
+    steps, runs = load(prefix)
+    frame = summarize(steps, runs)
     assert list(frame.index) == ["baseline", "tf32", "bf16"]
     for rung, ms in MEASURED.items():
         r = frame.loc[rung]
@@ -114,7 +123,7 @@ def test_summarize_frame_holds_the_unrounded_numbers(ladder):
         assert r["speedup"] == pytest.approx(np.median(MEASURED["baseline"]) / np.median(ms))
         assert r["speedup_lo"] < r["speedup"] < r["speedup_hi"]
         assert r["measured_steps"] == len(ms)
-    again = plot_results.summarize(steps, runs)
+    again = summarize(steps, runs)
     assert again.loc["tf32", "speedup_lo"] == frame.loc["tf32", "speedup_lo"], "bootstrap must be seeded"
 
 
@@ -131,8 +140,8 @@ def test_every_chart_and_the_summary_are_written_whole(ladder):
 
 
 def test_every_chart_names_what_it_measured(ladder):
-    report = plot_results.build_report(*plot_results.load(ladder[0]))
-    for name, plot in plot_results.CHARTS.items():
+    report = build_report(*load(ladder[0]))
+    for name, plot in CHART_PLOTS.items():
         title = plot(report).get_suptitle()
         for part in ("NVIDIA H200", "gpt2", f"batch {BATCH}", f"seq_len {SEQ}", "data tiny"):
             assert part in title, (name, part)
@@ -141,11 +150,11 @@ def test_every_chart_names_what_it_measured(ladder):
 def test_step_time_axis_turns_logarithmic_past_a_tenfold_spread(tmp_path):
     add_run(tmp_path, "baseline", [500.0, *[400.0] * 5])
     add_run(tmp_path, "tf32", [500.0, *[100.0] * 5])
-    linear = plot_results.build_report(*plot_results.load(tmp_path))
-    assert plot_results.plot_step_time(linear).axes[0].get_yscale() == "linear"
+    linear = build_report(*load(tmp_path))
+    assert plot_step_time(linear).axes[0].get_yscale() == "linear"
     add_run(tmp_path, "bf16", [500.0, *[30.0] * 5])
-    spread = plot_results.build_report(*plot_results.load(tmp_path))
-    assert plot_results.plot_step_time(spread).axes[0].get_yscale() == "log"
+    spread = build_report(*load(tmp_path))
+    assert plot_step_time(spread).axes[0].get_yscale() == "log"
 
 
 def test_run_matching(tmp_path):
@@ -162,8 +171,8 @@ def test_run_matching(tmp_path):
     add_run(p, "max", [1, 10, 10, 10], run_id="max-2")
     add_run(p, "max", [], status="failed", run_id="max-3", message="NaN loss")
 
-    steps, runs = plot_results.load(p)
-    chosen, excluded = plot_results.select_runs(runs, steps)
+    steps, runs = load(p)
+    chosen, excluded = select_runs(runs, steps)
     assert {r: row["run_id"] for r, row in chosen.items()} == {
         "baseline": "base-new", "tf32": "tf32-match", "max": "max-2"}
     reasons = {e.run_id: e.reason for e in excluded}
@@ -332,7 +341,7 @@ def test_a_failed_write_leaves_the_old_file_whole(tmp_path, monkeypatch):
         fname.write(b"\x89PNG half")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(plot_results.Figure, "savefig", disk_full)
+    monkeypatch.setattr(Figure, "savefig", disk_full)
     rc, _, err = run_main(p)
     assert rc == 2 and err.startswith("error: cannot write into") and err.count("\n") == 1
     with open(os.path.join(p, "speedup.png"), "rb") as f:
@@ -341,7 +350,7 @@ def test_a_failed_write_leaves_the_old_file_whole(tmp_path, monkeypatch):
 
 
 def test_rung_order_puts_unknown_rungs_last_alphabetically():
-    assert plot_results.rung_order(["zeta", "max", "8bit", "fused", "baseline", "tf32", "max"]) == [
+    assert rung_order(["zeta", "max", "8bit", "fused", "baseline", "tf32", "max"]) == [
         "baseline", "tf32", "fused", "8bit", "max", "zeta"]
 
 
@@ -356,8 +365,6 @@ def test_command_line(tmp_path):
 
 
 def test_a_damaged_number_is_named_not_dropped(tmp_path, capsys):
-    from Utils.results import append_run
-    import plot_results
     steps = [{"run_id": "r1", "optimization": "baseline", "step": i, "warmup": i == 0, "step_ms": 10.0 + i,
               "tokens_per_s": 1.0, "loss": 5.0, "mfu": None} for i in range(4)]
     append_run(tmp_path, {"run_id": "r1", "optimization": "baseline", "status": "ok", "batch_size": 2,
@@ -365,7 +372,7 @@ def test_a_damaged_number_is_named_not_dropped(tmp_path, capsys):
                steps)
     path = tmp_path / "results.csv"
     path.write_text(path.read_text().replace(",12,", ",abc,", 1))
-    assert plot_results.main(["--prefix", str(tmp_path)]) == 2
+    assert main(["--prefix", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "line 4: step_ms='abc' is not a number" in err[0]
     assert not (tmp_path / "summary.md").exists()
@@ -380,8 +387,8 @@ def test_the_newest_ok_baseline_sets_the_configuration(tmp_path):
     add_run(p, "torch_compile", [1, 20, 20, 20], run_id="tc-cpu", device="cpu")
     add_run(p, "flash", [], status="oom", run_id="flash-oom", message="out of memory")
     add_run(p, "flash", [], status="skipped", run_id="flash-skip", message="no bf16")
-    steps, runs = plot_results.load(p)
-    chosen, excluded = plot_results.select_runs(runs, steps)
+    steps, runs = load(p)
+    chosen, excluded = select_runs(runs, steps)
     assert {r: row["run_id"] for r, row in chosen.items()} == {"baseline": "base-b16", "tf32": "tf32-b16"}
     reasons = {e.run_id: e.reason for e in excluded}
     assert reasons["base-b8"] == "batch 8 != 16"
@@ -390,3 +397,51 @@ def test_the_newest_ok_baseline_sets_the_configuration(tmp_path):
     assert run_main(p)[0] == 0
     assert summary_table(p)["flash"]["status"] == "skipped"      # the newest run of the rung speaks for it
     assert summary_table(p)["tf32"]["speedup"] == "4.00x"
+
+
+# ---------------------------------------------------------------------------------------------
+# Every chart carries what was measured and where the figures come from, whole
+
+
+def sticks_out(fig):
+    """Whether any text or artist of fig reaches past its edges once rendered (it would be cut off)."""
+    FigureCanvasAgg(fig)
+    fig.canvas.draw()
+    box = fig.get_tightbbox(fig.canvas.get_renderer())    # inches
+    width, height = fig.get_size_inches()
+    return box.x0 < -0.01 or box.y0 < -0.01 or box.x1 > width + 0.01 or box.y1 > height + 0.01
+
+
+def test_every_chart_carries_its_provenance_whole(ladder):
+    report = build_report(*load(ladder[0]))
+    for name, plot in CHART_PLOTS.items():
+        fig = plot(report)
+        foot = fig.get_supxlabel().replace("\n", " ")
+        for part in ("torch 2.5.1", "commit 0123456789ab", "ran 2025-01-01"):
+            assert part in foot, (name, part)
+        assert not sticks_out(fig), name
+    speedup_foot = CHART_PLOTS["speedup.png"](report).get_supxlabel()
+    assert "95% bootstrap interval" in speedup_foot
+    assert summary_text(ladder[0]).splitlines()[0].endswith(
+        "data tiny · torch 2.5.1 · commit 0123456789ab · ran 2025-01-01")
+
+
+def test_long_provenance_and_custom_runs_still_fit(tmp_path):
+    """Many commits over several days, a long data path and runs named by their additions: every title and
+    footnote is wrapped to its chart's width."""
+    p = str(tmp_path)
+    data = "/datasets/corpora/english/a-rather-long-folder-name/and-a-longer-file-name-for-good-measure.txt"
+    add_run(p, "baseline", [1, 100, 100, 100], git_commit="1111111111111111", data=data)
+    names = ["tf32", "bf16", "fused", "fused+loss", "bf16+flash+loss_kernel+torch_compile",
+             "fused+gelu_epilogue+packed_attention+gemm_bias_grad+triton_update", "max"]
+    for i, name in enumerate(names):
+        add_run(p, name, [1, 50 - i, 50 - i, 50 - i], git_commit=f"{i}abcdef{i}" * 2 + "-dirty", data=data)
+    steps, runs = load(p)
+    runs["started_at"] = [f"2025-01-{d:02d}T00:00:00" for d in range(1, len(runs) + 1)]
+    runs["torch_version"] = [f"2.{d}.0+cu130" for d in range(len(runs))]
+    report = build_report(steps, runs)
+    assert len(report.provenance) > 250 and "ran 2025-01-01 to 2025-01-08" in report.provenance
+    for name, plot in CHART_PLOTS.items():
+        fig = plot(report)
+        assert data[-20:] in fig.get_suptitle().replace("\n", ""), name
+        assert not sticks_out(fig), name

@@ -1,12 +1,14 @@
-"""The results contract: schema, whole-or-absent appends under a lock, refusal of foreign or cut files."""
+"""The results contract: schema, whole-or-absent appends under a lock, refusal of foreign or cut files, and
+the committed results, which must stay readable and appendable as they are."""
 import csv
 import multiprocessing
 import os
 
 import pytest
 
-from Utils import results
-from Utils.results import RUN_COLUMNS, STEP_COLUMNS, ResultsError, append_run, check_prefix, init_files
+from Utils.results import schema, store
+from Utils.results.schema import RUN_COLUMNS, STEP_COLUMNS
+from Utils.results.store import ResultsError, append_run, check_prefix, init_files
 
 
 def _run(run_id, status="ok", **extra):
@@ -98,9 +100,73 @@ def test_concurrent_appends_keep_every_row(tmp_path):
     for p in procs:
         p.join()
         assert p.exitcode == 0
-    results.check_prefix(tmp_path)
+    check_prefix(tmp_path)
     runs = _read(tmp_path / "runs.csv")
     steps = _read(tmp_path / "results.csv")
     assert sorted(r["run_id"] for r in runs) == sorted(f"{t}{i}" for t in "xyz" for i in range(15))
     assert len(steps) == 3 * 15 * 20
     assert {r["run_id"] for r in steps} == {r["run_id"] for r in runs}
+
+
+# ---------------------------------------------------------------------------------------------
+# The schema, and the committed results it must keep reading
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMITTED = sorted(os.path.join(REPO, "results", d) for d in os.listdir(os.path.join(REPO, "results"))
+                   if os.path.isfile(os.path.join(REPO, "results", d, schema.RUNS_FILE)))
+FILES = [(schema.STEPS_FILE, schema.STEP_COLUMNS, schema.STEP_NUMERIC),
+         (schema.RUNS_FILE, schema.RUN_COLUMNS, schema.RUN_NUMERIC),
+         (schema.BREAKDOWN_FILE, schema.BREAKDOWN_COLUMNS, schema.BREAKDOWN_NUMERIC)]
+
+
+def test_schema_is_consistent():
+    for _, columns, numeric in FILES:
+        assert len(set(columns)) == len(columns)
+        assert [c for c in columns if c in numeric] == numeric
+    assert set(schema.MATCH_KEYS) <= set(schema.RUN_COLUMNS)
+    assert schema.STATUSES == ("ok", "oom", "skipped", "failed", "interrupted")
+    assert all(c.meaning for table in (schema.STEP_SCHEMA, schema.RUN_SCHEMA, schema.BREAKDOWN_SCHEMA) for c in table)
+
+
+def test_there_are_committed_results_to_check():
+    assert len(COMMITTED) >= 3
+
+
+@pytest.mark.parametrize("folder", COMMITTED, ids=os.path.basename)
+def test_committed_results_are_read_with_the_schema(folder):
+    from Utils.results.read import load, read_table
+    for name, columns, numeric in FILES:
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            assert f.readline().rstrip("\n").split(",") == columns, path
+        frame = read_table(path, columns, numeric)
+        assert len(frame) > 0 and all(frame[c].dtype == float for c in numeric)
+    steps, runs = load(folder)
+    assert len(steps) > 0 and len(runs) > 0
+    assert set(runs["status"]) <= set(schema.STATUSES)
+
+
+@pytest.mark.parametrize("folder", COMMITTED[:2], ids=os.path.basename)
+def test_committed_results_are_appended_to_as_they_are(folder, tmp_path):
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in (schema.STEPS_FILE, schema.RUNS_FILE):
+        (copy / name).write_bytes(open(os.path.join(folder, name), "rb").read())
+    before = {name: (copy / name).read_bytes() for name in (schema.STEPS_FILE, schema.RUNS_FILE)}
+    append_run(copy, _run("new"), _steps("new", 2))
+    for name, old in before.items():
+        after = (copy / name).read_bytes()
+        assert after.startswith(old) and after.count(b"\n") > old.count(b"\n")
+
+
+def test_store_command_line(tmp_path, capsys):
+    assert store.main(["init", str(tmp_path / "p")]) == 0
+    assert (tmp_path / "p" / "runs.csv").read_text().strip().split(",") == RUN_COLUMNS
+    assert store.main(["init"]) == 2
+    assert "usage: python -m Utils.results.store init PREFIX" in capsys.readouterr().err
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "runs.csv").write_text("a,b\n")
+    assert store.main(["init", str(tmp_path / "q")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")

@@ -4,5 +4,9 @@
 - the op: a PyTorch operator, autograd Function or optimizer that torch.compile and CUDA graphs can take;
 - `reference`: the same mathematics in plain PyTorch, which the tests compare the op against.
 
+The ops: gemm_bias_grad, gelu_epilogue, packed_attention, loss_kernel, chunked_loss, triton_update. The
+libraries some of them call: cublaslt (cuBLASLt's GEMM epilogues) and nvrtc (CUDA C++ compiled at run
+time), both through native, the one loader of native libraries.
+
 Nothing here imports the rest of Utils: the ladder (Utils.ladder) swaps these ops into the model.
 """

@@ -11,11 +11,12 @@ Reference: F.cross_entropy(h @ weight[:vocab_size].T, targets) (`reference` belo
 """
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from Utils.kernels import loss_kernel
 
 CHUNK_ROWS = 4096
-KERNEL_ROW_MULTIPLE = 128
+KERNEL_ROW_MULTIPLE = 128   # logits rows this wide keep the GEMMs that write and read them evenly tiled
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -28,6 +29,9 @@ def kernel_logits_width(n_rows: int) -> int:
     return -(-n_rows // KERNEL_ROW_MULTIPLE) * KERNEL_ROW_MULTIPLE
 
 
+# --- Cross-entropy by chunks of rows: fuses the loss's backward into its forward (each chunk's logits are
+# made, reduced and turned into their gradient at once, and the gradients with respect to h and W
+# accumulated), so that the B x T x vocab logits never exist whole.
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, vocab_size, kernel):
@@ -67,27 +71,23 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_h * scale, (grad_w * scale).to(ctx.weight_dtype), None, None, None
 
 
-def softmax_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, acc: torch.dtype = torch.float32):
+def softmax_grad(logits: Tensor, targets: Tensor, vocab_size: int,
+                 acc: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """(sum of the rows' cross-entropy losses, softmax minus one-hot in logits' dtype) over the first
-    vocab_size columns; later columns get a zero gradient. Written as reductions and elementwise maps of
-    the logits, which a compiler fuses into one kernel over bf16 logits (Inductor's reads each row three
-    times and writes the gradient once): no fp32 copy of the logits is written."""
-    columns = torch.arange(logits.size(1), device=logits.device)
-    x = logits.to(acc).masked_fill(columns >= vocab_size, float("-inf"))
-    lse = torch.logsumexp(x, dim=-1)
-    loss = (lse - x.gather(1, targets[:, None]).squeeze(1)).sum()
-    one_hot = (columns == targets[:, None]).to(acc)
-    return loss, (torch.exp(x - lse[:, None]) - one_hot).to(logits.dtype)
+    vocab_size columns, later columns with a zero gradient: the loss kernel's reference, which Inductor
+    fuses into one kernel over the bf16 logits."""
+    row_loss, grad = loss_kernel.reference(logits, targets, vocab_size, acc)
+    return row_loss.sum(), grad
 
 
-def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                          kernel: bool = False) -> torch.Tensor:
+def chunked_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, vocab_size: int,
+                          kernel: bool = False) -> Tensor:
     """Mean cross-entropy of h [N, C] @ weight[:vocab_size].T against targets [N], without materializing the
     logits; weight's rows from vocab_size on get a zero gradient. kernel=True needs
     loss_kernel.unavailable(device) to be None."""
     return _ChunkedCrossEntropy.apply(h, weight, targets, vocab_size, kernel)
 
 
-def reference(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def reference(h: Tensor, weight: Tensor, targets: Tensor, vocab_size: int) -> Tensor:
     """What chunked_cross_entropy computes, with the logits made whole."""
     return F.cross_entropy(h @ weight[:vocab_size].t(), targets)

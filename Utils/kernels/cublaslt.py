@@ -2,11 +2,11 @@
 
 cuBLASLt can finish a GEMM's output tiles in registers before they are stored: add a bias, apply GELU
 (tanh approximation, as GPT-2's), write the pre-activation as a second "auxiliary" output, or, going
-backward, multiply by GELU's derivative at that stored pre-activation. PyTorch reaches only the forward GELU epilogue (torch._addmm_activation), without the
-auxiliary output that a backward pass needs; these two calls reach both. Everything here is row-major
-PyTorch on the outside; cuBLASLt is column-major, so each call computes the transposed product.
-
-`available(device)` says whether they run here: a CUDA GPU whose cuBLASLt library can be found.
+backward, multiply by GELU's derivative at that stored pre-activation. PyTorch reaches only the forward
+GELU epilogue (torch._addmm_activation), without the auxiliary output that a backward pass needs; these
+two calls reach both. Everything here is row-major PyTorch on the outside; cuBLASLt is column-major, so
+each call computes the transposed product. `reference_linear_gelu` and `reference_linear_dgelu` are the
+same mathematics in PyTorch operations.
 """
 import ctypes
 import ctypes.util
@@ -14,84 +14,90 @@ import functools
 import statistics
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
-_OP_N, _OP_T = 0, 1
-_CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = 0, 2, 14
-_COMPUTE_32F = 68
-_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
-_DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
-_PREF_MAX_WORKSPACE_BYTES = 1
-GELU_AUX_BIAS = 32 | 128 | 4   # bias, then GELU; the GELU's input stored as the auxiliary output
-DGELU = 64 | 128               # times GELU'(auxiliary input)
+from Utils.kernels import native
+from Utils.kernels.native import INT, INT64, POINTER, SIZE, UINT64
+
+# Enum values, each under its name in cublasLt.h, cublas_api.h or library_types.h.
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1                        # cublasOperation_t
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14         # cudaDataType_t
+CUBLAS_COMPUTE_32F = 68                                # cublasComputeType_t
+# cublasLtMatmulDescAttributes_t
+CUBLASLT_MATMUL_DESC_TRANSA = 3
+CUBLASLT_MATMUL_DESC_TRANSB = 4
+CUBLASLT_MATMUL_DESC_EPILOGUE = 7
+CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8
+CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER = 11
+CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12
+# cublasLtMatmulPreferenceAttributes_t
+CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1
+# cublasLtEpilogue_t
+CUBLASLT_EPILOGUE_DEFAULT = 1
+CUBLASLT_EPILOGUE_BIAS = 4
+CUBLASLT_EPILOGUE_GELU = 32
+CUBLASLT_EPILOGUE_GELU_AUX = CUBLASLT_EPILOGUE_GELU | 128                     # the GELU's input stored too
+CUBLASLT_EPILOGUE_GELU_AUX_BIAS = CUBLASLT_EPILOGUE_GELU_AUX | CUBLASLT_EPILOGUE_BIAS
+CUBLASLT_EPILOGUE_DGELU = 64 | 128                                            # times GELU'(auxiliary input)
+CUBLASLT_EPILOGUE_DGELU_BGRAD = CUBLASLT_EPILOGUE_DGELU | 16                  # and the bias gradient
+
 CANDIDATES = 8                 # up to this many heuristic algorithms are timed on a shape's first call
 WORKSPACE_BYTES = 32 << 20     # what cuBLAS asks for on Hopper
-_DTYPES = {torch.bfloat16: _CUDA_R_16BF, torch.float16: _CUDA_R_16F}
+_DTYPES = {torch.bfloat16: CUDA_R_16BF, torch.float16: CUDA_R_16F}
 
 
 class _HeuristicResult(ctypes.Structure):
+    """cublasLtMatmulHeuristicResult_t"""
     _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
                 ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
-_P, _INT, _SIZE = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-# The C signatures (cublasLt.h), so that ctypes passes each argument at its declared width.
+# cublasLt.h
 _SIGNATURES = {
-    "cublasLtCreate": [_P],
-    "cublasLtMatmulDescCreate": [_P, _INT, _INT],
-    "cublasLtMatmulDescSetAttribute": [_P, _INT, _P, _SIZE],
-    "cublasLtMatrixLayoutCreate": [_P, _INT, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
-    "cublasLtMatmulPreferenceCreate": [_P],
-    "cublasLtMatmulPreferenceSetAttribute": [_P, _INT, _P, _SIZE],
-    "cublasLtMatmulPreferenceDestroy": [_P],
-    "cublasLtMatmulAlgoGetHeuristic": [_P, _P, _P, _P, _P, _P, _P, _INT, _P, _P],
-    "cublasLtMatmul": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _SIZE, _P],
+    "cublasLtCreate": [POINTER],
+    "cublasLtMatmulDescCreate": [POINTER, INT, INT],
+    "cublasLtMatmulDescSetAttribute": [POINTER, INT, POINTER, SIZE],
+    "cublasLtMatrixLayoutCreate": [POINTER, INT, UINT64, UINT64, INT64],
+    "cublasLtMatmulPreferenceCreate": [POINTER],
+    "cublasLtMatmulPreferenceSetAttribute": [POINTER, INT, POINTER, SIZE],
+    "cublasLtMatmulPreferenceDestroy": [POINTER],
+    "cublasLtMatmulAlgoGetHeuristic": [POINTER, POINTER, POINTER, POINTER, POINTER, POINTER, POINTER, INT, POINTER,
+                                       POINTER],
+    "cublasLtMatmul": [POINTER] * 14 + [SIZE, POINTER],
 }
-
 
 @functools.cache
 def _library():
     """The cuBLASLt that PyTorch loaded (so that both use one copy), else the system's; None if neither."""
     try:
         torch.cuda.current_blas_handle()   # loads cuBLAS, and with it cuBLASLt
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcublasLt.so" in line}
-        path = min(paths) if paths else ctypes.util.find_library("cublasLt")
-        if not path:
-            return None
-        lib = ctypes.CDLL(path)
-        for name, argtypes in _SIGNATURES.items():
-            function = getattr(lib, name)
-            function.argtypes, function.restype = argtypes, ctypes.c_int   # every one returns cublasStatus_t
-        return lib
-    except Exception:   # no GPU, no /proc (not Linux), or a library that will not load
+    except Exception:   # no GPU, or a CUDA that will not initialize
         return None
+    path = native.mapped_library("libcublasLt") or ctypes.util.find_library("cublasLt")
+    return native.load([path], _SIGNATURES) if path else None
 
 
-def unavailable(device):
+def unavailable(device: torch.device) -> str | None:
     """None where the epilogue GEMMs run on this device, else why not."""
-    return None if available(device) else "GEMM epilogues need cuBLASLt on an Ampere or newer GPU"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
+        return "GEMM epilogues need cuBLASLt on an Ampere or newer GPU"
+    if _library() is None:
+        return "cuBLASLt could not be loaded"
+    return None
 
 
-def available(device):
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8 and _library() is not None
-
-
-def prepare(device):
+def prepare(device: torch.device) -> None:
     """Create this device's handle and workspace now: inside a CUDA graph's memory pool, the workspace would
     be an allocation the graph does not own."""
     _handle(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _check(status, what):
-    if status != 0:
-        raise RuntimeError(f"cuBLASLt {what} failed with status {status}")
-
-
-def _handle(device_index):
+def _handle(device_index: int):
     if device_index not in _handles:
         handle = ctypes.c_void_p()
         with torch.cuda.device(device_index):
-            _check(_library().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+            native.check(_library().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
             workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device_index}")
         _handles[device_index] = handle, workspace
     return _handles[device_index]
@@ -104,13 +110,14 @@ _plans = {}
 
 
 def _set(lib, desc, attribute, value):
-    _check(lib.cublasLtMatmulDescSetAttribute(desc, attribute, ctypes.byref(value), ctypes.sizeof(value)),
-           "cublasLtMatmulDescSetAttribute")
+    native.check(lib.cublasLtMatmulDescSetAttribute(desc, attribute, ctypes.byref(value), ctypes.sizeof(value)),
+                 "cublasLtMatmulDescSetAttribute")
 
 
 def _layout(lib, dtype, rows, cols, ld):
     layout = ctypes.c_void_p()
-    _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld), "cublasLtMatrixLayoutCreate")
+    native.check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld),
+                 "cublasLtMatrixLayoutCreate")
     return layout
 
 
@@ -123,24 +130,26 @@ def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b):
         return _plans[key]
     lib, (handle, _) = _library(), _handle(device_index)
     desc = ctypes.c_void_p()
-    _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _CUDA_R_32F), "cublasLtMatmulDescCreate")
-    _set(lib, desc, _DESC_TRANSA, ctypes.c_int32(trans_a))
-    _set(lib, desc, _DESC_TRANSB, ctypes.c_int32(trans_b))
-    _set(lib, desc, _DESC_EPILOGUE, ctypes.c_int32(epilogue))
-    _set(lib, desc, _DESC_AUX_LD, ctypes.c_int64(m))
-    a = _layout(lib, dtype, k, m, k) if trans_a == _OP_T else _layout(lib, dtype, m, k, m)
-    b = _layout(lib, dtype, n, k, ld_b) if trans_b == _OP_T else _layout(lib, dtype, k, n, ld_b)
+    native.check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                 "cublasLtMatmulDescCreate")
+    _set(lib, desc, CUBLASLT_MATMUL_DESC_TRANSA, ctypes.c_int32(trans_a))
+    _set(lib, desc, CUBLASLT_MATMUL_DESC_TRANSB, ctypes.c_int32(trans_b))
+    _set(lib, desc, CUBLASLT_MATMUL_DESC_EPILOGUE, ctypes.c_int32(epilogue))
+    _set(lib, desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ctypes.c_int64(m))
+    a = _layout(lib, dtype, k, m, k) if trans_a == CUBLAS_OP_T else _layout(lib, dtype, m, k, m)
+    b = _layout(lib, dtype, n, k, ld_b) if trans_b == CUBLAS_OP_T else _layout(lib, dtype, k, n, ld_b)
     d = _layout(lib, dtype, m, n, m)
     preference = ctypes.c_void_p()
-    _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "cublasLtMatmulPreferenceCreate")
+    native.check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "cublasLtMatmulPreferenceCreate")
     limit = ctypes.c_uint64(WORKSPACE_BYTES)
-    _check(lib.cublasLtMatmulPreferenceSetAttribute(preference, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit),
-                                                    ctypes.sizeof(limit)), "cublasLtMatmulPreferenceSetAttribute")
+    native.check(lib.cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                          ctypes.byref(limit), ctypes.sizeof(limit)),
+                 "cublasLtMatmulPreferenceSetAttribute")
     results, count = (_HeuristicResult * CANDIDATES)(), ctypes.c_int()
     status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, d, d, preference, CANDIDATES, results,
                                                 ctypes.byref(count))
     lib.cublasLtMatmulPreferenceDestroy(preference)
-    _check(status, "cublasLtMatmulAlgoGetHeuristic")
+    native.check(status, "cublasLtMatmulAlgoGetHeuristic")
     if count.value == 0:
         raise RuntimeError(f"cuBLASLt has no algorithm for epilogue {epilogue} at m={m} n={n} k={k}")
     _plans[key] = [desc, a, b, d, list(results)[:count.value], None]   # None: the fastest not yet known
@@ -162,7 +171,8 @@ def _fastest(launch, candidates):
     return min(range(candidates), key=times.__getitem__)
 
 
-def _matmul(epilogue, x, y, out, bias, aux, x_t=False, y_t=False, algo=None):
+def _matmul(epilogue: int, x: Tensor, y: Tensor, out: Tensor, bias: Tensor | None, aux: Tensor | None,
+            x_t: bool = False, y_t: bool = False, algo: int | None = None) -> None:
     """out = op(x) @ op(y), op transposing where x_t / y_t, with `epilogue`; `bias` (one entry per column of
     out) and `aux` (out's shape) as the epilogue uses them. `algo` picks a heuristic candidate; by default,
     the one found fastest on the shape's first call (the heuristic's first while a CUDA graph is captured).
@@ -171,8 +181,8 @@ def _matmul(epilogue, x, y, out, bias, aux, x_t=False, y_t=False, algo=None):
     if x.dtype not in _DTYPES or any(t.dtype != x.dtype for t in tensors):
         raise ValueError(f"cuBLASLt epilogue GEMMs take bf16 or fp16 tensors of one dtype, got "
                          f"{', '.join(str(t.dtype) for t in tensors)}")
-    # x may also be the first columns of a wider matrix, rows 16 bytes aligned: Utils.kernels.gemm_bias_grad's inputs,
-    # stored with a column of ones beside them.
+    # x may also be the first columns of a wider matrix, rows 16 bytes aligned: gemm_bias_grad's inputs,
+    # stored with columns of ones beside them.
     x_columns = x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= x.size(1) and x.stride(0) % 8 == 0
     if not all(t.is_contiguous() for t in tensors if t is not x) or not (x.is_contiguous() or
                                                                        (x_columns and not x_t)):
@@ -198,46 +208,64 @@ def _matmul(epilogue, x, y, out, bias, aux, x_t=False, y_t=False, algo=None):
         raise RuntimeError("cuBLASLt was not found: the GEMM epilogues need a CUDA build of PyTorch on a GPU")
     # Row-major out = op(x) @ op(y) is column-major out.T = op(y).T @ op(x).T: A is y, B is x.
     device_index = x.device.index
-    plan = _plan(device_index, epilogue, _OP_T if y_t else _OP_N, _OP_T if x_t else _OP_N, columns, rows, k,
-                 _DTYPES[x.dtype], x.stride(0) if x.size(0) > 1 else x.size(1))   # a 1-row x's stride is arbitrary
+    ld_x = x.stride(0) if x.size(0) > 1 else x.size(1)   # a 1-row x's stride is arbitrary
+    plan = _plan(device_index, epilogue, CUBLAS_OP_T if y_t else CUBLAS_OP_N, CUBLAS_OP_T if x_t else CUBLAS_OP_N,
+                 columns, rows, k, _DTYPES[x.dtype], ld_x)
     desc, a_layout, b_layout, d_layout, results, fastest = plan
     lib, (handle, workspace) = _library(), _handle(device_index)
-    _set(lib, desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr() if bias is not None else 0))
-    _set(lib, desc, _DESC_AUX_POINTER, ctypes.c_void_p(aux.data_ptr() if aux is not None else 0))
+    _set(lib, desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr() if bias is not None else 0))
+    _set(lib, desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+         ctypes.c_void_p(aux.data_ptr() if aux is not None else 0))
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
     stream = torch.cuda.current_stream(x.device).cuda_stream
 
     def launch(i):
-        _check(lib.cublasLtMatmul(handle, desc, ctypes.byref(alpha), ctypes.c_void_p(y.data_ptr()), a_layout,
-                                  ctypes.c_void_p(x.data_ptr()), b_layout, ctypes.byref(beta),
-                                  ctypes.c_void_p(out.data_ptr()), d_layout, ctypes.c_void_p(out.data_ptr()),
-                                  d_layout, ctypes.byref(results[i].algo), ctypes.c_void_p(workspace.data_ptr()),
-                                  ctypes.c_size_t(WORKSPACE_BYTES), ctypes.c_void_p(stream)), "cublasLtMatmul")
+        native.check(lib.cublasLtMatmul(handle, desc, ctypes.byref(alpha), ctypes.c_void_p(y.data_ptr()), a_layout,
+                                        ctypes.c_void_p(x.data_ptr()), b_layout, ctypes.byref(beta),
+                                        ctypes.c_void_p(out.data_ptr()), d_layout, ctypes.c_void_p(out.data_ptr()),
+                                        d_layout, ctypes.byref(results[i].algo),
+                                        ctypes.c_void_p(workspace.data_ptr()), ctypes.c_size_t(WORKSPACE_BYTES),
+                                        ctypes.c_void_p(stream)), "cublasLtMatmul")
 
     with torch.cuda.device(x.device):
         if algo is None and fastest is None:
             if torch.cuda.is_current_stream_capturing():
                 algo = 0
             else:
-                # The heuristic's first choice was up to 18% slower than the best of its (up to) eight at
-                # these shapes. Timing makes the choice depend on the run: results agree to rounding
-                # between runs, not bit for bit.
+                # The heuristic's first choice can be slower than another of its candidates at these
+                # shapes (BENCHMARKS.md, kernel tuning history). Timing makes the choice depend on the
+                # run: results agree to rounding between runs, not bit for bit.
                 algo = plan[5] = _fastest(launch, len(results))
         launch(fastest if algo is None else algo)
 
 
-def linear_gelu(x, weight, bias):
+# --- GELU_AUX_BIAS: fuses the bias add, GELU and the store of GELU's input into the GEMM's epilogue, so
+# that no separate pass reads the pre-activation to apply GELU.
+def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     """(gelu(x @ weight.T + bias), x @ weight.T + bias) in one GEMM; x [M, K], weight [N, K], bias [N]."""
     h = torch.empty(x.size(0), weight.size(0), dtype=x.dtype, device=x.device)
     a = torch.empty_like(h)
-    _matmul(GELU_AUX_BIAS, x, weight, a, bias, h, y_t=True)
+    _matmul(CUBLASLT_EPILOGUE_GELU_AUX_BIAS, x, weight, a, bias, h, y_t=True)
     return a, h
 
 
-def linear_dgelu(grad, weight, h):
+# --- DGELU: fuses GELU's derivative at the stored pre-activation into the input-gradient GEMM's epilogue,
+# so that no separate pass reads the GEMM's output and the pre-activation. Not DGELU_BGRAD, which would
+# also sum the bias gradient: its kernels were slower than this GEMM and a separate sum (BENCHMARKS.md).
+def linear_dgelu(grad: Tensor, weight: Tensor, h: Tensor) -> Tensor:
     """grad_h = (grad @ weight) * gelu'(h) in one GEMM, the gradient through a = gelu(h) and y = a @ weight.T;
-    grad [M, N2], weight [N2, N], h [M, N]. (cuBLASLt's DGELU_BGRAD would also sum the bias gradient, but
-    its kernels took 2.6 times as long as this one's.)"""
+    grad [M, N2], weight [N2, N], h [M, N]."""
     grad_h = torch.empty_like(h)
-    _matmul(DGELU, grad, weight, grad_h, None, h)
+    _matmul(CUBLASLT_EPILOGUE_DGELU, grad, weight, grad_h, None, h)
     return grad_h
+
+
+def reference_linear_gelu(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """What linear_gelu computes, in PyTorch operations (GELU's tanh approximation, as GPT-2's)."""
+    h = torch.addmm(bias, x, weight.t())
+    return F.gelu(h, approximate="tanh"), h
+
+
+def reference_linear_dgelu(grad: Tensor, weight: Tensor, h: Tensor) -> Tensor:
+    """What linear_dgelu computes, in PyTorch operations."""
+    return torch.ops.aten.gelu_backward(grad @ weight, h, approximate="tanh")

@@ -9,21 +9,27 @@ mathematics, without those passes. GELU is computed from the fp32 accumulator ra
 pre-activation rounded to bf16, a difference of bf16 rounding only.
 
 The two GEMMs are PyTorch operators (gpt_suite::linear_gelu and ::linear_dgelu), so torch.compile and
-CUDA graphs see them as opaque calls. On a GPU they run Utils.kernels.cublaslt; elsewhere, the same mathematics
-in PyTorch operations, which the tests compare with the plain MLP.
+CUDA graphs see them as opaque calls. On a GPU they run Utils.kernels.cublaslt; elsewhere, the same
+mathematics in PyTorch operations (cublaslt's references). `reference` is the plain MLP.
 """
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
 from Utils.kernels import cublaslt, gemm_bias_grad
 
 
+def unavailable(device: torch.device) -> str | None:
+    """None where the epilogue GEMMs run on this device, else why not (elsewhere gelu_mlp runs their
+    PyTorch definitions)."""
+    return cublaslt.unavailable(device)
+
+
 @torch.library.custom_op("gpt_suite::linear_gelu", mutates_args=())
 def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     """(gelu(h), h) with h = x @ weight.T + bias; GELU's tanh approximation, as GPT-2's."""
-    h = torch.addmm(bias, x, weight.t())
-    return F.gelu(h, approximate="tanh"), h
+    return cublaslt.reference_linear_gelu(x, weight, bias)
 
 
 @linear_gelu.register_kernel("cuda")
@@ -40,7 +46,7 @@ def _(x, weight, bias):
 @torch.library.custom_op("gpt_suite::linear_dgelu", mutates_args=())
 def linear_dgelu(grad: Tensor, weight: Tensor, h: Tensor) -> Tensor:
     """grad_h through y = gelu(h) @ weight.T: (grad @ weight) * gelu'(h)."""
-    return torch.ops.aten.gelu_backward(grad @ weight, h, approximate="tanh")
+    return cublaslt.reference_linear_dgelu(grad, weight, h)
 
 
 @linear_dgelu.register_kernel("cuda")
@@ -53,6 +59,9 @@ def _(grad, weight, h):
     return torch.empty_like(h)
 
 
+# --- The MLP around the two epilogue GEMMs: c_fc's bias and GELU fused into c_fc's GEMM, GELU's
+# derivative into c_proj's input-gradient GEMM, so that neither the GELU nor its backward is a pass of
+# its own over the tokens x 3072 activations.
 class _GeluMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fc_weight, fc_bias, proj_weight, proj_bias, ones):
@@ -76,8 +85,13 @@ class _GeluMLP(torch.autograd.Function):
         return grad_h @ fc_weight, *fc_grads, grad.t() @ a, grad.sum(0), None
 
 
-def gelu_mlp(x, fc, proj, ones=False):
+def gelu_mlp(x: Tensor, fc: nn.Linear, proj: nn.Linear, ones: bool = False) -> Tensor:
     """proj(gelu(fc(x))) for nn.Linear layers fc and proj, x [..., fc.in_features]. Under autocast, in the
     autocast dtype, as the plain MLP's matmuls would be. With ones, fc's bias gradient comes out of its
     weight-gradient GEMM (Utils.kernels.gemm_bias_grad)."""
     return gemm_bias_grad.apply_in_autocast_dtype(_GeluMLP, x, (fc.weight, fc.bias, proj.weight, proj.bias), ones)
+
+
+def reference(x: Tensor, fc: nn.Linear, proj: nn.Linear) -> Tensor:
+    """What gelu_mlp computes: the plain MLP, proj(gelu(fc(x))) with GELU's tanh approximation."""
+    return F.linear(F.gelu(F.linear(x, fc.weight, fc.bias), approximate="tanh"), proj.weight, proj.bias)

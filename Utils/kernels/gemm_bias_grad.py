@@ -9,25 +9,35 @@ the forward GEMM reads X as the first columns of [X 1]. Compiled, the kernel tha
 writes it straight into the wider buffer. The sum is the GEMM's fp32 accumulation of the same bf16
 values, rounded to bf16 as autograd's bf16 bias gradient is: the same sums, to bf16 rounding (a split-K
 GEMM adds its partial sums in another order than a reduction kernel, and PyTorch lets cuBLAS round those
-partial sums to bf16).
+partial sums to bf16). `reference` is the plain linear layer.
 """
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
 
-ONES = 8
+ONES = 8   # columns of ones: 16 bytes of bf16, so that the rows of [X 1] stay 16-byte aligned
 
 
-def with_ones(x):
+def unavailable(device: torch.device) -> str | None:
+    """None: these are PyTorch operations and run on any device."""
+    return None
+
+
+def with_ones(x: Tensor) -> Tensor:
     """[x, 1, ..., 1]: x [N, K] with ONES columns of ones after it."""
     return torch.cat([x, x.new_ones(()).expand(x.size(0), ONES)], dim=1)
 
 
-def weight_and_bias_grad(grad, x_ones):
+def weight_and_bias_grad(grad: Tensor, x_ones: Tensor) -> tuple[Tensor, Tensor]:
     """(dY^T X, dY^T 1) from one GEMM, for grad = dY [N, out] and x_ones = [X 1] [N, K + ONES]."""
     k = x_ones.size(1) - ONES
     both = grad.t() @ x_ones
     return both[:, :k], both[:, k]
 
 
+# --- Bias gradient from the weight-gradient GEMM: fuses the bias gradient's sum over the tokens into the
+# GEMM dY^T [X 1] as its last column, so that no pass of its own reads dY.
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -41,7 +51,8 @@ class _Linear(torch.autograd.Function):
         return (grad @ weight, *weight_and_bias_grad(grad, x_ones))
 
 
-def apply_in_autocast_dtype(function, x, params, *args):
+def apply_in_autocast_dtype(function: type[torch.autograd.Function], x: Tensor, params: tuple[Tensor, ...],
+                            *args) -> Tensor:
     """function.apply(x as a [tokens, features] matrix, *params, *args) with the tensors in the autocast dtype
     (x's where autocast is off) and autocast off inside: the dtype that plain nn.Linear layers would compute
     in. The result keeps x's leading dimensions."""
@@ -52,7 +63,12 @@ def apply_in_autocast_dtype(function, x, params, *args):
     return y.view(*x.shape[:-1], y.size(-1))
 
 
-def linear(x, layer):
+def linear(x: Tensor, layer: nn.Linear) -> Tensor:
     """layer(x) for an nn.Linear with a bias, x [..., in_features], its bias gradient made by its weight-gradient
     GEMM. Under autocast, in the autocast dtype, as layer(x) would be."""
     return apply_in_autocast_dtype(_Linear, x, (layer.weight, layer.bias))
+
+
+def reference(x: Tensor, layer: nn.Linear) -> Tensor:
+    """What linear computes: the plain linear layer, its bias gradient autograd's sum."""
+    return F.linear(x, layer.weight, layer.bias)

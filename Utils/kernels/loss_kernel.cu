@@ -1,12 +1,12 @@
-// The chunked loss's softmax-gradient pass over one row of bf16 logits per block, the row read from
-// memory once: copied into shared memory (cp.async, 16 bytes per copy), reduced there twice (maximum, then
-// the sum of exponentials), and overwritten in memory with its gradient, softmax minus one-hot. One read
-// and one write, the least an in-place pass can move; the Triton kernel, which cannot stage a row in
-// shared memory, reads it twice. A 50,304-column row takes 98 KiB, so two blocks share an SM and one
-// computes while the other waits on memory.
+// --- Softmax gradient of one bf16 row per block, in place (Utils/kernels/loss_kernel.py launches it).
+// Fuses the log-sum-exp, the row's loss and softmax minus one-hot into one read and one write of the
+// row, the least an in-place pass can move: the row is copied into shared memory (cp.async, 16 bytes per
+// copy), reduced there twice (maximum, then the sum of exponentials), and its gradient written over it in
+// memory. The Triton kernel, which cannot stage a row in shared memory, reads it twice. A 50,304-column
+// row takes 98 KiB, so two blocks share an SM and one computes while the other waits on memory.
 //
 // Columns from vocab_size on are left out of the softmax and get a zero gradient. Needs n_cols and
-// row_stride multiples of 8 and a 16-byte aligned row start (Utils/ce_kernel.py checks).
+// row_stride multiples of 8 and a 16-byte aligned row start (loss_kernel.py checks).
 #define LOG2E 1.4426950408889634f
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -43,8 +43,8 @@ cross_entropy_grad_rows(unsigned short* logits, const long long* targets, float*
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
     const int target = (int)targets[blockIdx.x];
 
-    // Each pass unpacks its vectors in line: the same passes through a shared unpack-to-8-floats helper
-    // compiled to other code and took 220.7 us per chunk against 215 (results/logs/loss-kernel-unpack8.log).
+    // Each pass unpacks its vectors in line: a shared unpack-to-8-floats helper compiled to slower code
+    // (BENCHMARKS.md, kernel tuning history).
     float m = NEG_INF;
     for (int i = tid; i < n_vec; i += blockDim.x) {
         const uint4 v = row_buf[i];

@@ -1,60 +1,52 @@
 """The chunked loss's softmax-gradient pass as one hand-written kernel: CUDA on a GPU, Triton elsewhere.
 
 For each row of a chunk's logits the kernel finds the log-sum-exp, writes the row's loss, and overwrites
-the row with its gradient, softmax minus one-hot, in place.
+the row with its gradient, softmax minus one-hot, in place (`cross_entropy_grad`; `reference` is the same
+mathematics in PyTorch operations, out of place).
 
-On a GPU of compute capability 8.0 or newer it is Utils/kernels/loss_kernel.cu, compiled at first use by
-NVRTC (Utils.kernels.nvrtc): it copies each row into shared memory, so the logits are read once and written
-once. On an H200 it takes 215 us for 4,096 rows of 50,304 columns, against 197 for a plain copy of them
-and 328 for the Triton kernel (results/logs/loss-kernel-cuda.log).
-
-The Triton kernel below is the fallback (no NVRTC, or a row that the CUDA kernel cannot take) and what
-the tests run on a CPU, through Triton's interpreter (TRITON_INTERPRET=1, set before this module is
-imported). It finds the log-sum-exp in one read (a running maximum and a running sum rescaled to it,
-"online softmax"), then reads the row again to write the gradient: two reads and one write. It takes 328
-us for the same chunk, against 370 for its first form (results/logs/loss-kernel-variants.log): one
-exponential per element in the first pass instead of two (364 us at 4 warps), 8 warps instead of 4
-(334), and the second pass walking the row backwards, so that it starts with the columns the first pass
-read last, the likeliest still to be in L2 (328). Inductor's fusion of the same expression
-(Utils.kernels.chunked_loss.softmax_grad) reads each row three times.
+On a GPU of compute capability 8.0 or newer it is loss_kernel.cu, compiled at first use by NVRTC
+(Utils.kernels.nvrtc), which reads the logits once and writes them once. The Triton kernel below is the
+fallback (no NVRTC, or a row that the CUDA kernel cannot take) and what the tests run on a CPU, through
+Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported); it reads each row twice.
+Their times, and those of the variants tried, are in BENCHMARKS.md (kernel tuning history).
 """
 import ctypes
 import os
 
 import torch
+from torch import Tensor
 
 from Utils.kernels import nvrtc
 
 try:
     import triton
     import triton.language as tl
-except Exception:   # absent, or broken: apply_loss then runs the plain chunked loss instead
+except Exception:   # absent, or broken: the ladder then runs the plain chunked loss instead
     triton = None
 
-BLOCK = 2048   # columns per load; with 8 warps, the fastest of six pairs tried (1024..4096 x 4..16 warps)
+# Columns per load, and warps, of the Triton kernel: the fastest pair tried (BENCHMARKS.md).
+BLOCK = 2048
 NUM_WARPS = 8
-CUDA_THREADS = 256   # 8 warps per block; 128 threads took 273 us per chunk against 216. Whole warps only, and
-                     # at most the 256 of the kernel's __launch_bounds__
+# Threads per block of the CUDA kernel: whole warps only, at most the 256 of its __launch_bounds__; 256 was
+# the fastest tried (BENCHMARKS.md).
+CUDA_THREADS = 256
 USE_CUDA = True      # False: the Triton kernel on a GPU too, to compare the two
 _CUDA = nvrtc.Kernel(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "loss_kernel.cu")).read(),
                      "cross_entropy_grad_rows")
-
 
 # Read once, as @triton.jit reads it when the kernel is defined below.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def unavailable(device):
-    """None where the kernel runs on this device, else why not."""
-    return None if available(device) else "the loss kernel needs a GPU with NVRTC or Triton"
-
-
-def available(device):
-    """Whether the kernel runs on this device: a CUDA GPU where the CUDA kernel can be built, or with Triton,
-    or any device under Triton's interpreter."""
+def unavailable(device: torch.device) -> str | None:
+    """None where the kernel runs on this device (a CUDA GPU where the CUDA kernel can be built or Triton
+    runs, or any device under Triton's interpreter), else why not."""
     if device.type == "cuda":
-        return _cuda_usable(device) or _triton_kernel is not None
-    return _triton_kernel is not None and INTERPRETED
+        return None if _cuda_usable(device) or _triton_kernel is not None else \
+            "the loss kernel needs a GPU with NVRTC or Triton"
+    if _triton_kernel is not None and INTERPRETED:
+        return None
+    return "the loss kernel needs a GPU with NVRTC or Triton (or Triton's interpreter, TRITON_INTERPRET=1)"
 
 
 # Why the CUDA kernel cannot be built here, once compiling or loading it has failed (an NVRTC too old for
@@ -62,18 +54,18 @@ def available(device):
 _cuda_failure = None
 
 
-def _cuda_usable(device):
+def _cuda_usable(device: torch.device) -> bool:
     # cp.async and the bf16x2 conversion need compute capability 8.0 (Ampere) or newer.
-    return (USE_CUDA and _cuda_failure is None and device.type == "cuda" and nvrtc.available(device)
+    return (USE_CUDA and _cuda_failure is None and device.type == "cuda" and nvrtc.unavailable(device) is None
             and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
-def _shared_fits(device, n_cols):
+def _shared_fits(device: torch.device, n_cols: int) -> bool:
     # the row, and 1 KiB for the kernel's own scratch and what the hardware reserves per block
     return 2 * n_cols + 1024 <= torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
-def prepare(device, n_cols):
+def prepare(device: torch.device, n_cols: int) -> str | None:
     """Compile and load the CUDA kernel for rows of n_cols now, not on its first call, which may fall inside
     a CUDA graph's capture. Returns a note if it cannot be built here (and the Triton kernel will run)."""
     global _cuda_failure
@@ -87,7 +79,7 @@ def prepare(device, n_cols):
     return None
 
 
-def _cuda_takes(logits, targets):
+def _cuda_takes(logits: Tensor, targets: Tensor) -> bool:
     """Whether the CUDA kernel can take these logits: 16-byte vectors, int64 targets, a row that fits in shared
     memory, and sizes that fit the kernel's 32-bit arguments."""
     if not (logits.is_cuda and _cuda_usable(logits.device)):
@@ -100,6 +92,11 @@ def _cuda_takes(logits, targets):
 
 def _define_triton():
     """The Triton kernel; raises where this Triton cannot define it."""
+    # --- Softmax gradient of one row per program, in place: fuses the log-sum-exp, the row's loss and
+    # softmax minus one-hot into two reads and one write of the row, where Inductor's fusion of the same
+    # expressions reads it three times. The first pass keeps a running maximum and a sum rescaled to it
+    # ("online softmax"); the second walks the row backwards, starting with the columns the first pass
+    # read last, the likeliest still to be in L2.
     @triton.jit
     def _cross_entropy_grad_kernel(logits_ptr, targets_ptr, row_loss_ptr, n_cols, vocab_size, row_stride,
                                    BLOCK: tl.constexpr):
@@ -148,7 +145,7 @@ if triton is not None:
 
 # An operator, so that torch.compile and CUDA graphs see one opaque call that overwrites the logits.
 @torch.library.custom_op("gpt_suite::cross_entropy_grad_", mutates_args={"logits"})
-def _cross_entropy_grad_op(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def _cross_entropy_grad_op(logits: Tensor, targets: Tensor, vocab_size: int) -> Tensor:
     rows, cols = logits.shape
     row_loss = torch.empty(rows, device=logits.device, dtype=torch.float32)
     if rows == 0:
@@ -162,7 +159,7 @@ def _cross_entropy_grad_op(logits: torch.Tensor, targets: torch.Tensor, vocab_si
                                 num_warps=NUM_WARPS)
     else:
         raise RuntimeError(f"the cross-entropy kernel cannot take these logits here (shape {tuple(logits.shape)}, "
-                           f"{logits.dtype}) and Triton, its fallback, is absent: use loss='chunked'")
+                           f"{logits.dtype}) and Triton, its fallback, is absent: use the plain chunked loss")
     return row_loss
 
 
@@ -174,14 +171,15 @@ def _(logits, targets, vocab_size):
 _op = torch.ops.gpt_suite.cross_entropy_grad_
 
 
-def cross_entropy_grad(logits, targets, vocab_size):
+def cross_entropy_grad(logits: Tensor, targets: Tensor, vocab_size: int) -> Tensor:
     """Overwrite logits (rows x padded vocabulary, each row contiguous) with softmax(logits[:, :vocab_size])
     minus one-hot(targets), zero in the padded columns, and return each row's loss, lse - logit[target],
-    in fp32. Targets must lie in [0, vocab_size): there is no ignore index, and checking the range would
-    cost a device-to-host read per chunk."""
-    if not torch.compiler.is_compiling() and not available(logits.device):
-        raise RuntimeError(f"the cross-entropy kernel needs a CUDA GPU with NVRTC or Triton (or Triton with "
-                           f"TRITON_INTERPRET=1), not {logits.device.type}: use loss='chunked'")
+    in fp32. The kernel computes in fp32 whatever the logits' dtype. Targets must lie in [0, vocab_size):
+    there is no ignore index, and checking the range would cost a device-to-host read per chunk."""
+    if not torch.compiler.is_compiling():
+        why = unavailable(logits.device)
+        if why:
+            raise RuntimeError(f"{why}, not {logits.device.type}: use the plain chunked loss")
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"the cross-entropy kernel needs 2-D logits with contiguous rows, got shape "
                          f"{tuple(logits.shape)} and strides {logits.stride()}")
@@ -191,3 +189,17 @@ def cross_entropy_grad(logits, targets, vocab_size):
     if not 0 < vocab_size <= logits.size(1):
         raise ValueError(f"vocab_size={vocab_size} must be between 1 and the logits' width {logits.size(1)}")
     return _op(logits, targets.contiguous(), vocab_size)
+
+
+def reference(logits: Tensor, targets: Tensor, vocab_size: int,
+              acc: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """(each row's loss in `acc`, softmax minus one-hot in logits' dtype) over the first vocab_size columns,
+    later columns with a zero gradient: what cross_entropy_grad computes, out of place. Written as
+    reductions and elementwise maps of the logits, which Inductor fuses into one kernel over them that
+    writes no `acc` copy of the logits (the plain chunked loss compiles exactly this)."""
+    columns = torch.arange(logits.size(1), device=logits.device)
+    x = logits.to(acc).masked_fill(columns >= vocab_size, float("-inf"))
+    lse = torch.logsumexp(x, dim=-1)
+    row_loss = lse - x.gather(1, targets[:, None]).squeeze(1)
+    one_hot = (columns == targets[:, None]).to(acc)
+    return row_loss, (torch.exp(x - lse[:, None]) - one_hot).to(logits.dtype)

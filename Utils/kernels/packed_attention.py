@@ -10,7 +10,7 @@ at their offsets in the packed tensor and write dq, dk, dv at theirs in the pack
 gpt_suite::packed_attention and ::packed_attention_backward are PyTorch operators, so torch.compile and
 CUDA graphs see them as opaque calls. On a GPU that cuDNN's frontend can drive they run cuDNN; elsewhere,
 the same mathematics in PyTorch operations (the backward from the saved output and log-sum-exp, as a
-FlashAttention backward computes it), which the tests compare with the model's plain attention.
+FlashAttention backward computes it). `reference` is causal attention as the model writes it out.
 """
 import functools
 import math
@@ -19,10 +19,11 @@ import warnings
 import torch
 from torch import Tensor
 
-DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16)   # what cuDNN's fused attention takes
+MAX_HEAD_DIM = 128                          # the largest head its fused kernels take, in multiples of 8
 
 
-def layout(batch, seq_len, n_head, head_dim):
+def layout(batch: int, seq_len: int, n_head: int, head_dim: int) -> dict:
     """cuDNN's [B, H, T, D] dims and strides for the packed q, k, v (and their gradients), for the output
     and its gradient ([B, T, C] in memory), and for the [B, H, T, 1] log-sum-exp; and the offsets of q, k
     and v in the packed tensor, in elements."""
@@ -120,12 +121,23 @@ def _backward(ctx, grad_y, grad_lse):
 packed_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def packed_attention(qkv, n_head):
+def packed_attention(qkv: Tensor, n_head: int) -> Tensor:
     """Causal attention of the heads packed in qkv [B, T, 3C]: y [B, T, C], differentiable in qkv."""
     return packed_attention_fwd(qkv.contiguous(), n_head)[0]
 
 
-# --- cuDNN, through its frontend ---
+def reference(qkv: Tensor, n_head: int) -> Tensor:
+    """What packed_attention computes: causal attention with the T x T scores written out, autograd's
+    gradient, in qkv's dtype (computed in fp32 at least)."""
+    q, k, v = _split(qkv, n_head)
+    y = torch.softmax(_scores(q, k), dim=-1) @ v
+    B, T, C3 = qkv.shape
+    return y.transpose(1, 2).reshape(B, T, C3 // 3).to(qkv.dtype)
+
+
+# --- cuDNN's fused attention, through its frontend: reads q, k and v at their offsets in the packed QKV
+# tensor and writes dq, dk and dv at theirs in one packed gradient, so that no copy gathers the three
+# gradients into the tensor the QKV projection's backward reads.
 
 @functools.cache
 def _frontend():
@@ -139,28 +151,28 @@ def _frontend():
 _failure = None   # why cuDNN could not run a small graph here (prepare), if it could not
 
 
-def unavailable(device, head_dim):
+def unavailable(device: torch.device, head_dim: int) -> str | None:
     """None where cuDNN runs the packed operators on this device, else why not."""
-    if available(device, head_dim):
+    if _available(device, head_dim):
         return None
     return _failure or "packed attention needs cuDNN 9 and its frontend on an Ampere or newer GPU"
 
 
-def cudnn_unavailable(device):
+def cudnn_unavailable(device: torch.device) -> str | None:
     """None where cuDNN's fused attention (SDPA's cuDNN backend) runs on this device, else why not."""
-    return None if cudnn_fused_attention(device) else "cuDNN attention is not available here"
+    return None if _cudnn_fused_attention(device) else "cuDNN attention is not available here"
 
 
-def cudnn_fused_attention(device):
+def _cudnn_fused_attention(device):
     """Whether cuDNN has its fused attention kernels here: on Ampere and newer GPUs, from cuDNN 9 on."""
     return (device.type == "cuda" and torch.backends.cudnn.is_available()
             and torch.cuda.get_device_capability(device)[0] >= 8 and torch.backends.cudnn.version() >= 90000)
 
 
-def available(device, head_dim):
+def _available(device, head_dim):
     """Whether cuDNN runs these operators here: its fused attention and its frontend, a head size that the
-    fused attention takes (a multiple of 8, at most 128), and no failure seen by prepare()."""
-    return (_failure is None and cudnn_fused_attention(device) and head_dim % 8 == 0 and head_dim <= 128
+    fused attention takes, and no failure seen by prepare()."""
+    return (_failure is None and _cudnn_fused_attention(device) and head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
             and _frontend() is not None)
 
 
@@ -171,12 +183,12 @@ def _probe(device, head_dim):
     torch.cuda.synchronize(device)
 
 
-def prepare(device, head_dim):
+def prepare(device: torch.device, head_dim: int) -> str | None:
     """Build and run a small forward and backward graph now, before any CUDA graph is captured. Returns None,
     or a note saying why cuDNN cannot run them here (its library older than its frontend needs, a GPU its
-    kernels do not cover), after which available() is False and the rung runs SDPA instead."""
+    kernels do not cover), after which unavailable() says so and the ladder runs SDPA instead."""
     global _failure
-    if device.type != "cuda" or not available(device, head_dim):
+    if device.type != "cuda" or not _available(device, head_dim):
         return None
     try:
         _probe(device, head_dim)
@@ -190,7 +202,7 @@ def prepare(device, head_dim):
 @functools.cache
 def _cudnn_ok(index, head_dim):
     # Asked on every call: the answer cannot change within a run, and asking costs several driver queries.
-    return available(torch.device("cuda", index), head_dim)
+    return _available(torch.device("cuda", index), head_dim)
 
 
 def _takes(qkv, n_head):

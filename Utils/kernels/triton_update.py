@@ -8,18 +8,15 @@ the same clip factor, min(1, max_norm / (norm + 1e-6)), and AdamW with decoupled
 
 Each kernel is one launch for all parameters. Parameters and gradients stay where torch put them: each
 program handles BLOCK elements of one tensor, and finds the tensor's address in a table. The optimizer's
-moments are two flat buffers, BLOCK slots per program, owned here.
+moments are two flat buffers, BLOCK slots per program, owned here. `reference` is the same update as
+torch ships it: clip_grad_norm_, then AdamW.
 
-On an H200 an update of GPT-2's 124.5M parameters takes 996 us, against 1,515 for clip_grad_norm_ and
-fused AdamW (bench/update_kernels.py; results/logs/update-kernels-*.log): 4.0 TB/s counting the least
-traffic an update moves, one read of the gradients for the norm and one pass over parameters, gradients
-and both moments.
-
-Triton is optional: `available()` says whether the kernels can run here. With TRITON_INTERPRET=1 set
+Triton is optional: `unavailable()` says why the kernels cannot run here. With TRITON_INTERPRET=1 set
 before this module is imported, Triton's interpreter runs them on CPU tensors (the tests do).
 """
 import math
 import os
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -29,20 +26,21 @@ try:
 except Exception:   # absent, or broken: apply_optimizer then builds torch's fused AdamW instead
     triton = None
 
-BLOCK = 4096     # with 8 warps, within 2% of the fastest of 15 pairs tried (1,024..16,384 x 4..16 warps)
+# Elements per program, and warps: within 2% of the fastest pair tried (BENCHMARKS.md).
+BLOCK = 4096
 NUM_WARPS = 8
 
 # Read once, as @triton.jit reads it when the kernels are defined below.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def unavailable(device):
-    """None where the kernels run on this device, else why not."""
-    return None if available(device) else "the Triton clip-and-AdamW kernels need a GPU and Triton"
+def unavailable(device: torch.device) -> str | None:
+    """None where the kernels run on this device (a CUDA GPU with Triton, or any device under the
+    interpreter), else why not."""
+    return None if _available(device) else "the Triton clip-and-AdamW kernels need a GPU and Triton"
 
 
-def available(device):
-    """Whether the kernels run on this device: a CUDA GPU with Triton, or any device under the interpreter."""
+def _available(device):
     return _kernels is not None and (device.type == "cuda" or INTERPRETED)
 
 
@@ -68,6 +66,9 @@ if triton is not None:
         g = tl.load(grad + offsets, mask=offsets < (BLOCK if FULL else left), other=0.0)
         return tl.sum(g * g, 0)
 
+    # --- Gradient norm, first half: each program's sum of squared gradients over BLOCK elements of one
+    # parameter, read in place through the address table (no flattening copy); also counts each
+    # parameter's step, so that the second kernel needs no host-side bookkeeping.
     @triton.jit
     def _square_sum_kernel(block_param_ptr, numel_ptr, first_block_ptr, grad_ptrs, partial_ptr, steps_ptr,
                            BLOCK: tl.constexpr):
@@ -102,6 +103,9 @@ if triton is not None:
         tl.store(exp_avg + offsets, m, mask=mask)
         tl.store(exp_avg_sq + offsets, v, mask=mask)
 
+    # --- AdamW with the clip applied: fuses clip_grad_norm_'s scaling of the gradients into the AdamW
+    # update, which multiplies each gradient by the clip factor as it reads it, so that the clip's
+    # read-and-write pass over the gradients is gone and no gradient is written.
     @triton.jit
     def _adamw_kernel(block_param_ptr, numel_ptr, first_block_ptr, grad_ptrs, param_ptrs, lr_ptr, decay_ptr,
                       exp_avg_ptr, exp_avg_sq_ptr, clip_ptr, steps_ptr, beta1, beta2, log2_beta1, log2_beta2,
@@ -136,7 +140,8 @@ class TritonUpdate(torch.optim.Optimizer):
     contiguous and on one device, and every group must share betas and eps; the parameters are fixed at
     construction (no add_param_group). `step()` never synchronizes the host with the device."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, max_norm=1.0):
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, max_norm: float = 1.0):
         if _kernels is None:
             raise RuntimeError("TritonUpdate needs Triton, which is not usable here: use torch's fused AdamW")
         if not max_norm > 0:
@@ -148,7 +153,7 @@ class TritonUpdate(torch.optim.Optimizer):
         self._check_hyperparameters()
         device = self._params[0].device
         self._check_params()
-        if not available(device):
+        if not _available(device):
             raise RuntimeError(f"TritonUpdate's kernels need a CUDA GPU with Triton (or TRITON_INTERPRET=1), "
                                f"not {device.type}")
         self.block = BLOCK
@@ -173,7 +178,7 @@ class TritonUpdate(torch.optim.Optimizer):
         self._params_key = self._grads_key = self._hyper_key = None
         self._built = True
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict) -> None:
         if self._built:
             raise NotImplementedError("TritonUpdate's parameters are fixed at construction: build a new one")
         super().add_param_group(param_group)
@@ -213,7 +218,7 @@ class TritonUpdate(torch.optim.Optimizer):
         return g.data_ptr()
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: None = None) -> None:
         if closure is not None:
             raise ValueError("TritonUpdate.step takes no closure")
         # The tables of addresses are uploaded again whenever a parameter or a gradient has moved (a
@@ -248,7 +253,7 @@ class TritonUpdate(torch.optim.Optimizer):
                     BLOCK=self.block, num_warps=NUM_WARPS)
         return None
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict) -> None:
         """Copies a state_dict of this class or of torch.optim.AdamW (same parameters, same groups, no
         amsgrad) into this optimizer's buffers and groups."""
         groups = state_dict["param_groups"]
@@ -264,3 +269,18 @@ class TritonUpdate(torch.optim.Optimizer):
         for saved, group in zip(groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k in ("lr", "betas", "eps", "weight_decay")})
         self._check_hyperparameters()
+
+
+def reference(params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+              weight_decay: float = 1e-2,
+              max_norm: float = 1.0) -> tuple[torch.optim.AdamW, Callable[[], None]]:
+    """What TritonUpdate computes, as torch ships it: (optimizer, update), where update() clips the gradients'
+    global 2-norm with clip_grad_norm_ (which writes them), then steps the torch.optim.AdamW optimizer.
+    Takes TritonUpdate's arguments, parameter groups included."""
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(tensors, max_norm)
+        optimizer.step()
+    return optimizer, update

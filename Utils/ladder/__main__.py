@@ -1,6 +1,7 @@
 """The registry for the Makefile and for people (no torch):
 
     python -m Utils.ladder table      the additions as a table: name, pillar, stage, what it changes, needs
+    python -m Utils.ladder markdown   the same as the README's Markdown table
     python -m Utils.ladder rungs      rung:script pairs, in ladder order (the Makefile's rung targets)
     python -m Utils.ladder ablation   the additions `make ablation` tries alone on the fused rung
     python -m Utils.ladder check NAMES   exits 2 with the fix where NAMES is not a possible combination
@@ -10,21 +11,39 @@ import sys
 from Utils.ladder.registry import ABLATION, ADDITIONS, RUNGS, RegistryError, resolve, run_name
 
 
+HEADER = ("addition", "pillar", "stage", "what it changes", "needs", "first in")
+
+
+def rows() -> list:
+    """One row per addition: name, pillar, stage, what it changes, what it needs (machine, +additions), and the
+    first rung of the ladder that has it ('-' for those only ablation and `make custom` run)."""
+    def first_rung(name):
+        return next((r.name for r in RUNGS.values() if name in r.additions), "-")
+    return [(a.name, a.pillar, a.stage, a.changes,
+             ", ".join(filter(None, [a.needs] + [f"+{r}" for r in a.requires])) or "-", first_rung(a.name))
+            for a in ADDITIONS.values()]
+
+
 def table() -> str:
-    header = ("addition", "pillar", "stage", "what it changes", "needs", "in rungs")
-    rows = [header] + [(a.name, a.pillar, a.stage, a.changes,
-                        ", ".join(filter(None, [a.needs] + [f"+{r}" for r in a.requires])) or "-",
-                        " ".join(r.name for r in RUNGS.values() if a.name in r.additions) or "-")
-                       for a in ADDITIONS.values()]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines[:1] + ["  ".join("-" * w for w in widths)] + lines[1:])
+    lines = [HEADER] + rows()
+    widths = [max(len(r[i]) for r in lines) for i in range(len(HEADER))]
+    text = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in lines]
+    return "\n".join(text[:1] + ["  ".join("-" * w for w in widths)] + text[1:])
+
+
+def markdown() -> str:
+    cells = [(f"`{name}`", pillar, stage, changes, needs, f"`{first}`" if first != "-" else "-")
+             for name, pillar, stage, changes, needs, first in rows()]
+    return "\n".join(["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+                     + ["| " + " | ".join(c) + " |" for c in cells])
 
 
 def main(argv: list) -> int:
     verb = argv[0] if argv else "table"
     if verb == "table":
         print(table())
+    elif verb == "markdown":
+        print(markdown())
     elif verb == "rungs":
         print(" ".join(f"{r.name}:{r.script}" for r in RUNGS.values()))
     elif verb == "ablation":

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from Utils.kernels import chunked_loss, cublaslt, loss_kernel, packed_attention, triton_update
+from Utils.kernels import chunked_loss, cublaslt, gelu_epilogue, loss_kernel, packed_attention, triton_update
 from Utils.ladder import modules
 from Utils.ladder.registry import ADDITIONS, STAGES, resolve
 from Utils.model import GPT, GPTConfig
@@ -76,7 +76,7 @@ def build(additions, device: torch.device, config: GPTConfig, seed: int, loader)
     stage("model")
     b.step_model = b.model
     stage("compile")
-    b.optimizer = torch.optim.AdamW(_param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS)
+    b.optimizer = torch.optim.AdamW(param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS)
     b.update = _clip_and_step(b)
     stage("optimizer")
     b.source = loader
@@ -134,7 +134,7 @@ def apply_gemm_bias_grad(b: Build) -> None:
 def apply_gelu_epilogue(b: Build) -> str | None:
     """c_fc's GEMM writes the GELU and its input; c_proj's input-gradient GEMM applies GELU's derivative: two
     passes over a tokens x 3072 tensor per layer gone."""
-    why = cublaslt.unavailable(b.device)
+    why = gelu_epilogue.unavailable(b.device)
     if why:
         return f"{why}: the plain MLP instead"
     cublaslt.prepare(b.device)
@@ -229,7 +229,8 @@ def apply_cudagraphs(b: Build) -> str | None:
 
 # --- optimizer -------------------------------------------------------------------------------------------
 
-def _param_groups(model: nn.Module) -> list:
+def param_groups(model: nn.Module) -> list:
+    """AdamW's two parameter groups, the same for every optimizer."""
     # Weight decay on matrices only (nanoGPT): biases and LayerNorm gains are not decayed.
     params = [p for p in model.parameters() if p.requires_grad]
     return [
@@ -249,7 +250,7 @@ def _clip_and_step(b: Build) -> Callable[[], None]:
 
 def apply_fused(b: Build) -> None:
     """torch's fused AdamW: one pass over parameters, gradients and states instead of a dozen multi-tensor ones."""
-    b.optimizer = torch.optim.AdamW(_param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS, fused=True)
+    b.optimizer = torch.optim.AdamW(param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS, fused=True)
 
 
 def apply_8bit(b: Build) -> None:
@@ -262,7 +263,7 @@ def apply_8bit(b: Build) -> None:
     except Exception as e:  # ImportError, or a broken native library raising something else
         raise Unavailable(f"bitsandbytes is not usable here ({type(e).__name__}: {e}); pip install bitsandbytes") from None
     try:
-        b.optimizer = bnb.optim.AdamW8bit(_param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS)
+        b.optimizer = bnb.optim.AdamW8bit(param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS)
     except Exception as e:
         raise Unavailable(f"bitsandbytes AdamW8bit does not run on this device ({e})") from None
 
@@ -273,7 +274,7 @@ def apply_triton_update(b: Build) -> str | None:
     why = triton_update.unavailable(b.device)
     if why:
         return f"{why}: clip_grad_norm_ and torch's fused AdamW instead"
-    b.optimizer = triton_update.TritonUpdate(_param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS,
+    b.optimizer = triton_update.TritonUpdate(param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS,
                                              max_norm=GRAD_CLIP)
     b.update = b.optimizer.step
     return None

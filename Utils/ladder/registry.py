@@ -141,15 +141,15 @@ def resolve(names) -> tuple:
 
 
 def run_name(additions) -> str:
-    """The name a run of these additions is recorded under: the rung's name where a rung has exactly these,
-    else the largest rung they contain plus the rest, e.g. fused+loss ('baseline' is left out of it)."""
+    """The name a run of these additions is recorded under: the rung's name where a rung has exactly these, else
+    the largest rung they contain, then the rest in the order they apply: fused+loss, baseline+bf16+flash.
+    Distinct sets get distinct names, since a name gives back its set (the rung's additions and the rest)."""
     chosen = resolve(additions)
     for rung in RUNGS.values():
         if set(rung.additions) == set(chosen):
             return rung.name
     base = max((r for r in RUNGS.values() if set(r.additions) <= set(chosen)), key=lambda r: len(r.additions))
-    rest = [a for a in chosen if a not in base.additions]
-    return "+".join(([base.name] if base.additions else []) + rest)
+    return "+".join([base.name] + [a for a in chosen if a not in base.additions])
 
 
 def rung_order(names) -> list:

@@ -1,0 +1,14 @@
+"""From results files to what a reader sees: charts, summary.md and the breakdown report. No torch here, so
+that `make plots` runs where torch cannot be imported.
+
+    selection  which runs a ladder report compares, and why the others are left out
+    stats      the numbers: medians, IQRs, speedups with bootstrap intervals, notes, captions (Report)
+    charts     speedup.png, step_time.png, throughput.png, memory.png, loss.png
+    summary    summary.md
+    cli        plot_results.py's command line
+    figures    what every chart shares: resolution, wrapped titles and footnotes, writing
+    markdown   the Markdown tables of summary.md and breakdown.md
+    breakdown  the compute / memory / overhead split of profiled steps, and its report
+    roofline   the least time a step's compute and memory traffic allow
+    walkthrough  the notebook's analysis
+"""

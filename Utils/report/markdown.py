@@ -1,15 +1,16 @@
 """The Markdown tables of summary.md and breakdown.md: one cell format and one aligned table."""
 import math
+from collections.abc import Collection, Sequence
 
 
-def cell(value, spec, suffix=""):
+def cell(value: object, spec: str, suffix: str = "") -> str:
     """`value` formatted with `spec`, or "-" where it is missing (None or NaN)."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
     return f"{value:{spec}}{suffix}"
 
 
-def table(rows, left=(0,)):
+def table(rows: Sequence[Sequence[object]], left: Collection[int] = (0,)) -> str:
     """rows[0] is the header; columns whose index is in `left` are left-aligned, the others right-aligned
     (numbers), with the alignment written into the rule line too."""
     cells = [[str(c).replace("|", "\\|") for c in row] for row in rows]

@@ -1,40 +1,34 @@
-"""The results contract: PREFIX/results.csv (a row per step) and PREFIX/runs.csv (a row per run).
+"""Appending to the results files: PREFIX/results.csv (a row per step) and PREFIX/runs.csv (a row per run),
+with the columns of Utils.results.schema.
 
 Rows are only ever appended. An append is whole or absent: the new rows are written next to the file
 with the old bytes in front of them and renamed over it, under an exclusive lock, with SIGINT and
 SIGTERM held back, so neither a Ctrl-C nor a second run appending at once can tear a row. A file whose
 header is not ours, or that ends mid-row, is refused with a one-line error and left as it is.
+
+    python -m Utils.results.store init PREFIX     (make init_results PREFIX=dir): empty results files
 """
 import csv
 import fcntl
 import io
 import os
 import signal
+import sys
 import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from Utils.results.files import write_atomic
+from Utils.results.schema import LOCK_FILE, RUN_COLUMNS, RUNS_FILE, STATUSES, STEP_COLUMNS, STEPS_FILE
 
-STEP_COLUMNS = ["run_id", "optimization", "step", "warmup", "step_ms", "tokens_per_s", "loss", "mfu"]
-
-RUN_COLUMNS = [
-    "run_id", "optimization", "status", "message", "started_at", "steps", "warmup_steps",
-    "batch_size", "seq_len", "model", "n_params", "data", "device", "gpu_name", "torch_version",
-    "cuda_version", "compile_s", "peak_mem_allocated_gib", "peak_mem_reserved_gib", "median_step_ms",
-    "iqr_step_ms", "median_tokens_per_s", "mfu", "final_loss", "notes", "git_commit", "command", "config",
-]
-
-STEPS_FILE = "results.csv"
-RUNS_FILE = "runs.csv"
-LOCK_FILE = ".results.lock"
-STATUSES = ("ok", "oom", "skipped", "failed", "interrupted")
+Row = Mapping[str, object]
 
 
 class ResultsError(Exception):
     """A results file that cannot be trusted or written; the message is one line and names the fix."""
 
 
-def check_file(path, columns):
+def check_file(path: str | os.PathLike, columns: Sequence[str]) -> None:
     """Raise ResultsError unless `path` is absent, empty, or a complete file with our header."""
     if not os.path.exists(path):
         return
@@ -50,7 +44,7 @@ def check_file(path, columns):
         rows = list(csv.reader(io.StringIO(raw.decode("utf-8"))))
     except (UnicodeDecodeError, csv.Error) as e:
         raise ResultsError(f"{path} is not a readable CSV ({e}): move it aside; it was not changed")
-    if rows[0] != columns:
+    if rows[0] != list(columns):
         raise ResultsError(f"{path} has a header that is not the suite's {name} header: "
                            f"use another PREFIX or move the file aside; it was not changed")
     for i, row in enumerate(rows[1:], start=2):
@@ -59,7 +53,7 @@ def check_file(path, columns):
                                f"the file is damaged; move it aside; it was not changed")
 
 
-def check_prefix(prefix):
+def check_prefix(prefix: str | os.PathLike) -> None:
     """Make PREFIX if needed and prove it writable and its files ours, before any training starts."""
     try:
         os.makedirs(prefix, exist_ok=True)
@@ -72,7 +66,7 @@ def check_prefix(prefix):
 
 
 @contextmanager
-def _locked(prefix):
+def _locked(prefix) -> Iterator[None]:
     fd = os.open(os.path.join(prefix, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
@@ -103,7 +97,7 @@ def _cell(value):
 
 
 def _append(path, columns, text):
-    """Old bytes + new rows written beside `path` and renamed over it (Utils.files.write_atomic)."""
+    """Old bytes + new rows written beside `path` and renamed over it (Utils.results.files.write_atomic)."""
     old = b""
     if os.path.exists(path):
         with open(path, "rb") as f:
@@ -113,7 +107,7 @@ def _append(path, columns, text):
     write_atomic(path, lambda f: f.write(old + header + text.encode()), mode=mode)
 
 
-def append_rows(prefix, name, columns, rows):
+def append_rows(prefix: str | os.PathLike, name: str, columns: Sequence[str], rows: Iterable[Row]) -> None:
     """Append rows to PREFIX/name (a CSV with `columns`) under the same lock and checks as the results."""
     path = os.path.join(prefix, name)
     with _locked(prefix):
@@ -121,7 +115,7 @@ def append_rows(prefix, name, columns, rows):
         _append(path, columns, _format(rows, columns))
 
 
-def append_run(prefix, run, steps):
+def append_run(prefix: str | os.PathLike, run: Row, steps: Sequence[Row]) -> None:
     """Append one run's step rows and its run row. Step rows go first: a run exists once runs.csv names it."""
     if run.get("status") not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {run.get('status')!r}")
@@ -137,7 +131,7 @@ def append_run(prefix, run, steps):
         _append(runs_path, RUN_COLUMNS, _format([run], RUN_COLUMNS))
 
 
-def init_files(prefix):
+def init_files(prefix: str | os.PathLike) -> None:
     """Create PREFIX with empty results files (headers only); existing files are checked, never touched."""
     check_prefix(prefix)
     with _locked(prefix):
@@ -147,12 +141,20 @@ def init_files(prefix):
                 _append(path, columns, "")
 
 
-if __name__ == "__main__":
-    import sys
-    if len(sys.argv) != 3 or sys.argv[1] != "init":
-        sys.exit("usage: python -m Utils.results init PREFIX")
+def main(argv: Sequence[str] | None = None) -> int:
+    """`init PREFIX`: create PREFIX's empty results files. Returns the exit code (2: bad usage or PREFIX)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) != 2 or argv[0] != "init":
+        print("usage: python -m Utils.results.store init PREFIX", file=sys.stderr)
+        return 2
     try:
-        init_files(sys.argv[2])
+        init_files(argv[1])
     except ResultsError as e:
-        sys.exit(f"error: {e}")
-    print(f"{os.path.join(sys.argv[2], STEPS_FILE)} and {RUNS_FILE} are ready")
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{os.path.join(argv[1], STEPS_FILE)} and {RUNS_FILE} are ready")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,7 @@ additions (Utils.ladder.registry.run_name).
 """
 import sys
 
-from Utils.train.interrupts import launch
+from Utils.train.launch import launch
 
 
 def fail(message: str) -> int:

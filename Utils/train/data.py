@@ -26,7 +26,8 @@ class DataError(Exception):
 
 
 def default_data_dir():
-    return os.environ.get("DATA_DIR") or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.environ.get("DATA_DIR") or os.path.join(repo, "data")
 
 
 def _sha256(path):

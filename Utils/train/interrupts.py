@@ -54,9 +54,3 @@ class Interrupts:
             signal.signal(sig, handler)
         return False
 
-
-def launch(additions, argv=None) -> int:
-    """What a rung script runs: signals handled from the first moment, then the run (Utils.train.run.main)."""
-    exit_on_signal()
-    from Utils.train.run import main
-    return main(additions, argv)

@@ -114,7 +114,8 @@ def profile_steps(step, timer, cfg, device, run, flops_per_step, peak):
     # ProfilerStep#N windows exist only under a schedule; run_id metadata must be added inside the context.
     with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=PROFILE_STEPS, repeat=1),
                  on_trace_ready=export) as prof:
-        prof.add_metadata("run_id", run["run_id"])
+        for key in ("run_id", "git_commit", "started_at", "torch_version"):   # the breakdown chart's provenance
+            prof.add_metadata(key, str(run.get(key) or ""))
         for _ in range(1 + PROFILE_STEPS):
             mark, _ = step()
             timer.elapsed_ms(mark)   # waits for the step, so that each profiler window holds one whole step

@@ -1,8 +1,8 @@
-"""Checks and times Utils.adamw_kernel.ClippedAdamW on a GPU, on GPT-2 124M's parameters (vocabulary padded
-to 50,304): its parameters after a few steps against clip_grad_norm_ followed by torch's fused AdamW, and
-the time of one update against that pair and against the least traffic an AdamW step can move.
+"""Checks and times Utils.kernels.triton_update.TritonUpdate on a GPU, on GPT-2 124M's parameters (vocabulary
+padded to 50,304): its parameters after a few steps against clip_grad_norm_ followed by torch's fused AdamW,
+and the time of one update against that pair and against the least traffic an AdamW step can move.
 
-    python3 bench/update_kernels.py
+    python3 bench/triton_update.py
 """
 import copy
 import os
@@ -13,23 +13,24 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from Utils import adamw_kernel  # noqa: E402
+from Utils.kernels import triton_update  # noqa: E402
+from Utils.ladder.apply import BETAS, EPS, GRAD_CLIP, LEARNING_RATE, VOCAB_MULTIPLE, param_groups  # noqa: E402
 from Utils.model import GPT, PRESETS  # noqa: E402
-from Utils.recipes import BETAS, EPS, GRAD_CLIP, LEARNING_RATE, _param_groups  # noqa: E402
 
 STEPS = 6
 
 
 def main():
-    if not torch.cuda.is_available() or not adamw_kernel.available(torch.device("cuda")):
-        sys.exit("error: this benchmark needs a CUDA GPU with Triton")
+    why = triton_update.unavailable(torch.device("cuda")) if torch.cuda.is_available() else "no CUDA GPU"
+    if why:
+        sys.exit(f"error: this benchmark needs a CUDA GPU with Triton ({why})")
     torch.manual_seed(0)
     with torch.device("cuda"):
-        ours = GPT(replace(PRESETS["gpt2"], vocab_multiple=128))
+        ours = GPT(replace(PRESETS["gpt2"], vocab_multiple=VOCAB_MULTIPLE))
     theirs = copy.deepcopy(ours)
-    clipped = adamw_kernel.ClippedAdamW(_param_groups(ours), lr=LEARNING_RATE, betas=BETAS, eps=EPS,
-                                        max_norm=GRAD_CLIP)
-    fused = torch.optim.AdamW(_param_groups(theirs), lr=LEARNING_RATE, betas=BETAS, eps=EPS, fused=True)
+    clipped = triton_update.TritonUpdate(param_groups(ours), lr=LEARNING_RATE, betas=BETAS, eps=EPS,
+                                         max_norm=GRAD_CLIP)
+    fused = torch.optim.AdamW(param_groups(theirs), lr=LEARNING_RATE, betas=BETAS, eps=EPS, fused=True)
     a, b = list(ours.parameters()), list(theirs.parameters())
     n = sum(p.numel() for p in a)
 
@@ -55,9 +56,9 @@ def main():
         print(f"step {step + 1}: gradient norm {norm.item():.3g}, largest parameter difference {err:.1e} of a "
               f"learning-rate step, gradients untouched: {untouched}")
         if not untouched:
-            sys.exit("error: ClippedAdamW wrote the gradients")
+            sys.exit("error: TritonUpdate wrote the gradients")
     if worst > 1e-3:
-        sys.exit(f"error: ClippedAdamW's parameters differ from torch's by {worst:.1e} of a learning-rate step "
+        sys.exit(f"error: TritonUpdate's parameters differ from torch's by {worst:.1e} of a learning-rate step "
                  f"(bound 1e-3)")
 
     # Once the gradients stay where they are, a step queues its kernels and returns: no synchronization.
@@ -73,7 +74,7 @@ def main():
     # Least traffic of an update: read the gradients for the norm, then read parameters, gradients and both
     # moments and write parameters and moments: 8 fp32 values per parameter.
     least = 8 * 4 * n
-    for name, fn in {"clip_grad_norm_ + fused AdamW": torch_update, "ClippedAdamW": clipped.step}.items():
+    for name, fn in {"clip_grad_norm_ + fused AdamW": torch_update, "TritonUpdate": clipped.step}.items():
         us = do_bench(fn, warmup=10, rep=200) * 1e3
         print(f"{name:30s} {us:7.1f} us per update of {n / 1e6:.1f}M parameters "
               f"({least / us / 1e6:.2f} TB/s counting the least traffic, {least / 1e9:.2f} GB)")

@@ -1,0 +1,145 @@
+"""The breakdown's files in PREFIX: breakdown.csv, a row per class appended for each profiled run (columns in
+Utils.results.schema); trace_<rung>.json.gz, each rung's latest trace; and breakdown.md and breakdown.png,
+redrawn from the latest run of each rung in breakdown.csv and its trace."""
+import contextlib
+import os
+
+import pandas as pd
+
+from Utils.ladder.registry import rung_order
+from Utils.report.breakdown.chart import plot_breakdown
+from Utils.report.breakdown.render import MATCH_TOLERANCE, off_median, render_report
+from Utils.report.breakdown.trace import Breakdown, TraceError, load_trace, split, trace_gpu_name
+from Utils.report.figures import save_figure
+from Utils.report.stats import provenance
+from Utils.results.files import write_atomic
+from Utils.results.gpus import peak_bandwidth
+from Utils.results.read import read_table
+from Utils.results.schema import (BREAKDOWN_COLUMNS, BREAKDOWN_FILE, BREAKDOWN_NUMERIC, RUN_COLUMNS, RUNS_FILE)
+from Utils.results.store import ResultsError, append_rows, check_file
+
+REPORT_FILE = "breakdown.md"
+CHART_FILE = "breakdown.png"
+
+
+def trace_path(prefix: str | os.PathLike, rung: str) -> str:
+    """PREFIX/trace_<rung>.json, or its .json.gz when only that exists."""
+    path = os.path.join(prefix, f"trace_{rung}.json")
+    return path + ".gz" if not os.path.exists(path) and os.path.exists(path + ".gz") else path
+
+
+def append_breakdown_csv(prefix: str | os.PathLike, rung: str, run_id: str, breakdown: Breakdown,
+                         median_step_ms: "float | None") -> None:
+    """Append one row per class of `breakdown` to PREFIX/breakdown.csv: whole or absent, under the results
+    lock, refusing a file whose header is not BREAKDOWN_COLUMNS (ResultsError). median_step_ms is the
+    run's median over its unprofiled measured steps (None when it has none)."""
+    flops = breakdown.compute_flops
+    common = {"run_id": run_id, "rung": rung, "profiled_step_ms": breakdown.step_ms,
+              "median_step_ms": median_step_ms, "profiled_steps": breakdown.steps,
+              "compute_tflops": flops / 1e12 if flops else None,
+              "peak_tflops": breakdown.peak_flops / 1e12 if breakdown.peak_flops else None}
+    shares = breakdown.shares
+    rows = [{**common, "class": c, "ms_per_step": breakdown.ms[c], "share": shares[c]} for c in breakdown.classes]
+    append_rows(prefix, BREAKDOWN_FILE, BREAKDOWN_COLUMNS, rows)
+
+
+def load_breakdown(prefix: str | os.PathLike) -> pd.DataFrame:
+    """PREFIX/breakdown.csv's rows of the latest run of each rung (the last run_id appended for it), in
+    ladder order, numeric columns as floats. Raises ResultsError when the file is missing, foreign, damaged
+    or empty."""
+    path = os.path.join(prefix, BREAKDOWN_FILE)
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        raise ResultsError(f"{path} not found or empty: profile a rung first, "
+                           f"e.g. make profile STEPS=20 BATCH_SIZE=8 PREFIX={prefix}")
+    check_file(path, BREAKDOWN_COLUMNS)
+    df = read_table(path, BREAKDOWN_COLUMNS, BREAKDOWN_NUMERIC)
+    if df.empty:
+        raise ResultsError(f"{path} records no profiled run: profile a rung first")
+    latest = {rung: g["run_id"].iloc[-1] for rung, g in df.groupby("rung", sort=False)}
+    frames = [df[(df["rung"] == r) & (df["run_id"] == latest[r])] for r in rung_order(latest)]
+    return pd.concat(frames, ignore_index=True)
+
+
+def _recorded_runs(prefix, df):
+    """runs.csv's rows (as text) of the runs in df, or None when runs.csv cannot be read. A profiled run
+    records itself in breakdown.csv only, so most have none."""
+    with contextlib.suppress(ResultsError, OSError, ValueError):
+        runs = read_table(os.path.join(prefix, RUNS_FILE), RUN_COLUMNS, ())
+        return runs[runs["run_id"].isin(set(df["run_id"]))]
+    return None
+
+
+def _context(runs, breakdowns):
+    """"GPU · model (N params) · batch B × seq_len T" from runs.csv's rows of the shown runs, else the GPUs
+    the traces name."""
+    gpus = sorted({bd.gpu_name for bd in breakdowns.values() if bd and bd.gpu_name})
+    if runs is None or runs.empty:
+        return " / ".join(gpus)
+
+    def values(col):
+        return " / ".join(dict.fromkeys(v for v in runs[col] if v)) or "?"
+
+    device = "CPU" if set(runs["device"]) == {"cpu"} else values("gpu_name")
+    model = values("model")
+    with contextlib.suppress(ValueError):
+        n = {float(v) for v in runs["n_params"] if v}
+        if len(n) == 1:
+            model += f" ({n.pop() / 1e6:.0f}M params)"
+    return f"{device} · {model} · batch {values('batch_size')} × seq_len {values('seq_len')}"
+
+
+def _provenance(df, runs, breakdowns):
+    """Utils.report.stats.provenance of the shown runs: each figure from the run's runs.csv row where it has
+    one, else from its trace's metadata."""
+    recorded = {} if runs is None else {r["run_id"]: r for _, r in runs.iterrows()}
+    keys = ("torch_version", "git_commit", "started_at")
+    rows = []
+    for rung in rung_order(df["rung"]):
+        run_id = df.loc[df["rung"] == rung, "run_id"].iloc[0]
+        bd = breakdowns.get(rung)
+        traced = bd if bd is not None and bd.run_id == run_id else None
+        row = recorded.get(run_id, {})
+        rows.append({k: row.get(k) or (getattr(traced, k) if traced else None) or "" for k in keys})
+    return provenance(pd.DataFrame(rows, columns=list(keys)))
+
+
+def write_report(prefix: str | os.PathLike, context: "str | None" = None) -> list[str]:
+    """Write PREFIX/breakdown.md and PREFIX/breakdown.png from the latest run of each rung in
+    breakdown.csv and the rungs' trace_<rung>.json.gz; return the written paths. context (GPU, model,
+    batch, seq_len) defaults to what runs.csv records for those runs. Raises ResultsError when
+    breakdown.csv is missing, foreign or empty."""
+    df = load_breakdown(prefix)
+    breakdowns, notes, trace_files = {}, [], {}
+    for rung in rung_order(df["rung"]):
+        path = trace_path(prefix, rung)
+        trace_files[rung] = os.path.basename(path)
+        run_id = df.loc[df["rung"] == rung, "run_id"].iloc[0]
+        if not os.path.exists(path):
+            breakdowns[rung] = None
+            continue
+        try:
+            trace = load_trace(path)
+            bd = split(trace, peak_bandwidth=peak_bandwidth(trace_gpu_name(trace)))
+        except TraceError as e:
+            breakdowns[rung] = None
+            notes.append(f"{rung}: {e}")
+            continue
+        if bd.run_id and bd.run_id != run_id:
+            notes.append(f"{rung}: {os.path.basename(path)} is from run {bd.run_id}, not {run_id}: "
+                         f"its kernel tables belong to that run")
+        breakdowns[rung] = bd
+    for rung in rung_order(df["rung"]):
+        first = df[df["rung"] == rung].iloc[0]
+        off = off_median(first["profiled_step_ms"], first["median_step_ms"])
+        if off is not None and abs(off) > MATCH_TOLERANCE:
+            notes.append(f"{rung}: the profiled step ({first['profiled_step_ms']:.1f} ms) is more than "
+                         f"{MATCH_TOLERANCE:.0%} from the median step time ({first['median_step_ms']:.1f} ms): "
+                         f"the profiler's own cost, or a run that did not settle")
+    runs = _recorded_runs(prefix, df)
+    if context is None:
+        context = _context(runs, breakdowns)
+    text = render_report(df, breakdowns, context, notes, trace_files)
+    md_path, png_path = os.path.join(prefix, REPORT_FILE), os.path.join(prefix, CHART_FILE)
+    write_atomic(md_path, lambda f: f.write(text.encode("utf-8")))
+    save_figure(plot_breakdown(df, context, _provenance(df, runs, breakdowns)), png_path)
+    return [md_path, png_path]

@@ -1,0 +1,148 @@
+"""breakdown.md: per rung, the split of its profiled step, its top kernels, its unknown kernels and the copies'
+bandwidth, with how each figure was made."""
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from Utils.ladder.registry import rung_order
+from Utils.report import markdown
+from Utils.report.breakdown.kernels import COMPUTE, CPU_OPS, MEMORY, OVERHEAD, UNKNOWN, short_name
+
+# A profiled step may differ from the unprofiled median by this much before the
+# report says so (the profiler adds a little launch overhead of its own).
+MATCH_TOLERANCE = 0.10
+TOP_KERNELS = 10
+
+
+def off_median(profiled: float, median: float) -> "float | None":
+    """How far the profiled step is from the unprofiled median, as a fraction; None when unknown."""
+    return profiled / median - 1 if np.isfinite(profiled) and np.isfinite(median) and median > 0 else None
+
+
+def _off_median_text(profiled, median):
+    off = off_median(profiled, median)
+    if off is None:
+        return "-"
+    return f"{off:+.0%}" + (f" (over {MATCH_TOLERANCE:.0%})" if abs(off) > MATCH_TOLERANCE else "")
+
+
+def _summary_table(df):
+    rows = []
+    for rung in rung_order(df["rung"]):
+        g = df[df["rung"] == rung].set_index("class")
+        first = g.iloc[0]
+
+        def cell(c):
+            return markdown.cell(g.at[c, "ms_per_step"], ".2f") if c in g.index else "-"
+
+        def share(c):
+            return markdown.cell(100 * g.at[c, "share"], ".0f", "%") if c in g.index else "-"
+
+        tflops, peak = first["compute_tflops"], first["peak_tflops"]
+        rows.append([rung, cell(COMPUTE), cell(MEMORY), cell(UNKNOWN), cell(CPU_OPS), cell(OVERHEAD),
+                     f"{share(COMPUTE)} / {share(MEMORY)} / {share(OVERHEAD)}",
+                     markdown.cell(first["profiled_step_ms"], ".1f"), markdown.cell(first["median_step_ms"], ".1f"),
+                     _off_median_text(first["profiled_step_ms"], first["median_step_ms"]),
+                     markdown.cell(tflops, ".0f"),
+                     markdown.cell(100 * tflops / peak if np.isfinite(tflops) and np.isfinite(peak) and peak else None,
+                          ".1f", "%")])
+    header = ["rung", "compute ms", "memory ms", "unknown ms", "cpu_ops ms", "overhead ms",
+              "compute / memory / overhead", "profiled ms", "median ms", "vs median", "compute TFLOP/s",
+              "of peak"]
+    if CPU_OPS not in set(df["class"]):          # a GPU-only table needs no cpu_ops column
+        header.pop(4)
+        rows = [r[:4] + r[5:] for r in rows]
+    return markdown.table([header] + rows)
+
+
+def _kernel_section(bd, top=TOP_KERNELS):
+    lines = []
+    if not bd.gpu:
+        lines += ["No GPU kernels: this trace is from a CPU run. The compute / memory / overhead split is "
+                  "GPU-only; the time is shown as PyTorch operators (cpu_ops) and the rest (overhead).", ""]
+        return lines
+    rows = [[str(i + 1), k.cls or "unknown", k.label or "-", markdown.cell(k.calls_per_step, ".1f"),
+             markdown.cell(k.ms_per_step, ".3f"), markdown.cell(100 * k.ms_per_step / bd.step_ms, ".1f", "%"),
+             f"`{short_name(k.name)}`"] for i, k in enumerate(bd.kernels[:top])]
+    lines += [f"Top {min(top, len(bd.kernels))} of {len(bd.kernels)} kernels by time per step:", "",
+              markdown.table([["#", "class", "kind", "calls/step", "ms/step", "of step", "kernel"]] + rows,
+                             left=(1, 2, 6)),
+              ""]
+    if bd.unknown:
+        unknown = [k for k in bd.kernels if k.cls is None]
+        lines += [f"Unknown kernels ({len(unknown)}; add them to KERNEL_CLASSES in "
+                  f"Utils/report/breakdown/kernels.py once their kind is known):", ""]
+        lines += [f"- `{short_name(k.name, 160)}`: {k.ms_per_step:.3f} ms/step, {k.calls_per_step:.1f} calls/step"
+                  for k in unknown]
+        lines.append("")
+    else:
+        lines += ["Unknown kernels: none.", ""]
+    if bd.transfers:
+        rows = []
+        for t in bd.transfers:
+            bw = t.bandwidth
+            ceiling = bd.peak_bandwidth if t.on_device else None
+            rows.append([t.name, markdown.cell(t.bytes_per_step / 2 ** 20, ",.2f"), markdown.cell(t.ms_per_step, ".3f"),
+                         markdown.cell(bw / 1e9 if bw else None, ",.1f"),
+                         markdown.cell(100 * bw / ceiling if bw and ceiling else None, ".1f", "%") if t.on_device
+                         else "host link"])
+        lines += ["Copies and memsets, the GPU activities whose bytes the trace records:", "",
+                  markdown.table([["transfer", "MiB/step", "ms/step", "GB/s", "of HBM peak"]] + rows), ""]
+    return lines
+
+
+def render_report(df: pd.DataFrame, breakdowns: dict, context: str = "", notes: Sequence[str] = (),
+                  trace_files: "dict | None" = None) -> str:
+    """breakdown.md's text from load_breakdown()'s frame, {rung: Breakdown or None} for the kernel tables,
+    and {rung: trace file name} where it is not trace_<rung>.json.gz."""
+    lines = [f"# Step-time breakdown{': ' + context if context else ''}", ""]
+    lines += [_summary_table(df), ""]
+    peak_bw = next((bd.peak_bandwidth for bd in breakdowns.values() if bd and bd.peak_bandwidth), None)
+    lines += [
+        "Each rung ran a few steps after warm-up under torch.profiler; the times are the mean over those "
+        "profiled steps, each step's window split so that the parts add up to it: **compute** is time "
+        "when a GEMM or attention kernel runs; **memory** is time when only other kernels run "
+        "(elementwise, layer norm, softmax, the loss, the optimizer, copies), bandwidth-bound at these "
+        "sizes; **unknown** is time when only kernels that KERNEL_CLASSES in Utils/report/breakdown/kernels.py "
+        "does not name run; **overhead** is time when no kernel runs (Python, launches, synchronization, data waits). "
+        "Overlapping kernels count once, as compute first. *median ms* is the median step time of the "
+        "run's unprofiled measured steps; *vs median* says how far the profiled step is from it (the "
+        f"profiler adds some launch cost of its own; beyond {MATCH_TOLERANCE:.0%} it is flagged).",
+        "",
+        "*compute TFLOP/s* = the model's FLOPs per step (6N + 12·L·H·d·T per token, as for MFU) over the "
+        "compute time: how fast the matmuls and attention run while they run. *of peak* divides by the "
+        "GPU's dense bf16 peak, the suite's one denominator; the fp32 rung's GEMMs run on the CUDA cores "
+        "and the TF32 rung's at TF32 rate, whose ceilings are lower.",
+        "",
+        "Memory kernels' bandwidth is not measured: a Chrome trace records no bytes per kernel (CUPTI's "
+        "kernel records carry none; Nsight Compute would be needed). Bytes are recorded for copies and "
+        "memsets only, shown per rung below"
+        + (f" against the HBM peak of {peak_bw / 1e12:.2f} TB/s." if peak_bw else "."),
+        "",
+    ]
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    for rung in rung_order(df["rung"]):
+        g = df[df["rung"] == rung]
+        first = g.iloc[0]
+        steps = int(first["profiled_steps"]) if np.isfinite(first["profiled_steps"]) else "?"
+        trace_file = (trace_files or {}).get(rung, f"trace_{rung}.json")
+        lines += [f"## {rung}", "",
+                  f"Run {first['run_id']}, {steps} profiled steps; trace: {trace_file} (opens in Perfetto, "
+                  f"ui.perfetto.dev, or chrome://tracing).", ""]
+        rows = [[r["class"], markdown.cell(r["ms_per_step"], ".3f"), markdown.cell(100 * r["share"], ".1f", "%")]
+                for _, r in g.iterrows()]
+        rows.append(["total (profiled step)", markdown.cell(first["profiled_step_ms"], ".3f"), "100.0%"])
+        lines += [markdown.table([["class", "ms/step", "share"]] + rows), ""]
+        if np.isfinite(first["compute_tflops"]):
+            peak = first["peak_tflops"]
+            lines += [f"Inside the compute kernels: {first['compute_tflops']:.1f} TFLOP/s"
+                      + (f", {100 * first['compute_tflops'] / peak:.1f}% of the {peak:.0f} TFLOP/s dense bf16 peak."
+                         if np.isfinite(peak) and peak else " (peak unknown for this GPU)."), ""]
+        bd = breakdowns.get(rung)
+        if bd is None:
+            lines += [f"No readable trace_{rung}.json in PREFIX: the kernel tables are left out.", ""]
+        else:
+            lines += _kernel_section(bd)
+    return "\n".join(lines).rstrip("\n") + "\n"

@@ -1,0 +1,78 @@
+"""Charts and a summary table for the ladder runs recorded under one PREFIX.
+
+    python plot_results.py --prefix DIR        (or: make plots PREFIX=DIR)
+
+reads DIR/results.csv (a row per step) and DIR/runs.csv (a row per run) and writes into DIR:
+speedup.png, step_time.png, throughput.png, memory.png, loss.png and summary.md; the summary is
+printed to the terminal too. Which runs are compared is Utils.report.selection's business, the numbers
+Utils.report.stats', the charts Utils.report.charts' and summary.md Utils.report.summary's.
+
+Exit codes: 0 when everything was written; 2 for bad arguments, unusable input or an unwritable
+PREFIX, with a single "error: ..." line on stderr.
+"""
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from Utils.report.charts import CHARTS
+from Utils.report.figures import save_figure
+from Utils.report.stats import Report, build_report
+from Utils.report.summary import SUMMARY_FILE, write_summary
+from Utils.results.read import load
+from Utils.results.store import ResultsError
+
+OUTPUT_FILES = (*CHARTS, SUMMARY_FILE)
+
+
+def write_outputs(prefix: str | os.PathLike, report: Report) -> tuple[str, list[str]]:
+    """Write every chart and summary.md into prefix; return (summary text, written paths)."""
+    written = []
+    for name, plot in CHARTS.items():
+        path = os.path.join(prefix, name)
+        save_figure(plot(report), path)
+        written.append(path)
+    path = os.path.join(prefix, SUMMARY_FILE)
+    text = write_summary(report, path)
+    written.append(path)
+    return text, written
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        usage = self.format_usage().strip().removeprefix("usage: ")
+        self.exit(2, f"error: {message} (usage: {usage})\n")
+
+
+def _parser():
+    p = _Parser(prog="plot_results.py",
+                description="Draw the ladder's charts and summary.md from PREFIX/results.csv and PREFIX/runs.csv.")
+    p.add_argument("--prefix", required=True, help="folder holding results.csv and runs.csv; outputs go there too")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point; returns the exit code (0 written, 2 bad arguments or input)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    prefix = args.prefix
+    try:
+        steps, runs = load(prefix)
+        report = build_report(steps, runs)
+        text, written = write_outputs(prefix, report)
+    except ResultsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: cannot write into PREFIX={prefix} ({e.strerror or e}): "
+              f"choose a folder you can write to", file=sys.stderr)
+        return 2
+    print(text, end="")
+    print("wrote " + ", ".join(os.path.basename(p) for p in written) + f" into {prefix}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

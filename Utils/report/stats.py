@@ -1,0 +1,207 @@
+"""The numbers a ladder report shows, from the compared runs' measured steps: median and IQR of the step
+time, speedup over the baseline with a bootstrap interval, tokens/s, MFU; and the notes and captions that
+go with them.
+
+Median and IQR are recomputed here from the measured (non-warm-up) step times in results.csv, so that the
+table and the charts rest on the same numbers; runs.csv supplies status, memory, compile time and the
+environment. A rung run several times from one commit (`make max REPEAT=3`) gets a note with each run's
+median and the median of those, since runs differ more than steps within one.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from Utils.ladder.registry import rung_order
+from Utils.report.selection import BASELINE, Excluded, measured, norm, select, steps_by_run
+
+BOOTSTRAP_RESAMPLES = 1000
+BOOTSTRAP_SEED = 0
+NO_BASELINE_NOTE = "no ok baseline run: speedups left out"
+
+SUMMARY_COLUMNS = ["run_id", "status", "message", "median_step_ms", "iqr_step_ms", "speedup",
+                   "speedup_lo", "speedup_hi", "tokens_per_s", "mfu", "peak_mem_allocated_gib",
+                   "peak_mem_reserved_gib", "compile_s", "final_loss", "measured_steps"]
+
+
+def bootstrap_speedup(base_ms, rung_ms, resamples: int = BOOTSTRAP_RESAMPLES,
+                      seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
+    """95% bootstrap interval (2.5th, 97.5th percentile) of median(base_ms) / median(rung_ms)."""
+    rng = np.random.default_rng(seed)
+    base = np.asarray(base_ms, dtype=float)
+    rung = np.asarray(rung_ms, dtype=float)
+    base_medians = np.median(rng.choice(base, size=(resamples, base.size)), axis=1)
+    rung_medians = np.median(rng.choice(rung, size=(resamples, rung.size)), axis=1)
+    lo, hi = np.percentile(base_medians / rung_medians, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+@dataclass
+class Report:
+    """Everything the summary and the charts show; build it with build_report(steps_df, runs_df)."""
+    table: pd.DataFrame          # summarize()'s frame
+    steps: pd.DataFrame          # step rows of the compared runs, sorted by rung then step
+    runs: pd.DataFrame           # runs.csv rows of the compared runs, in ladder order
+    reference: "pd.Series | None"   # the run whose configuration the compared runs share
+    has_baseline: bool
+    excluded: list[Excluded]
+    notes: list[str]             # lines for the notes section
+    context: str                 # GPU, model, batch, seq_len, data: the title of every chart
+    provenance: str = ""         # torch, commits, dates of the compared runs: the foot of every chart
+
+    def rungs_with_steps(self) -> list[str]:
+        """The rungs that have a median step time, in table order."""
+        return [r for r in self.table.index if np.isfinite(self.table.at[r, "median_step_ms"])]
+
+
+def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame) -> Report:
+    """Select the runs (see select_runs) and compute the table, notes and captions from load()'s frames."""
+    sel = select(runs_df, steps_df)
+    by_run = steps_by_run(steps_df)
+    base_run = sel.chosen.get(BASELINE) if sel.has_baseline else None
+    base_ms = measured(by_run[base_run["run_id"]])["step_ms"].to_numpy() if base_run is not None else None
+
+    rows, step_frames, notes = {}, [], []
+    for rung in rung_order(runs_df["optimization"]):
+        row = dict.fromkeys(SUMMARY_COLUMNS, np.nan)
+        run = sel.chosen.get(rung)
+        if run is not None:
+            run_steps = by_run[run["run_id"]]
+            ms = measured(run_steps)["step_ms"].to_numpy()
+            q25, median, q75 = np.percentile(ms, [25, 50, 75])
+            row.update(run_id=run["run_id"], status=run["status"], message=run["message"],
+                       median_step_ms=median, iqr_step_ms=q75 - q25, measured_steps=ms.size,
+                       tokens_per_s=run["batch_size"] * run["seq_len"] / (median / 1000.0),
+                       peak_mem_allocated_gib=run["peak_mem_allocated_gib"],
+                       peak_mem_reserved_gib=run["peak_mem_reserved_gib"], compile_s=run["compile_s"])
+            mfu = measured(run_steps)["mfu"].dropna()
+            row["mfu"] = float(mfu.median()) if len(mfu) else np.nan
+            losses = run_steps["loss"].dropna()
+            row["final_loss"] = float(losses.iloc[-1]) if len(losses) else run["final_loss"]
+            if base_ms is not None:
+                row["speedup"] = float(np.median(base_ms) / median)
+                row["speedup_lo"], row["speedup_hi"] = bootstrap_speedup(base_ms, ms)
+            step_frames.append(run_steps.assign(optimization=rung))
+            if run["notes"].strip():
+                notes.append(f"{rung}: {one_line(run['notes'])}")
+        else:
+            shown = sel.status_rows.get(rung)
+            if shown is None:
+                row.update(run_id="", status="excluded",
+                           message="no run with the compared configuration (see excluded runs)")
+            else:
+                left_out = next((e.reason for e in sel.excluded if e.run_id == shown["run_id"]), "")
+                if shown["status"] == "ok":
+                    row.update(run_id=shown["run_id"], status="excluded", message=left_out)
+                else:
+                    message = one_line(shown["message"]) + (f" ({left_out})" if left_out else "")
+                    row.update(run_id=shown["run_id"], status=shown["status"], message=message.strip())
+            notes.append(f"{rung} ({row['status']}): {one_line(row['message']) or 'no message recorded'}")
+        rows[rung] = row
+    for run in sel.newer_not_ok:
+        notes.append(f"{run['optimization']}: a later run, {run['run_id']}, ended {run['status']}"
+                     f"{': ' + one_line(run['message']) if run['message'].strip() else ''}; "
+                     f"the table shows the earlier ok run")
+    if sel.superseded:
+        notes.append(f"{sel.superseded} older ok run(s) of the same configuration were superseded "
+                     f"by a later run of their rung")
+    notes += _repeat_notes(sel.repeats, by_run, base_ms)
+
+    table = pd.DataFrame.from_dict(rows, orient="index", columns=SUMMARY_COLUMNS)
+    table.index.name = "optimization"
+    for col in SUMMARY_COLUMNS:
+        if col not in ("run_id", "status", "message"):
+            table[col] = table[col].astype(float)
+    steps = pd.concat(step_frames, ignore_index=True) if step_frames else steps_df.iloc[0:0]
+    compared = pd.DataFrame([sel.chosen[r] for r in table.index if r in sel.chosen], columns=runs_df.columns)
+    return Report(table=table, steps=steps, runs=compared, reference=sel.reference, has_baseline=sel.has_baseline,
+                  excluded=sel.excluded, notes=notes, context=context(sel.reference),
+                  provenance=provenance(compared))
+
+
+def summarize(steps_df: pd.DataFrame, runs_df: pd.DataFrame) -> pd.DataFrame:
+    """The summary table as a DataFrame: a row per rung present in runs_df, in ladder order.
+
+    Index: rung id ("optimization"). Columns: run_id, status, message (str); median_step_ms and
+    iqr_step_ms (75th minus 25th percentile, numpy's linear interpolation) over the chosen run's
+    measured steps in results.csv; speedup (baseline median / this median; NaN without an ok
+    baseline) with speedup_lo/speedup_hi (95% bootstrap interval); tokens_per_s (batch_size *
+    seq_len / median step seconds); mfu (fraction, median of the measured steps; NaN when unknown);
+    peak_mem_allocated_gib, peak_mem_reserved_gib, compile_s (from runs.csv); final_loss (last
+    step's loss); measured_steps. A rung with no comparable run has NaN numbers and the status of
+    its latest run ("excluded" when its runs were left out). Takes the frames load() returns.
+    """
+    return build_report(steps_df, runs_df).table
+
+
+def _repeat_notes(repeats, by_run, base_ms):
+    """One line per rung run several times from one commit: each run's median step time, and the median
+    of those medians, so that a rung is not judged on one run where runs differ (a GPU at its power
+    limit moves them by a few percent). Speedups divide the baseline's median of medians where it was
+    repeated too, else its latest run's median (the table's)."""
+    def medians(runs):
+        return [float(np.median(measured(by_run[r["run_id"]])["step_ms"])) for r in runs]
+
+    base = None
+    if BASELINE in repeats:
+        base = float(np.median(medians(repeats[BASELINE])))
+    elif base_ms is not None:
+        base = float(np.median(base_ms))
+    notes = []
+    for rung, runs in repeats.items():
+        each = medians(runs)
+        middle = float(np.median(each))
+        speedup = f", {base / middle:.2f}x" if base is not None and rung != BASELINE else ""
+        notes.append(f"{rung}: {len(runs)} ok runs of this configuration from commit "
+                     f"{str(runs[-1]['git_commit']).strip()}, median step times "
+                     f"{', '.join(f'{m:.1f}' for m in each)} ms, oldest first (their median {middle:.1f} ms"
+                     f"{speedup}); the table shows the latest")
+    return notes
+
+
+def one_line(text: object) -> str:
+    """`text` with every run of whitespace, newlines included, as one space."""
+    return " ".join(str(text).split())
+
+
+def context(ref: "pd.Series | None") -> str:
+    """What the compared runs measured: "GPU · model (N params) · batch B × seq_len T · data D"."""
+    if ref is None:
+        return ""
+    gpu = "CPU" if norm(ref["device"]) == "cpu" else (norm(ref["gpu_name"]) or "unknown GPU")
+    model = norm(ref["model"]) or "unknown model"
+    if np.isfinite(ref["n_params"]):
+        model += f" ({ref['n_params'] / 1e6:.0f}M params)"
+    return (f"{gpu} · {model} · batch {norm(ref['batch_size']) or '?'} × seq_len "
+            f"{norm(ref['seq_len']) or '?'} · data {norm(ref['data']) or '?'}")
+
+
+def short_commit(commit: object) -> str:
+    """A commit as 12 hex digits (`git rev-parse --short=12`), keeping its "-dirty" mark: a tree with
+    uncommitted changes is not the commit's tree."""
+    text = norm(commit)
+    dirty = text.endswith("-dirty")
+    return text.removesuffix("-dirty")[:12] + ("-dirty" if dirty else "")
+
+
+def distinct(values, width: "int | None" = None) -> list[str]:
+    """The values as text, each cut to `width` characters, repeats dropped, first seen first; a blank one is
+    "unknown", unless every one is blank (then the list is empty)."""
+    texts = [norm(v)[:width] for v in values]
+    if not any(texts):
+        return []
+    return list(dict.fromkeys(t or "unknown" for t in texts))
+
+
+def provenance(runs: pd.DataFrame) -> str:
+    """Where the figures come from: "torch V · commit C · ran D" for these runs.csv rows (or any frame with
+    their torch_version, git_commit and started_at columns): every distinct torch version and commit
+    (short_commit) and the span of their start dates (UTC)."""
+    torch_versions = distinct(runs["torch_version"])
+    commits = distinct(short_commit(c) for c in runs["git_commit"])
+    days = sorted(d for d in distinct(runs["started_at"], 10) if d != "unknown")
+    text = (f"torch {', '.join(torch_versions) or 'unknown'}"
+            f" · commit{'s' if len(commits) > 1 else ''} {', '.join(commits) or 'unknown'}")
+    if days:
+        text += f" · ran {days[0]}" + (f" to {days[-1]}" if days[-1] != days[0] else "")
+    return text

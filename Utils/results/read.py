@@ -1,0 +1,69 @@
+"""Reading the results files back as pandas frames, with the columns of Utils.results.schema: the numeric
+ones as floats (a blank cell is NaN), the others as text ('' when blank). A damaged file is refused with a
+one-line error naming the file, the line and the fix; nothing is guessed or dropped."""
+import os
+from collections.abc import Sequence
+
+import pandas as pd
+
+from Utils.results.schema import RUN_COLUMNS, RUN_NUMERIC, RUNS_FILE, STEP_COLUMNS, STEP_NUMERIC, STEPS_FILE
+from Utils.results.store import ResultsError, check_file
+
+
+def read_table(path: str | os.PathLike, columns: Sequence[str], numeric: Sequence[str]) -> pd.DataFrame:
+    """The CSV at `path` as a frame in file order (index 0..n-1), after check_file(path, columns).
+
+    Raises ResultsError when the file is foreign or cut off (check_file), unreadable, or holds a cell in a
+    `numeric` column that is neither blank nor a number."""
+    check_file(path, columns)
+    try:
+        df = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise ResultsError(f"{path} is not a readable CSV ({str(e).splitlines()[0]}): move it aside")
+    for col in numeric:
+        text = df[col].str.strip()
+        values = pd.to_numeric(text, errors="coerce")
+        bad = values.isna() & ~text.isin(["", "nan", "NaN"])
+        if bad.any():
+            line = int(bad.idxmax()) + 2   # the header is line 1
+            raise ResultsError(f"{path} line {line}: {col}={text[bad].iloc[0]!r} is not a number: the file is "
+                               f"damaged; move it aside or repair that line")
+        df[col] = values.astype(float)
+    return df.reset_index(drop=True)
+
+
+def _first_run_hint(prefix):
+    return f"run a rung first, e.g. make baseline STEPS=20 BATCH_SIZE=8 PREFIX={prefix}"
+
+
+def load(prefix: str | os.PathLike) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Read PREFIX/results.csv and PREFIX/runs.csv and return (steps_df, runs_df).
+
+    steps_df: a row per step with STEP_COLUMNS; run_id and optimization are str, and step, warmup,
+    step_ms, tokens_per_s, loss, mfu are floats (a blank cell is NaN).
+    runs_df: a row per run with RUN_COLUMNS in file order, oldest first (rows are appended as runs
+    end, so the last row is the newest); the columns in RUN_NUMERIC are floats (blank -> NaN), the
+    others str ('' when blank). The index is 0..n-1 in that order.
+
+    Raises ResultsError, whose message is one line naming the file and the fix, when a file is
+    missing, empty, cut off mid-row, has a foreign header, or no run is recorded. Step rows are not
+    judged here: NaN or non-positive step times are the business of the report's run selection.
+    """
+    steps_path = os.path.join(prefix, STEPS_FILE)
+    runs_path = os.path.join(prefix, RUNS_FILE)
+    if os.path.exists(prefix) and not os.path.isdir(prefix):
+        raise ResultsError(f"PREFIX={prefix} is a file, not a folder: pass the folder the runs wrote into")
+    if not os.path.isfile(steps_path):
+        raise ResultsError(f"{steps_path} not found: {_first_run_hint(prefix)}")
+    if os.path.getsize(steps_path) == 0:
+        raise ResultsError(f"{steps_path} is empty: {_first_run_hint(prefix)}")
+    check_file(steps_path, STEP_COLUMNS)
+    if not os.path.isfile(runs_path):
+        raise ResultsError(f"{runs_path} not found: each run records itself there when it ends; "
+                           f"{_first_run_hint(prefix)}")
+    check_file(runs_path, RUN_COLUMNS)
+    steps = read_table(steps_path, STEP_COLUMNS, STEP_NUMERIC)
+    runs = read_table(runs_path, RUN_COLUMNS, RUN_NUMERIC)
+    if runs.empty:
+        raise ResultsError(f"{runs_path} records no runs: {_first_run_hint(prefix)}")
+    return steps, runs

@@ -1,0 +1,12 @@
+"""What a rung script runs: signals handled from its first moment (before torch loads), then the run.
+
+Kept apart from Utils.train.run, which imports torch, so that a script installs the handler first.
+"""
+from Utils.train.interrupts import exit_on_signal
+
+
+def launch(additions, argv=None) -> int:
+    """A rung's name or a list of additions, and the command line (sys.argv[1:] by default); the exit status."""
+    exit_on_signal()
+    from Utils.train.run import main
+    return main(additions, argv)

@@ -1,0 +1,34 @@
+"""The README says what the registry and the Makefile hold: its tables are checked against them."""
+import os
+import re
+import subprocess
+import sys
+
+from Utils.ladder.__main__ import markdown
+from Utils.ladder.registry import RUNGS
+
+from conftest import REPO_ROOT, clean_env
+
+README = open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8").read()
+
+
+def test_the_additions_table_is_the_registry():
+    block = re.search(r"<!-- additions: python -m Utils.ladder markdown -->\n(.*?)\n<!-- /additions -->", README,
+                      re.DOTALL)
+    assert block, "README.md lost its additions table's markers"
+    assert block.group(1) == markdown(), "README.md's additions table differs: paste `python -m Utils.ladder markdown`"
+
+
+def test_the_ladder_table_names_every_rung_and_its_script():
+    rows = re.findall(r"^\| `([\w]+)` \| `([\w.-]+\.py)` \|", README, re.MULTILINE)
+    assert rows == [(r.name, r.script) for r in RUNGS.values()]
+    for rung in RUNGS.values():
+        assert os.path.isfile(os.path.join(REPO_ROOT, rung.script))
+
+
+def test_every_target_the_readme_names_is_in_make_help():
+    help_text = subprocess.run(["make", "--no-print-directory", f"PYTHON={sys.executable}", "help"], cwd=REPO_ROOT,
+                               env=clean_env(), capture_output=True, text=True, timeout=60).stdout
+    named = set(re.findall(r"`make (\w[\w-]*)", README)) | {"install", "all", "test", "custom", "gpu-test"}
+    missing = sorted(t for t in named - {"help"} if f"make {t}" not in help_text and t not in RUNGS)
+    assert not missing, f"make help does not list {missing}"

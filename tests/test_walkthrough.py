@@ -1,0 +1,258 @@
+"""Utils.report.walkthrough: the notebook's tables, listings and sentences, on the committed H200 measurements
+and on small result sets written here through the suite's own writer (no torch, no GPU)."""
+import os
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.figure import Figure
+
+from Utils.ladder.registry import LADDER, MAX_ADDITIONS
+from Utils.report import walkthrough
+from Utils.report.walkthrough import Study, Verbatim
+from Utils.results.read import load
+from Utils.results.store import append_run
+
+from conftest import REPO_ROOT, summary_table
+
+H200 = os.path.join(REPO_ROOT, "results", "h200-b16")
+SEQ = 256
+
+
+def add_run(prefix, rung, step_ms, status="ok", batch=4, gpu="NVIDIA L4", commit="abc123", message=""):
+    """Append one run of `rung` with these step times (the first two are warm-up) through the suite's writer."""
+    os.makedirs(prefix, exist_ok=True)
+    run_id = f"{rung}-{len(os.listdir(prefix))}-{len(step_ms)}"
+    steps = [dict(run_id=run_id, optimization=rung, step=i, warmup=i < 2, step_ms=ms,
+                  tokens_per_s=batch * SEQ / (ms / 1e3), loss=10.0 - 0.1 * i, mfu=0.2) for i, ms in enumerate(step_ms)]
+    append_run(prefix, dict(run_id=run_id, optimization=rung, status=status, message=message,
+                            started_at="2026-01-01T00:00:00", steps=len(step_ms), warmup_steps=2, batch_size=batch,
+                            seq_len=SEQ, model="gpt2", n_params=124439808, data="synthetic", device="cuda",
+                            gpu_name=gpu, torch_version="2.9.0", cuda_version="12.8", compile_s=None,
+                            peak_mem_allocated_gib=6.0, peak_mem_reserved_gib=7.0, notes="", git_commit=commit,
+                            median_step_ms=float(np.median(step_ms[2:])) if step_ms else None), steps)
+    return run_id
+
+
+@pytest.fixture(scope="module")
+def h200():
+    return Study.load(H200)
+
+
+@pytest.fixture(scope="module")
+def unknown_gpu(tmp_path_factory):
+    """A ladder measured on a GPU missing from the GPU table, with an oom rung, and no companion sets."""
+    prefix = str(tmp_path_factory.mktemp("results") / "t4-b4")
+    for rung, ms in (("baseline", 300.0), ("tf32", 140.0), ("flash", 45.0)):
+        add_run(prefix, rung, [5 * ms] + [ms * (1 + 0.01 * i) for i in range(9)], gpu="Tesla T4")
+    add_run(prefix, "bf16", [], status="oom", gpu="Tesla T4", message="CUDA out of memory")
+    return Study.load(prefix)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths and tables
+
+
+def test_results_folder_is_found_from_here_or_from_the_repository(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert walkthrough.results_folder(None, REPO_ROOT) == H200
+    assert walkthrough.results_folder("results/h200-b64", REPO_ROOT) == os.path.join(REPO_ROOT, "results", "h200-b64")
+    (tmp_path / "results" / "h200-b64").mkdir(parents=True)
+    assert walkthrough.results_folder("results/h200-b64", REPO_ROOT) == str(tmp_path / "results" / "h200-b64")
+    with pytest.raises(FileNotFoundError, match="RESULTS=nowhere is not a folder"):
+        walkthrough.results_folder("nowhere", REPO_ROOT)
+
+
+def test_companions_are_named_after_the_results_folder():
+    assert walkthrough.companions("/r/h200-b16") == {"batch": "/r/h200-b64", "loss": "/r/h200-loss",
+                                                      "ablation": "/r/h200-ablation-b16",
+                                                      "breakdown": "/r/h200-b16/breakdown.csv"}
+    assert walkthrough.companions("/r/mine")["loss"] == "/r/mine-loss"
+
+
+def test_figures_round_as_the_summary_and_turn_missing_numbers_into_none():
+    table = pd.DataFrame({"median_step_ms": [36.94, np.nan], "iqr_step_ms": [0.66, np.nan], "speedup": [10.012, np.nan],
+                          "tokens_per_s": [444137.4, np.nan], "mfu": [0.38412, np.nan],
+                          "peak_mem_allocated_gib": [14.51, np.nan], "peak_mem_reserved_gib": [15.34, np.nan],
+                          "compile_s": [np.nan, np.nan], "final_loss": [5.8372, np.nan], "status": ["ok", "oom"]},
+                         index=["fused", "8bit"])
+    figures = walkthrough.figures(table)
+    assert figures["fused"] == {"median_step_ms": 36.9, "iqr_step_ms": 0.7, "speedup": 10.01, "tokens_per_s": 444137.0,
+                                "mfu_pct": 38.4, "peak_mem_allocated_gib": 14.5, "peak_mem_reserved_gib": 15.3,
+                                "compile_s": None, "final_loss": 5.837, "status": "ok"}
+    assert figures["8bit"]["median_step_ms"] is None and figures["8bit"]["status"] == "oom"
+    shown = walkthrough.measurements(table)
+    assert shown.at["fused", "tokens/s"] == "444,137" and shown.at["8bit", "tokens/s"] == "-"
+
+
+def test_the_committed_figures_are_summary_mds(h200):
+    figures = walkthrough.figures(h200.table)
+    for rung, row in summary_table(H200).items():
+        assert figures[rung]["median_step_ms"] == float(row["median ms"]), rung
+        assert figures[rung]["speedup"] == float(row["speedup"].rstrip("x")), rung
+
+
+# ---------------------------------------------------------------------------------------------
+# The code a rung runs
+
+
+def test_source_prints_a_definition_from_its_file():
+    text = walkthrough.source("Utils/ladder/apply.py", "apply_tf32")
+    assert isinstance(text, Verbatim)
+    assert text.startswith("# Utils/ladder/apply.py, apply_tf32\n")
+    assert re.search(r"^\s*\d+  def apply_tf32\(", text, re.M) and "allow_tf32" in text
+    lines = walkthrough.source("Utils/train/loop.py", "train", ("backward",)).splitlines()
+    assert lines[0].endswith(": the lines with 'backward'") and all("backward" in ln for ln in lines[1:])
+    assert "torch.autocast" in walkthrough.source("Utils/ladder/apply.py", "Build.autocast")
+    assert "scaled_dot_product_attention" in walkthrough.source("Utils/model.py", "CausalSelfAttention.forward")
+    with pytest.raises(LookupError, match="defines no apply_warp_drive"):
+        walkthrough.source("Utils/ladder/apply.py", "apply_warp_drive")
+
+
+def test_each_rung_builds_on_the_rung_it_differs_least_from():
+    assert walkthrough.parent("baseline") is None and walkthrough.parent("fused+loss") is None
+    assert [walkthrough.parent(r) for r in LADDER[1:]] == ["baseline", "tf32", "bf16", "torch_compile", "flash",
+                                                          "flash", "fused"]
+    assert walkthrough.added("8bit") == ["8bit"]
+    assert walkthrough.added("max") == list(MAX_ADDITIONS)
+    text = walkthrough.change("8bit")
+    assert text.splitlines()[0] == "8bit = flash + 8bit (it branches off flash, not fused)"
+    assert "  + 8bit (memory): bitsandbytes' AdamW8bit" in text
+    assert walkthrough.change("baseline").startswith("baseline: no additions")
+
+
+@pytest.mark.parametrize("rung", LADDER)
+def test_every_rung_shows_the_apply_function_of_each_addition_it_adds(rung):
+    listings = walkthrough.apply_sources(rung)
+    assert [ln.splitlines()[0] for ln in listings] == [f"# Utils/ladder/apply.py, apply_{a}"
+                                                       for a in walkthrough.added(rung)]
+
+
+# ---------------------------------------------------------------------------------------------
+# A study of the committed measurements
+
+
+def text_of(items):
+    return "\n".join(i for i in items if isinstance(i, str))
+
+
+def test_h200_study_overview_and_floors(h200):
+    overview = text_of(h200.overview())
+    assert "RESULTS = results/h200-b16" in overview and "batch-64 set: results/h200-b64 found" in overview
+    assert h200.ok == LADDER
+    assert list(h200.floors.index) == LADDER
+    assert h200.bounds["baseline"] == "compute" and h200.bounds["bf16"] == "memory"
+    assert "NVIDIA H200 bf16        989.4 TFLOP/s dense (NVIDIA H200 Tensor Core GPU datasheet (SXM))" \
+           in text_of(h200.machine())
+    assert "runs.csv records 124,439,808" in text_of(h200.compute())
+
+
+def test_h200_effects_and_readings(h200):
+    effect = text_of(h200.effect("8bit"))
+    assert "step time: 49.8 ms median" in effect and "against its predecessor, flash: 0.78x" in effect
+    assert "against the rung before it, fused" in effect
+    assert effect.splitlines()[-1].startswith("8bit: 49.8 ms measured; compute floor 14.2 ms (bf16)")
+    assert "about 67% of the baseline step was matmul time" in text_of(h200.tf32_share())
+    assert "it pays for itself after about 342 steps" in text_of(h200.compile_break_even())
+    assert "Peak memory fell by 9.0 GiB" in text_of(h200.flash_memory())
+    assert "instead of 84" in text_of(h200.fused_bytes())
+    assert "0.69 GiB predicted" in text_of(h200.eight_bit())
+    lines = text_of(h200.ladder_lines())
+    assert "the single largest step up the ladder was torch_compile (2.74x over bf16)" in lines
+
+
+def test_h200_ablation_against_the_fused_runs_of_the_same_commit(h200):
+    items = h200.ablation()
+    table = next(i for i in items if isinstance(i, pd.DataFrame))
+    assert "fused" in table.index and np.isnan(table.at["fused", "vs fused"])
+    for name in table.index.drop("fused"):
+        assert table.at[name, "in max"] == (name.removeprefix("fused+") in MAX_ADDITIONS), name
+    assert table.at["fused+fp8", "vs fused"] > walkthrough.ABLATION_NOISE
+    assert text_of(items).endswith("Slower than the fused rung on their own, beyond the runs' spread: fused+fp8.")
+
+
+def test_h200_loss_and_batch_sections(h200):
+    drift = h200.loss_drift()
+    assert list(drift[0].index) == LADDER and "Every rung follows the baseline's loss" in drift[1]
+    loss = h200.loss_set()
+    assert isinstance(loss[-1], Figure) and list(loss[1].index) == LADDER
+    assert loss[1].at["baseline", "vs baseline"] == 0
+    batch = h200.batch64()
+    assert list(batch[1].columns)[0] == "speedup, batch 16"
+    assert "8bit: batch 64 runs 1.40x the tokens per second of batch 16." in text_of(batch)
+    assert all(isinstance(f, Figure) for f in h200.charts())
+
+
+# ---------------------------------------------------------------------------------------------
+# A GPU missing from the table, a rung that ran out of memory, no companion sets
+
+
+def test_a_gpu_missing_from_the_table_gets_no_floors_and_says_so(unknown_gpu):
+    assert "Tesla T4 fp32      unknown" in text_of(unknown_gpu.machine())
+    assert "fp32, tf32, bf16, bandwidth unknown" in text_of(unknown_gpu.machine())
+    assert unknown_gpu.floors[["compute floor ms", "memory floor ms"]].isna().all().all()
+    assert unknown_gpu.bounds == {}
+    assert unknown_gpu.verdict("flash") == "flash: 47.0 ms measured; no floor known for Tesla T4."
+    assert unknown_gpu.tf32_share() == [] and unknown_gpu.fused_bytes() == []
+    assert "compute floor with bf16 matmuls: unknown" in text_of(unknown_gpu.compute())
+
+
+def test_missing_rungs_and_sets_are_reported_not_invented(unknown_gpu):
+    assert unknown_gpu.ok == ["baseline", "tf32", "flash"]
+    assert text_of(unknown_gpu.effect("bf16")).startswith("bf16 has no usable run in ")
+    assert "(oom: CUDA out of memory)" in text_of(unknown_gpu.effect("bf16"))
+    assert "bf16: no measured step time (oom)." in text_of(unknown_gpu.bound_chart())
+    assert "(its predecessor, bf16, not measured)" not in text_of(unknown_gpu.ladder_lines())   # bf16 is not ok
+    for section, absent in ((unknown_gpu.ablation, "is absent"), (unknown_gpu.loss_set, "is absent"),
+                            (unknown_gpu.batch64, "is absent"), (unknown_gpu.breakdown, "No breakdown.csv")):
+        assert absent in text_of(section())
+    assert unknown_gpu.bf16_gain() == []
+
+
+def test_ablation_table_needs_a_fused_run_of_the_same_commit(tmp_path):
+    prefix = str(tmp_path / "abl")
+    add_run(prefix, "fused", [40.0] * 6, commit="c1")
+    add_run(prefix, "fused", [42.0] * 6, commit="c1")
+    add_run(prefix, "fused+loss", [39.0] * 6, commit="c1")
+    add_run(prefix, "fused+prefetch", [30.0] * 6, commit="c2")    # no fused run of its commit: left out
+    table = walkthrough.ablation_table(*load(prefix))
+    assert list(table.index) == ["fused", "fused+loss"]
+    assert table.at["fused+loss", "fused ms, same commit"] == 41.0
+    assert table.at["fused+loss", "vs fused"] == pytest.approx(39 / 41 - 1)
+    assert table.at["fused+loss", "in max"] == ("loss" in MAX_ADDITIONS)
+    only = str(tmp_path / "none")
+    add_run(only, "fused+loss", [39.0] * 6)
+    assert walkthrough.ablation_table(*load(only)).empty
+
+
+def test_loss_tail_and_batch_comparison_keep_ladder_order():
+    table = pd.DataFrame({"speedup": [1.0, 2.0], "tokens_per_s": [100.0, 200.0],
+                          "peak_mem_allocated_gib": [9.0, 5.0]}, index=["tf32", "baseline"])
+    other = pd.DataFrame({"speedup": [1.0], "tokens_per_s": [120.0], "peak_mem_allocated_gib": [30.0]},
+                         index=["baseline"])
+    both = walkthrough.batch_comparison(table, other, 8)
+    assert list(both.index) == ["baseline", "tf32"] and np.isnan(both.at["tf32", "tokens/s, batch 64"])
+    assert list(both.columns)[::2] == ["speedup, batch 8", "tokens/s, batch 8", "peak alloc GiB, batch 8"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Showing
+
+
+def test_show_wraps_paragraphs_and_keeps_verbatim_text(capsys):
+    walkthrough.show("word " * 60, None, Verbatim("a    b\n  c"))
+    out = capsys.readouterr().out
+    paragraph, verbatim = out.split("a    b")
+    assert all(len(line) <= walkthrough.WIDTH for line in paragraph.splitlines())
+    assert len(paragraph.splitlines()) == 3 and verbatim == "\n  c\n"
+    with pytest.raises(TypeError, match="not int"):
+        walkthrough.show(3)
+
+
+def test_png_is_the_same_bytes_each_time_and_names_no_software_version():
+    fig = Figure(figsize=(2, 2))
+    fig.subplots().plot([0, 1], [1, 0])
+    first, second = walkthrough.png(fig), walkthrough.png(fig)
+    assert first == second and first.startswith(b"\x89PNG")
+    assert b"Software" not in first and b"atplotlib" not in first

@@ -93,8 +93,8 @@ additions:
 # $(call each,NAME,ITEMS,COMMAND,AFTER): COMMAND for every item (as $$x), going on past failures; then
 # AFTER; then exits non-zero naming what was not ok. Arguments are checked once, before the first item.
 define each
-	@$(PYTHON) -m Utils.train.cli $(RUN_ARGS)
-	@failed=""; \
+	@data=$$($(PYTHON) -m Utils.train.cli $(RUN_ARGS)) || exit $$?; \
+	failed=""; \
 	for x in $(2); do \
 		echo "=== $(1) $$x ==="; \
 		$(call wait_for,$(3)); [ $$rc -eq 0 ] || failed="$$failed $$x"; \
@@ -104,16 +104,16 @@ define each
 endef
 
 all: require-run
-	$(call each,all,$(RUNGS),$(MAKE) --no-print-directory $$x,$(MAKE) --no-print-directory plots || failed="$$failed plots";)
+	$(call each,all,$(RUNGS),$(MAKE) --no-print-directory $$x $${data:+DATA=$$data},$(MAKE) --no-print-directory plots || failed="$$failed plots";)
 
 # Each addition tried for the max rung alone on top of the fused rung, as rungs fused+<addition>.
 ablation: require-run
-	$(call each,ablation,$(if $(ADDITIONS),$(ADDITIONS),$(ABLATION)),$(PYTHON) ablation.py --add $$x $(RUN_ARGS))
+	$(call each,ablation,$(if $(ADDITIONS),$(ADDITIONS),$(ABLATION)),$(PYTHON) ablation.py --add $$x $(RUN_ARGS) $${data:+--data $$data})
 
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
 # breakdown files and a trace per rung, and leaves results.csv alone.
 profile: require-run
-	$(call each,profile,$(RUNGS),$(MAKE) --no-print-directory $$x PROFILE=1)
+	$(call each,profile,$(RUNGS),$(MAKE) --no-print-directory $$x PROFILE=1 $${data:+DATA=$$data})
 
 plots: require-prefix
 	$(PYTHON) plot_results.py --prefix $(call q,PREFIX)
@@ -159,7 +159,7 @@ install:
 
 test:
 	@PIP_DISABLE_PIP_VERSION_CHECK=1 $(PYTHON) -m pip install -q -r requirements-test.txt
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n auto --dist loadgroup tests
 
 # The tests that need a CUDA GPU (marked gpu); `make test` leaves them out. Only the files that hold such
 # tests are collected, so that a GPU machine needs none of the notebook's packages.

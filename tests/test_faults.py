@@ -257,3 +257,43 @@ def test_a_seed_out_of_range_is_one_line(tmp_path, capsys, seed):
     assert main("baseline", ["--steps", "2", "--batch-size", "1", "--seed", seed, "--prefix", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "from 0 to 18446744073709551615" in err
+
+
+def test_a_write_that_fails_halfway_leaves_both_files_as_they_were(tmp_path, suite_env):
+    # ulimit -f: results.csv's new rows fit, runs.csv's do not. The step rows used to land without their run.
+    import resource
+    assert run_in_process("baseline", tmp_path) == 0
+    runs = (tmp_path / "runs.csv").read_text().splitlines()
+    (tmp_path / "runs.csv").write_text("\n".join(runs + [runs[1].replace(runs[1][:8], f"{i:08d}", 1)
+                                                         for i in range(200)]) + "\n")
+    before = {name: (tmp_path / name).read_bytes() for name in ("results.csv", "runs.csv")}
+    limit = len(before["runs.csv"]) - 100
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    r = subprocess.run([sys.executable, "no_optimization.py", "--steps", "3", "--prefix", str(tmp_path)] + TINY,
+                       cwd=REPO, env=suite_env, capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+    assert r.returncode == 2 and "results not written" in r.stderr and "File too large" in r.stderr
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
+
+
+def test_a_temporary_file_left_by_a_killed_write_is_removed_saying_so(tmp_path, capsys):
+    (tmp_path / ".tmp-abc123.csv").write_text("run_id,optimiz")   # what kill -9 mid-write leaves
+    assert run_in_process("baseline", tmp_path) == 0
+    assert not (tmp_path / ".tmp-abc123.csv").exists()
+    assert f"note: removed {tmp_path / '.tmp-abc123.csv'}, left by a write that was killed" in capsys.readouterr().err
+    assert len(read_csv(tmp_path / "runs.csv")) == 1
+
+
+def test_a_results_file_that_is_a_link_is_written_through_the_link(tmp_path):
+    elsewhere = tmp_path / "kept" / "results.csv"
+    elsewhere.parent.mkdir()
+    prefix = tmp_path / "out"
+    assert run_in_process("baseline", prefix) == 0
+    os.replace(prefix / "results.csv", elsewhere)
+    (prefix / "results.csv").symlink_to(elsewhere)
+    assert run_in_process("baseline", prefix) == 0
+    assert (prefix / "results.csv").is_symlink()
+    assert len(read_csv(elsewhere)) == 8 and len(read_csv(prefix / "runs.csv")) == 2

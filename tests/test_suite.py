@@ -17,6 +17,11 @@ SCRIPTS = {"baseline": "no_optimization.py", "tf32": "tensorFloat32.py", "bf16":
 LOSS_TOLERANCE = 0.01
 
 
+# The tests that read one `make all` run on one xdist worker (make test runs with --dist loadgroup), so
+# that the ladder is trained once, not once per worker.
+ONE_MAKE_ALL = pytest.mark.xdist_group("make_all")
+
+
 @pytest.fixture(scope="session")
 def make_all(tmp_path_factory, suite_env):
     prefix = tmp_path_factory.mktemp("all")
@@ -24,6 +29,7 @@ def make_all(tmp_path_factory, suite_env):
     return prefix, r
 
 
+@ONE_MAKE_ALL
 def test_make_all_writes_an_ok_run_per_rung(make_all):
     prefix, r = make_all
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -51,6 +57,7 @@ def test_make_all_writes_an_ok_run_per_rung(make_all):
                ["speedup.png", "step_time.png", "throughput.png", "memory.png", "loss.png", "summary.md"])
 
 
+@ONE_MAKE_ALL
 def test_every_rung_tracks_the_baseline_loss(make_all):
     prefix, _ = make_all
     losses = {}
@@ -78,6 +85,7 @@ def test_a_script_runs_on_its_own(tmp_path, suite_env):
     assert len(read_csv(tmp_path / "results.csv")) == 3
 
 
+@ONE_MAKE_ALL
 def test_make_one_rung_appends_to_existing_results(make_all, tmp_path, suite_env):
     prefix, _ = make_all
     copy = tmp_path / "copy"
@@ -107,6 +115,7 @@ def test_make_repeat_runs_a_rung_that_many_times_and_stops_at_a_failure(tmp_path
     assert [l for l in r.stdout.splitlines() if l.startswith("===")] == ["=== bf16, run 1 of 3 ==="]
 
 
+@ONE_MAKE_ALL
 def test_init_results_reset_and_clean_touch_only_suite_files(make_all, tmp_path, suite_env):
     prefix, _ = make_all
     copy = tmp_path / "copy"
@@ -153,3 +162,13 @@ def test_make_all_goes_on_past_a_failed_rung_and_names_it(tmp_path, suite_env):
     assert [x["optimization"] for x in runs] == ["baseline"]
     assert r.stdout.count("passed by: ") == len(LADDER) - 2      # every rung after tf32 was still run
     assert (prefix / "summary.md").exists()
+
+
+def test_make_all_warns_once_when_data_auto_falls_back(tmp_path, suite_env):
+    # Each rung used to decide DATA=auto on its own, printing the same warning eight times.
+    env = dict(suite_env, DATA_DIR=str(tmp_path / "no-data"), SHAKESPEARE_URL=f"file://{tmp_path}/absent.txt")
+    r = make(["-n", "all", "STEPS=2", "BATCH_SIZE=1", f"PREFIX={tmp_path / 'out'}"], env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("WARNING: DATA=auto falls back to synthetic tokens") == 1
+    commands = [line for line in r.stdout.splitlines() if line.startswith(sys.executable) and "--steps" in line]
+    assert len(commands) == len(LADDER) and all("--data 'synthetic'" in c for c in commands)

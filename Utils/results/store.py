@@ -8,6 +8,7 @@ header is not ours, or that ends mid-row, is refused with a one-line error and l
 
     python -m Utils.results.store init PREFIX     (make init_results PREFIX=dir): empty results files
 """
+import contextlib
 import csv
 import fcntl
 import io
@@ -18,7 +19,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-from Utils.results.files import write_atomic
+from Utils.results.files import TEMPORARY_PREFIX, real_path, stage
 from Utils.results.schema import LOCK_FILE, RUN_COLUMNS, RUNS_FILE, STATUSES, STEP_COLUMNS, STEPS_FILE
 
 Row = Mapping[str, object]
@@ -96,39 +97,68 @@ def _cell(value):
     return str(value)
 
 
-def _append(path, columns, text):
-    """Old bytes + new rows written beside `path` and renamed over it (Utils.results.files.write_atomic)."""
+def _stage(path, columns, text):
+    """Old bytes + new rows, written beside `path` (Utils.results.files.stage); the temporary file's path."""
     old = b""
     if os.path.exists(path):
         with open(path, "rb") as f:
             old = f.read()
     header = b"" if old else (",".join(columns) + "\n").encode()
     mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
-    write_atomic(path, lambda f: f.write(old + header + text.encode()), mode=mode)
+    return stage(path, lambda f: f.write(old + header + text.encode()), mode=mode)
+
+
+def _replace_all(staged):
+    """Rename each staged temporary file over its file. Every file was written in full before the first
+    rename, so a write that fails (a full disk, a file size limit) leaves every file as it was."""
+    for tmp, path in staged:
+        os.replace(tmp, real_path(path))
+
+
+def _append_all(appends):
+    """[(path, columns, text)] appended whole, all or none."""
+    staged = []
+    try:
+        for path, columns, text in appends:
+            staged.append((_stage(path, columns, text), path))
+    except BaseException:
+        for tmp, _ in staged:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        raise
+    _replace_all(staged)
+
+
+def _remove_stale_temporaries(prefix):
+    """Under the lock no one else is writing results: a temporary CSV there was left by a write killed before
+    its rename (kill -9). Removed, saying so."""
+    for name in sorted(os.listdir(prefix)):
+        if name.startswith(TEMPORARY_PREFIX) and name.endswith(".csv"):
+            os.unlink(os.path.join(prefix, name))
+            print(f"note: removed {os.path.join(prefix, name)}, left by a write that was killed", file=sys.stderr)
 
 
 def append_rows(prefix: str | os.PathLike, name: str, columns: Sequence[str], rows: Iterable[Row]) -> None:
     """Append rows to PREFIX/name (a CSV with `columns`) under the same lock and checks as the results."""
     path = os.path.join(prefix, name)
     with _locked(prefix):
+        _remove_stale_temporaries(prefix)
         check_file(path, columns)
-        _append(path, columns, _format(rows, columns))
+        _append_all([(path, columns, _format(rows, columns))])
 
 
 def append_run(prefix: str | os.PathLike, run: Row, steps: Sequence[Row]) -> None:
-    """Append one run's step rows and its run row. Step rows go first: a run exists once runs.csv names it."""
+    """Append one run's step rows and its run row, both or neither."""
     if run.get("status") not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {run.get('status')!r}")
     steps_path = os.path.join(prefix, STEPS_FILE)
     runs_path = os.path.join(prefix, RUNS_FILE)
     with _locked(prefix):
+        _remove_stale_temporaries(prefix)
         check_file(steps_path, STEP_COLUMNS)
         check_file(runs_path, RUN_COLUMNS)
-        if steps:
-            _append(steps_path, STEP_COLUMNS, _format(steps, STEP_COLUMNS))
-        elif not os.path.exists(steps_path):
-            _append(steps_path, STEP_COLUMNS, "")
-        _append(runs_path, RUN_COLUMNS, _format([run], RUN_COLUMNS))
+        appends = [(steps_path, STEP_COLUMNS, _format(steps, STEP_COLUMNS))] if steps or not os.path.exists(steps_path) else []
+        _append_all(appends + [(runs_path, RUN_COLUMNS, _format([run], RUN_COLUMNS))])
 
 
 def init_files(prefix: str | os.PathLike) -> None:
@@ -138,7 +168,7 @@ def init_files(prefix: str | os.PathLike) -> None:
         for name, columns in ((STEPS_FILE, STEP_COLUMNS), (RUNS_FILE, RUN_COLUMNS)):
             path = os.path.join(prefix, name)
             if not os.path.exists(path) or os.path.getsize(path) == 0:
-                _append(path, columns, "")
+                _append_all([(path, columns, "")])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

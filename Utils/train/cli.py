@@ -147,13 +147,24 @@ def parse_args(argv=None, prog=None):
                      profile=a.profile)
 
 
-def check(argv):
-    """Validate a run's arguments and its PREFIX without running anything (for make all and make profile)."""
+def check(argv) -> int:
+    """Validate a run's arguments and its PREFIX without running anything, for the targets that run several
+    rungs (make all, ablation, profile). With DATA=auto, print the data every rung is then to use
+    (shakespeare, or synthetic after one warning), so that the warning is not repeated by every rung."""
     from Utils.results.store import ResultsError, check_prefix
+    from Utils.train.data import DataError, default_data_dir, shakespeare_tokens
     try:
-        check_prefix(parse_args(argv).prefix)
+        cfg = parse_args(argv)
+        check_prefix(cfg.prefix)
     except (UsageError, ResultsError) as e:
         return fail(str(e))
+    if cfg.data == "auto":
+        try:
+            shakespeare_tokens(cfg.data_dir or default_data_dir())
+            print("shakespeare")
+        except DataError as e:
+            print(f"WARNING: DATA=auto falls back to synthetic tokens for every run: {e}", file=sys.stderr)
+            print("synthetic")
     return 0
 
 

@@ -100,6 +100,10 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
 def profile_steps(step, timer, cfg, device, run, flops_per_step, peak):
     """PROFILE_STEPS more steps under torch.profiler (one more before them that the schedule discards),
     exported as a gzipped Chrome trace and split into compute, memory and overhead."""
+    if device.type != "cuda":
+        # A CUDA build of torch profiling a CPU run: Kineto still asks for the GPUs and logs each failure
+        # (gpuGetDeviceCount); its log level 5 keeps only fatal messages.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from Utils.report import breakdown

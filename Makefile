@@ -22,7 +22,7 @@ RUN_ARGS = --steps $(call q,STEPS) --batch-size $(call q,BATCH_SIZE) --prefix $(
 	$(call opt,DATA,--data) $(call opt,WARMUP,--warmup) $(call opt,SEED,--seed) $(call opt,DATA_DIR,--data-dir) \
 	$(if $(PROFILE),--profile)
 
-need = @if [ -z "$(strip $(value $(1)))" ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
+need = @if [ -z '$(subst ','\'',$(strip $(value $(1))))' ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
 
 .PHONY: help install all ablation additions custom profile plots test gpu-test init_results reset clean notebook $(RUNGS) require-run require-prefix
 .DEFAULT_GOAL := help
@@ -43,7 +43,7 @@ help:
 	@echo "  make reset PREFIX=dir                         remove every file the suite wrote in PREFIX, results too"
 	@echo "  make notebook [RESULTS=dir]                   execute notebooks/Optimizing_GPU_Utilization.ipynb in place"
 	@echo "  make install                                  what the suite needs (PyTorch's CPU build where there is no GPU)"
-	@echo "  make test                                     the test suite (CPU, a few minutes; installs requirements-test.txt)"
+	@echo "  make test                                     the test suite (CPU, about 3 minutes on 2 cores; installs requirements-test.txt)"
 	@echo "  make gpu-test                                 the tests marked gpu, on a CUDA machine"
 	@echo ""
 	@echo "Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE=auto|cuda|cpu"
@@ -65,7 +65,7 @@ REPEAT ?= 1
 # a GPU whose clock moves one run's median by a few percent, summary.md then reports the median of medians.
 define repeat
 	@case '$(REPEAT)' in [1-9]|[1-9][0-9]) ;; *) echo "error: REPEAT must be a number of runs from 1 to 99, not '$(REPEAT)' (e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)" >&2; exit 2;; esac
-	$(info $(2))
+	@printf '%s\n' '$(subst ','\'',$(strip $(2)))'
 	@run=0; while [ $$run -lt $(REPEAT) ]; do run=$$((run + 1)); \
 		if [ $(REPEAT) -gt 1 ]; then echo "=== $(1), run $$run of $(REPEAT) ==="; fi; \
 		$(call wait_for,$(2)); [ $$rc -eq 0 ] || exit $$rc; \
@@ -83,8 +83,7 @@ $(RUNGS): require-run
 
 # Exactly the additions named in WITH (make additions lists them), recorded under a name built from them.
 custom: require-run
-	$(call need,WITH)
-	@$(PYTHON) -m Utils.ladder check $(value WITH) >/dev/null
+	@if [ -z "$(strip $(value WITH))" ]; then echo 'error: WITH is required: the additions to run, e.g. make custom WITH="bf16 torch_compile flash" STEPS=50 BATCH_SIZE=16 PREFIX=./out (make additions lists them)' >&2; exit 2; fi
 	$(call repeat,custom,$(PYTHON) -m Utils.train --with $(call q,WITH) $(RUN_ARGS))
 
 additions:

@@ -8,7 +8,7 @@ import pytest
 
 from Utils.ladder.registry import LADDER
 
-from conftest import REPO_ROOT as REPO, make, read_csv
+from conftest import REPO_ROOT as REPO, clean_env, make, read_csv
 SCRIPTS = {"baseline": "no_optimization.py", "tf32": "tensorFloat32.py", "bf16": "brainFloat16.py",
            "torch_compile": "torch_compile.py", "flash": "flash_attention.py", "fused": "fused_optimizer.py",
            "8bit": "8-bit_optimizer.py", "max": "max_throughput.py"}
@@ -170,5 +170,34 @@ def test_make_all_warns_once_when_data_auto_falls_back(tmp_path, suite_env):
     r = make(["-n", "all", "STEPS=2", "BATCH_SIZE=1", f"PREFIX={tmp_path / 'out'}"], env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("WARNING: DATA=auto falls back to synthetic tokens") == 1
-    commands = [line for line in r.stdout.splitlines() if line.startswith(sys.executable) and "--steps" in line]
+    commands = [line for line in r.stdout.splitlines() if line.startswith("run=0;")]   # each rung's run loop
     assert len(commands) == len(LADDER) and all("--data 'synthetic'" in c for c in commands)
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_make_install_takes_cpu_wheels_and_no_cuda_package_without_a_gpu(tmp_path, gpu):
+    # A fake Python records what make install asks pip for; a fake nvidia-smi answers where there is a GPU.
+    log = tmp_path / "pip.log"
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/sh
+if [ "$1" = -c ]; then exit 1; fi   # no torch installed yet
+echo "$@" >> {log}
+while [ $# -gt 0 ]; do if [ "$1" = -r ]; then cat "$2" >> {log}; fi; shift; done
+""")
+    fake.chmod(0o755)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if gpu:
+        (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200'\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+    env = dict(clean_env(), PATH=f"{bin_dir}:/usr/bin:/bin")
+    # PYTHON is the fake; the registry is read by this interpreter, as the Makefile reads it at parse time.
+    r = subprocess.run(["make", "--no-print-directory", f"PYTHON={fake}", f"LADDER=baseline:no_optimization.py",
+                        "install"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    asked = log.read_text()
+    if gpu:
+        assert "--index-url" not in asked and "nvidia-cudnn-frontend" in asked
+    else:
+        assert "-m pip install torch --index-url https://download.pytorch.org/whl/cpu" in asked
+        assert "torch>=" in asked and "nvidia" not in asked

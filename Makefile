@@ -20,7 +20,7 @@ opt = $(if $(filter undefined,$(origin $(1))),,$(2) $(call q,$(1)))
 RUN_ARGS = --steps $(call q,STEPS) --batch-size $(call q,BATCH_SIZE) --prefix $(call q,PREFIX) \
 	$(call opt,MODEL,--model) $(call opt,SEQ_LEN,--seq-len) $(call opt,DEVICE,--device) \
 	$(call opt,DATA,--data) $(call opt,WARMUP,--warmup) $(call opt,SEED,--seed) $(call opt,DATA_DIR,--data-dir) \
-	$(if $(PROFILE),--profile)
+	$(if $(filter 1 yes true,$(PROFILE)),--profile)
 
 need = @if [ -z '$(subst ','\'',$(strip $(value $(1))))' ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
 
@@ -49,6 +49,7 @@ help:
 	@echo "Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE=auto|cuda|cpu"
 	@echo "          DATA=auto|shakespeare|synthetic|path.txt  WARMUP=n  SEED=n  DATA_DIR=dir  PYTHON=python3"
 	@echo "          REPEAT=n (rung targets, custom and all: n runs in a row, judged on their median)"
+	@echo "          PROFILE=1 (a rung target: profile it too)  ADDITIONS=\"a b\" (make ablation: only these)"
 
 require-run:
 	$(call need,STEPS)
@@ -58,8 +59,6 @@ require-run:
 require-prefix:
 	$(call need,PREFIX)
 
-# REPEAT=n runs a rung n times in a row, stopping at the first that is not ok: on a GPU whose clock
-# moves one run's median by a few percent, summary.md then reports the median of the n runs' medians.
 REPEAT ?= 1
 # $(call repeat,NAME,COMMAND): COMMAND REPEAT times in a row, stopping at the first run that is not ok: on
 # a GPU whose clock moves one run's median by a few percent, summary.md then reports the median of medians.
@@ -163,4 +162,5 @@ test:
 # The tests that need a CUDA GPU (marked gpu); `make test` leaves them out. Only the files that hold such
 # tests are collected, so that a GPU machine needs none of the notebook's packages.
 gpu-test:
+	@$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'error: make gpu-test needs a CUDA GPU that PyTorch sees; make test runs the rest')"
 	$(PYTHON) -m pytest -q -m gpu $$(grep -l "mark.gpu" tests/test_*.py)

@@ -2,6 +2,7 @@
 
     python ablation.py --add loss --steps 60 --batch-size 16 --prefix out
 """
+import shlex
 import sys
 
 from Utils.ladder.registry import ABLATION, RUNGS
@@ -21,4 +22,5 @@ if __name__ == "__main__":
     name = args[i + 1]
     if name not in ABLATION:
         sys.exit(fail(f"--add {name!r} is not an addition tried for the max rung: use one of {', '.join(ABLATION)}"))
-    sys.exit(launch(RUNGS["fused"].additions + (name,), args[:i] + args[i + 2:]))
+    command = " ".join(shlex.quote(a) for a in ["ablation.py"] + args)
+    sys.exit(launch(RUNGS["fused"].additions + (name,), args[:i] + args[i + 2:], command))

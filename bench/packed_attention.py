@@ -1,5 +1,5 @@
-"""Checks and times Utils.kernels.packed_attention on a GPU against SDPA held to cuDNN, the `cudnn` attention of the
-other rungs, for one GPT-2 layer's attention (12 heads of 64, T = 1,024, bf16): forward and backward, from
+"""Checks and times Utils.kernels.packed_attention on a GPU against SDPA held to cuDNN (the `cudnn_attention`
+addition), for one GPT-2 layer's attention (12 heads of 64, T = 1,024, bf16): forward and backward, from
 the packed [B, T, 3C] QKV tensor to its packed gradient. SDPA's path includes the copy of dq, dk and dv
 into that gradient, which autograd makes as the compiled model's backward does (one gather kernel).
 Each is timed replayed from a CUDA graph, as the `max` rung runs it (GPU time), and called eagerly, which

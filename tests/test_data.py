@@ -1,4 +1,4 @@
-"""Utils/data.py: the loader's windows, the tokenizer on real tiny shakespeare, the download and its
+"""Utils/train/data.py: the loader's windows, the tokenizer on real tiny shakespeare, the download and its
 checks, the token cache, the DATA=auto fallback, synthetic tokens and local text files. Nothing here
 reaches the network: downloads come from file:// URLs and data folders live under tmp_path."""
 import os

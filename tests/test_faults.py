@@ -18,8 +18,8 @@ from conftest import REPO_ROOT as REPO, make, read_csv
 TINY = ["--batch-size", "2", "--seq-len", "16", "--data", "synthetic"]
 
 
-def run_in_process(recipe, prefix, steps=4, extra=()):
-    return main(recipe, ["--steps", str(steps), "--prefix", str(prefix)] + TINY + list(extra))
+def run_in_process(rung, prefix, steps=4, extra=()):
+    return main(rung, ["--steps", str(steps), "--prefix", str(prefix)] + TINY + list(extra))
 
 
 def test_out_of_memory_is_recorded_and_named(tmp_path, monkeypatch, capsys):
@@ -169,8 +169,8 @@ def test_an_8bit_optimizer_that_cannot_be_built_is_skipped(tmp_path, monkeypatch
 
 
 def test_a_compiler_failure_keeps_the_first_line_of_its_cause_and_the_whole_error_in_a_log(tmp_path, monkeypatch):
-    # torch.compile wraps the real error: its own message starts "backend='inductor' raised:", which is all
-    # a run used to record.
+    # torch.compile wraps the real error: its own message starts "backend='inductor' raised:", which says
+    # nothing; the cause's first line must reach the record.
     from Utils.ladder import apply
 
     class BackendCompilerFailed(RuntimeError):
@@ -260,7 +260,7 @@ def test_a_seed_out_of_range_is_one_line(tmp_path, capsys, seed):
 
 
 def test_a_write_that_fails_halfway_leaves_both_files_as_they_were(tmp_path, suite_env):
-    # ulimit -f: results.csv's new rows fit, runs.csv's do not. The step rows used to land without their run.
+    # ulimit -f: results.csv's new rows fit, runs.csv's do not; step rows must never land without their run.
     import resource
     assert run_in_process("baseline", tmp_path) == 0
     runs = (tmp_path / "runs.csv").read_text().splitlines()

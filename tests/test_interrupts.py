@@ -44,7 +44,7 @@ def test_a_signal_just_after_the_last_step_keeps_every_step(tmp_path, monkeypatc
 
 def test_signals_during_the_shutdown_change_nothing_but_the_status(tmp_path, monkeypatch, capsys):
     # One signal while the run's memory is released, another while it is summarized: neither may break
-    # the shutdown, which used to end in a traceback with the run's rows lost.
+    # the shutdown (a traceback there loses the run's rows).
     monkeypatch.setattr(run_module, "gc", types.SimpleNamespace(collect=_interrupt_self))
     real_summarize = run_module.summarize
 
@@ -74,7 +74,7 @@ def test_a_second_signal_while_the_first_is_handled_is_only_noted(tmp_path, monk
 
 
 def test_a_signal_while_the_script_starts_is_one_line(tmp_path, suite_env):
-    # torch takes seconds to import: a Ctrl-C then used to print a KeyboardInterrupt traceback.
+    # torch takes seconds to import: a Ctrl-C then must end the program with one line, not a traceback.
     proc = subprocess.Popen([sys.executable, "no_optimization.py", "--steps", "2", "--prefix", str(tmp_path)] + TINY,
                             cwd=REPO_ROOT, env=suite_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(0.3)
@@ -86,7 +86,7 @@ def test_a_signal_while_the_script_starts_is_one_line(tmp_path, suite_env):
 
 
 def test_sigterm_to_make_returns_only_once_the_run_is_recorded(tmp_path, suite_env):
-    # make passes SIGTERM to the shell it started; that shell used to die at once, so make returned while
+    # make passes SIGTERM to the shell it started: were that shell to die at once, make would return while
     # the run went on training (or writing) in the background.
     prefix = tmp_path / "out"
     proc = subprocess.Popen(["make", "--no-print-directory", f"PYTHON={sys.executable}", "baseline", "STEPS=100000",
@@ -108,3 +108,37 @@ def test_sigterm_to_make_returns_only_once_the_run_is_recorded(tmp_path, suite_e
         except ProcessLookupError:
             pass
         proc.wait()
+
+
+def test_steps_waiting_to_be_read_back_are_kept_when_a_signal_stops_the_run(tmp_path, monkeypatch):
+    # With sync_every the host reads steps back in groups: the finished steps of an unread group count too.
+    from Utils.train import loop
+    monkeypatch.setattr("Utils.ladder.apply.SYNC_EVERY", 5)
+    real_inputs_targets, calls = loop.inputs_targets, []
+
+    def inputs_targets(*args):
+        calls.append(1)
+        if len(calls) == 4:   # step 3 begins: steps 0-2 have finished, none read back yet
+            _interrupt_self()
+        return real_inputs_targets(*args)
+
+    monkeypatch.setattr(loop, "inputs_targets", inputs_targets)
+    assert main(["sync_every"], ["--steps", "7", "--prefix", str(tmp_path)] + TINY) == EXIT_INTERRUPTED
+    (run,) = read_csv(tmp_path / "runs.csv")
+    assert [r["step"] for r in read_csv(tmp_path / "results.csv")] == ["0", "1", "2"]
+    assert run["status"] == "interrupted" and "interrupted after 3 of 7 steps" in run["message"]
+
+
+def test_a_signal_after_the_run_is_recorded_changes_nothing(tmp_path, suite_env):
+    # What a script runs (launch), then a signal once main has returned: the run stands as recorded.
+    code = ("import os, signal, sys, time\n"
+            "from Utils.train.launch import launch\n"
+            f"rc = launch('baseline', {['--steps', '2', '--prefix', str(tmp_path)] + TINY!r})\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(0.2)\n"
+            "print('exit', rc)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=suite_env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "exit 0", r.stderr
+    assert "nothing was recorded" not in r.stderr
+    assert read_csv(tmp_path / "runs.csv")[0]["status"] == "ok"

@@ -165,7 +165,7 @@ def test_make_all_goes_on_past_a_failed_rung_and_names_it(tmp_path, suite_env):
 
 
 def test_make_all_warns_once_when_data_auto_falls_back(tmp_path, suite_env):
-    # Each rung used to decide DATA=auto on its own, printing the same warning eight times.
+    # Were each rung to decide DATA=auto on its own, it would print the same warning eight times.
     env = dict(suite_env, DATA_DIR=str(tmp_path / "no-data"), SHAKESPEARE_URL=f"file://{tmp_path}/absent.txt")
     r = make(["-n", "all", "STEPS=2", "BATCH_SIZE=1", f"PREFIX={tmp_path / 'out'}"], env, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -31,8 +31,8 @@ NUM_WARPS = 8
 # the fastest tried (BENCHMARKS.md).
 CUDA_THREADS = 256
 USE_CUDA = True      # False: the Triton kernel on a GPU too, to compare the two
-_CUDA = nvrtc.Kernel(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "loss_kernel.cu")).read(),
-                     "cross_entropy_grad_rows")
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "loss_kernel.cu"), encoding="utf-8") as _source:
+    _CUDA = nvrtc.Kernel(_source.read(), "cross_entropy_grad_rows")
 
 # Read once, as @triton.jit reads it when the kernel is defined below.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

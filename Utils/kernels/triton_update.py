@@ -23,7 +23,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except Exception:   # absent, or broken: apply_optimizer then builds torch's fused AdamW instead
+except Exception:   # absent, or broken: Utils.ladder.apply.apply_triton_update then keeps torch's fused AdamW
     triton = None
 
 # Elements per program, and warps: within 2% of the fastest pair tried (BENCHMARKS.md).

@@ -50,8 +50,9 @@ _ADDITIONS = [
     Addition("gelu_epilogue", "model", "memory",
              "c_fc's bias and GELU, and GELU's derivative, in cuBLASLt GEMM epilogues", needs="cuBLASLt on a GPU",
              requires=("bf16",), excludes=("fp8",)),
+    # cuDNN's fused attention takes bf16 or fp16 only: without autocast there is no kernel to hold SDPA to.
     Addition("cudnn_attention", "model", "compute", "SDPA held to cuDNN's fused attention", needs="cuDNN on a GPU",
-             requires=("flash",), excludes=("packed_attention",)),
+             requires=("flash", "bf16"), excludes=("packed_attention",)),
     Addition("packed_attention", "model", "memory",
              "cuDNN attention reading q, k, v in the packed QKV tensor and writing one packed gradient",
              needs="nvidia-cudnn-frontend and cuDNN 9 on a GPU", requires=("bf16",)),

@@ -25,7 +25,7 @@ STEP_SCHEMA = (
     Column("optimization", False, "the run's name: a rung (fused) or a combination of additions (fused+loss)"),
     Column("step", True, "step number, from 0"),
     Column("warmup", True, "1 for a warm-up step (left out of every summary), else 0"),
-    Column("step_ms", True, "step time in milliseconds: from the previous step's end to this one's, on the device"),
+    Column("step_ms", True, "step time in milliseconds: the step whole (batch copy to optimizer step), between CUDA events around it (perf_counter on a CPU)"),
     Column("tokens_per_s", True, "global batch x seq_len / step time"),
     Column("loss", True, "training loss of the step"),
     Column("mfu", True, "model FLOPs utilization, a fraction of the GPU's dense bf16 peak; blank when unknown"),

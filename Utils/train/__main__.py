@@ -3,6 +3,7 @@
 (make custom WITH="..." STEPS=n BATCH_SIZE=b PREFIX=dir.) The run is recorded under a name built from its
 additions (Utils.ladder.registry.run_name).
 """
+import shlex
 import sys
 
 from Utils.train.launch import launch
@@ -23,4 +24,5 @@ if __name__ == "__main__":
     if not names:
         sys.exit(fail('WITH is empty: name the additions to run, e.g. WITH="bf16 torch_compile flash" '
                       '(make additions lists them; the run with none is make baseline)'))
-    sys.exit(launch(names, args[:i] + args[i + 2:]))
+    command = " ".join(shlex.quote(a) for a in ["python", "-m", "Utils.train"] + args)
+    sys.exit(launch(names, args[:i] + args[i + 2:], command))

@@ -26,7 +26,9 @@ def exit_on_signal() -> None:
 
 
 class Interrupts:
-    """`with Interrupts() as interrupts:` around a run; `interrupts.requested` says whether a signal came."""
+    """`with Interrupts() as interrupts:` around a run, and `interrupts.arm()` as the first statement of the
+    `try` that trains: a signal raises KeyboardInterrupt only inside it; `interrupts.requested` says whether
+    one came at all."""
 
     def __init__(self):
         self.armed = False
@@ -39,18 +41,25 @@ class Interrupts:
             self.armed = False   # once: a second signal must not break the shutdown of the first
             raise KeyboardInterrupt(f"signal {signum}")
 
+    def arm(self) -> None:
+        """From now on the first signal raises KeyboardInterrupt; one that already came raises it at once."""
+        self.armed = True
+        if self.requested:
+            self.armed = False
+            raise KeyboardInterrupt("signal before training")
+
     def disarm(self) -> None:
         """Training is over: from now on a signal is only noted."""
         self.armed = False
 
     def __enter__(self):
         self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
-        self.armed = True
         return self
 
     def __exit__(self, *exc):
         self.armed = False
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # After the record, the program is about to end: a signal then changes nothing, so it is ignored
+            # rather than reported as an interruption before the run.
+            signal.signal(sig, signal.SIG_IGN if handler is _exit_at_once else handler)
         return False
-

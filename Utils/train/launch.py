@@ -5,8 +5,9 @@ Kept apart from Utils.train.run, which imports torch, so that a script installs 
 from Utils.train.interrupts import exit_on_signal
 
 
-def launch(additions, argv=None) -> int:
-    """A rung's name or a list of additions, and the command line (sys.argv[1:] by default); the exit status."""
+def launch(additions, argv=None, command=None) -> int:
+    """A rung's name or a list of additions, the command line (sys.argv[1:] by default), and what the record
+    says repeats the run (Utils.train.run.main); the exit status."""
     exit_on_signal()
     from Utils.train.run import main
-    return main(additions, argv)
+    return main(additions, argv, command)

@@ -86,12 +86,23 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
     # The host reads timings and losses back every sync_every steps, so between read-backs the CPU queues
     # work ahead of the GPU and no step waits for the host.
     pending = []
-    for i in range(cfg.steps):
-        pending.append((i, *step()))
-        if len(pending) == b.sync_every or i == cfg.steps - 1:
-            for entry in pending:
+    try:
+        for i in range(cfg.steps):
+            pending.append((i, *step()))
+            if len(pending) == b.sync_every or i == cfg.steps - 1:
+                for entry in pending:
+                    record(*entry)
+                pending.clear()
+    finally:
+        # A run that stops early (a signal, out of memory) keeps every step that finished, read back or not.
+        recorded = {row["step"] for row in rows}
+        for entry in pending:
+            if entry[0] in recorded:
+                continue
+            try:
                 record(*entry)
-            pending.clear()
+            except Exception:   # the device itself failed: what it holds cannot be read back
+                break
     if cfg.profile:
         return profile_steps(step, timer, cfg, device, run, flops_token * tokens_per_step, peak)
     return None

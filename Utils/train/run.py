@@ -23,21 +23,23 @@ from Utils.train.data import DataError, TokenLoader, load_tokens
 from Utils.train.interrupts import EXIT_INTERRUPTED, Interrupts
 from Utils.train.loop import train
 
-EXIT_FAILED, EXIT_USAGE, EXIT_OOM, EXIT_SKIPPED = 1, 2, 3, 4
+EXIT_FAILED, EXIT_OOM, EXIT_SKIPPED = 1, 3, 4   # 2: bad input, or results that cannot be written (fail)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main(additions, argv=None) -> int:
+def main(additions, argv=None, command=None) -> int:
     """Entry point of every rung script and of `make custom`: `additions` is a rung's name or a list of
-    addition names. Parse, check PREFIX, run, record; returns the exit status."""
+    addition names; `command` is what the record says repeats the run (the script and argv by default).
+    Parse, check PREFIX, run, record; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        additions = RUNGS[additions].additions if isinstance(additions, str) else resolve(additions)
+        additions = resolve(RUNGS[additions].additions if isinstance(additions, str) else additions)
         cfg = parse_args(argv, prog=os.path.basename(sys.argv[0]))
         check_prefix(cfg.prefix)
     except (UsageError, ResultsError, RegistryError) as e:
         return fail(str(e))
-    command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.argv[0])] + argv)
+    if command is None:
+        command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.argv[0])] + argv)
     return run(additions, cfg, command)
 
 
@@ -181,20 +183,22 @@ def run(additions: tuple, cfg: RunConfig, command: str) -> int:
     profiled = None
     with Interrupts() as interrupts:
         try:
-            loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda")
-            b = held["build"] = build(additions, device, PRESETS[cfg.model], cfg.seed, loader)
-            run["n_params"] = b.model.num_params(exclude_position_embedding=False)
-            run["notes"] = "; ".join(b.notes)
-            for note in b.notes:
-                print(f"note: {note}")
-            profiled = train(b, cfg, run, rows)
-            interrupts.disarm()
+            try:   # the only place a signal raises; every handler below runs with it disarmed
+                interrupts.arm()
+                loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda")
+                held["build"] = build(additions, device, PRESETS[cfg.model], cfg.seed, loader)
+                run["n_params"] = held["build"].model.num_params(exclude_position_embedding=False)
+                run["notes"] = "; ".join(held["build"].notes)
+                for note in held["build"].notes:
+                    print(f"note: {note}")
+                profiled = train(held["build"], cfg, run, rows)
+            finally:
+                interrupts.disarm()
         except Unavailable as e:
             status, message, code = "skipped", str(e), EXIT_SKIPPED
         except KeyboardInterrupt:
             pass   # recorded below, with a signal that came after training
         except Exception as e:
-            interrupts.disarm()
             if _out_of_memory(e):
                 peak = peak_memory_gib(device)[0]
                 status, code = "oom", EXIT_OOM
@@ -208,7 +212,6 @@ def run(additions: tuple, cfg: RunConfig, command: str) -> int:
                     status, code = "skipped", EXIT_SKIPPED
                     message = f"torch.compile cannot compile here: {_first_line(e)}{where}"
                 else:
-                    traceback.print_exc()
                     status, code = "failed", EXIT_FAILED
                     message = f"{_first_line(e)}{where}"
         interrupts.disarm()

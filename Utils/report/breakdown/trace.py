@@ -77,7 +77,7 @@ class Breakdown:
     flops_per_step: "float | None" = None
     peak_flops: "float | None" = None
     peak_bandwidth: "float | None" = None
-    run_id: "str | None" = None   # the trace's "run_id" metadata, when the runner added it
+    run_id: "str | None" = None   # the trace's "run_id" metadata, when the run added it
     git_commit: "str | None" = None   # the trace's "git_commit" metadata, likewise
     started_at: "str | None" = None   # the trace's "started_at" metadata (the run's start, ISO 8601), likewise
     torch_version: "str | None" = None   # the trace's "torch_version" metadata, likewise

@@ -38,6 +38,7 @@ def test_ablation_adds_one_change_to_the_fused_rung(tmp_path, suite_env):
     assert r.returncode == 0, r.stderr
     run = read_csv(tmp_path / "runs.csv")[0]
     assert run["optimization"] == "fused+loss"
+    assert run["command"].startswith("ablation.py --add loss --steps 2")   # what repeats the run
     assert json.loads(run["config"])["additions"] == ["tf32", "bf16", "flash", "loss", "torch_compile", "fused"]
     bad = subprocess.run([sys.executable, "ablation.py", "--add", "turbo", "--steps", "2", "--prefix",
                           str(tmp_path)], cwd=REPO_ROOT, env=suite_env, capture_output=True, text=True, timeout=120)
@@ -100,3 +101,20 @@ def test_the_run_builds_and_steps_what_the_rung_says(tmp_path, monkeypatch):
     assert type(b.model.loss).__name__ == "ChunkedLoss"
     assert calls == [True, True, True]            # every step through the step model, under bf16 autocast
     assert len(updates) == 3                      # and one clip + optimizer step after each
+
+
+def test_make_custom_runs_exactly_its_additions_and_records_how_to_repeat_it(tmp_path, suite_env):
+    r = subprocess.run(["make", "--no-print-directory", f"PYTHON={sys.executable}", "custom", "WITH=flash bf16",
+                        "STEPS=2", "BATCH_SIZE=2", "SEQ_LEN=16", "DATA=synthetic", f"PREFIX={tmp_path}"],
+                       cwd=REPO_ROOT, env=suite_env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (run,) = read_csv(tmp_path / "runs.csv")
+    assert run["optimization"] == "baseline+bf16+flash"
+    assert json.loads(run["config"])["additions"] == ["bf16", "flash"]
+    assert run["command"].startswith("python -m Utils.train --with 'flash bf16' --steps 2")
+    bad = subprocess.run(["make", "--no-print-directory", f"PYTHON={sys.executable}", "custom", "WITH=bf16 turbo",
+                          "STEPS=2", "BATCH_SIZE=2", f"PREFIX={tmp_path}"], cwd=REPO_ROOT, env=suite_env,
+                         capture_output=True, text=True, timeout=300)
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
+    assert bad.returncode != 0 and len(errors) == 1 and "unknown addition turbo" in errors[0]
+    assert len(read_csv(tmp_path / "runs.csv")) == 1

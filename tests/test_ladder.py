@@ -17,7 +17,7 @@ from conftest import REPO_ROOT, model_pair
 from Utils.kernels import chunked_loss, cublaslt, loss_kernel, packed_attention, triton_update
 from Utils.ladder import apply, modules, registry
 from Utils.ladder.apply import GRAD_CLIP, Build, Unavailable, build
-from Utils.ladder.registry import (ABLATION, ADDITIONS, LADDER, MAX_ADDITIONS, RUNGS, STAGES, Addition, RegistryError,
+from Utils.ladder.registry import (ABLATION, ADDITIONS, additions_of, LADDER, MAX_ADDITIONS, RUNGS, STAGES, Addition, RegistryError,
                                    resolve, rung_order, run_name)
 from Utils.model import GPT, MLP, PRESETS, CausalSelfAttention, OutputLoss
 
@@ -95,7 +95,8 @@ def test_every_rungs_additions_resolve(rung):
     (("fold_clip",), r"fold_clip needs fused: add fused"),
     (("cudagraphs",), r"cudagraphs needs torch_compile: add torch_compile"),
     (("compiled_update",), r"compiled_update needs torch_compile: add torch_compile"),
-    (("cudnn_attention",), r"cudnn_attention needs flash: add flash"),
+    (("cudnn_attention",), r"cudnn_attention needs flash and bf16: add flash bf16 to WITH"),
+    (("flash", "cudnn_attention"), r"cudnn_attention needs bf16: add bf16 to WITH"),
     (("tf32", "bf16_residual"), r"bf16_residual needs bf16: add bf16"),
     (("tf32", "gelu_epilogue", "packed_attention"), r"gelu_epilogue needs bf16: add bf16"),
     (("fused", "8bit"), r"fused cannot run with 8bit: keep one of fused, 8bit"),
@@ -503,7 +504,7 @@ def test_where_cublaslt_runs_the_mlp_is_the_epilogue_mlp(kernels_available):
 
 
 def test_where_cudnn_has_fused_attention_cudnn_attention_holds_sdpa_to_it(kernels_available):
-    b = make(("flash", "cudnn_attention"))
+    b = make(("bf16", "flash", "cudnn_attention"))
     assert b.notes == [] and all(type(block.attn) is modules.CudnnAttention for block in b.model.transformer.h)
 
 
@@ -743,3 +744,11 @@ def test_swapped_model_gives_the_plain_models_loss_and_gradients_in_float64(monk
     # Without targets, the logits over the real vocabulary, as the plain model's.
     with torch.no_grad():
         torch.testing.assert_close(changed(x)[0], plain(x)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_a_run_name_gives_back_its_additions():
+    for names in [(), RUNGS["8bit"].additions, RUNGS["fused"].additions + ("loss_kernel",), ("loss", "prefetch"),
+                  ("bf16", "flash"), RUNGS["max"].additions]:
+        assert set(additions_of(run_name(names))) == set(names)
+    assert additions_of("fused+warp_drive") is None and additions_of("custom") is None
+    assert additions_of("fused+loss") == RUNGS["fused"].additions + ("loss",)   # the ablation's recorded names

@@ -73,15 +73,6 @@ def test_presets_take_the_config_defaults_and_refuse_a_source_they_cannot_read(t
 # Which additions a run had
 
 
-def test_run_additions_follow_the_registry_names():
-    assert roofline.run_additions("baseline") == ()
-    assert roofline.run_additions("8bit") == RUNGS["8bit"].additions
-    assert roofline.run_additions("fused+loss_kernel") == RUNGS["fused"].additions + ("loss_kernel",)
-    assert roofline.run_additions("loss+prefetch") == ("loss", "prefetch")
-    assert roofline.run_additions("fused+warp_drive") is None
-    assert roofline.run_additions("custom") is None
-
-
 def test_matmul_precision():
     assert [roofline.matmul_precision(RUNGS[r].additions) for r in ("baseline", "tf32", "bf16", "max")] == \
            ["fp32", "tf32", "bf16", "bf16"]

@@ -192,7 +192,7 @@ while [ $# -gt 0 ]; do if [ "$1" = -r ]; then cat "$2" >> {log}; fi; shift; done
         (bin_dir / "nvidia-smi").chmod(0o755)
     env = dict(clean_env(), PATH=f"{bin_dir}:/usr/bin:/bin")
     # PYTHON is the fake; the registry is read by this interpreter, as the Makefile reads it at parse time.
-    r = subprocess.run(["make", "--no-print-directory", f"PYTHON={fake}", f"LADDER=baseline:no_optimization.py",
+    r = subprocess.run(["make", "--no-print-directory", f"PYTHON={fake}", "LADDER=baseline:no_optimization.py",
                         "install"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     asked = log.read_text()

@@ -153,6 +153,17 @@ def run_name(additions) -> str:
     return "+".join([base.name] + [a for a in chosen if a not in base.additions])
 
 
+def additions_of(name: str) -> tuple | None:
+    """The additions of a run recorded under `name`: run_name's inverse. None for a name run_name cannot have
+    built (a part that is neither the leading rung nor an addition)."""
+    if name in RUNGS:
+        return RUNGS[name].additions
+    first, *rest = name.split("+")
+    if first not in RUNGS or not all(a in ADDITIONS for a in rest):
+        return None
+    return RUNGS[first].additions + tuple(rest)
+
+
 def rung_order(names) -> list:
     """Run names in ladder order; names the ladder does not know (fused+loss, custom runs) follow,
     alphabetically."""

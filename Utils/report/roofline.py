@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from Utils.ladder.registry import ADDITIONS, RUNGS
+from Utils.ladder.registry import additions_of
 from Utils.results.gpus import GPU, gpu_spec
 from Utils.results.metrics import flops_per_token
 
@@ -106,21 +106,6 @@ def presets(source: Path = MODEL_SOURCE) -> dict[str, ModelShape]:
 def model_shape(name: str) -> ModelShape | None:
     """The shape of the model preset `name` (runs.csv's model column); None for a name Utils.model lacks."""
     return presets().get(name)
-
-
-# --- which additions a run had ------------------------------------------------------------------------------
-
-
-def run_additions(name: str) -> tuple[str, ...] | None:
-    """The additions of a run recorded under `name`: a rung's own, or for a name registry.run_name built
-    ("fused+loss", "loss+prefetch") the rung's plus the rest. None when a part is neither a rung nor an
-    addition."""
-    if name in RUNGS:
-        return RUNGS[name].additions
-    first, *rest = name.split("+")
-    base = RUNGS[first].additions if first in RUNGS else (first,)
-    chosen = base + tuple(rest)
-    return chosen if all(a in ADDITIONS for a in chosen) else None
 
 
 def matmul_precision(additions: Iterable[str]) -> str:
@@ -370,7 +355,7 @@ class Roofline:
         median, all ms. An unknown floor is NaN."""
         rows = {}
         for name, ms in measured_ms.items():
-            additions = run_additions(name)
+            additions = additions_of(name)
             if additions is None:
                 continue
             gb = {f"{part} GB": v / GB for part, v in self.traffic(additions).items()}
@@ -428,7 +413,7 @@ def eager_launches(roof: Roofline, measured_ms: Mapping[str, float]) -> pd.DataF
     its median step time and the GPU time each operation carries on average."""
     rows = {}
     for name, ms in measured_ms.items():
-        additions = run_additions(name)
+        additions = additions_of(name)
         if additions is None or "torch_compile" in additions or not np.isfinite(ms):
             continue
         flash = bool(set(additions) & ATTENTION_WITHOUT_SCORES)

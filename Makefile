@@ -106,6 +106,7 @@ all: require-run
 
 # Each addition tried for the max rung alone on top of the fused rung, as rungs fused+<addition>.
 ablation: require-run
+	@for x in $(ADDITIONS); do case " $(ABLATION) " in *" $$x "*) ;; *) echo "error: ADDITIONS names $$x, which make ablation does not try: use some of $(ABLATION)" >&2; exit 2;; esac; done
 	$(call each,ablation,$(if $(ADDITIONS),$(ADDITIONS),$(ABLATION)),$(PYTHON) ablation.py --add $$x $(RUN_ARGS) $${data:+--data $$data})
 
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the

@@ -201,3 +201,10 @@ while [ $# -gt 0 ]; do if [ "$1" = -r ]; then cat "$2" >> {log}; fi; shift; done
     else:
         assert "-m pip install torch --index-url https://download.pytorch.org/whl/cpu" in asked
         assert "torch>=" in asked and "nvidia" not in asked
+
+
+def test_make_ablation_refuses_an_unknown_addition_before_running_any(tmp_path, suite_env):
+    r = make(["ablation", "STEPS=2", "BATCH_SIZE=1", f"PREFIX={tmp_path}", "ADDITIONS=loss nonsense"], suite_env,
+             timeout=120)
+    assert r.returncode == 2 and r.stderr.splitlines()[0].startswith("error: ADDITIONS names nonsense")
+    assert not (tmp_path / "runs.csv").exists()

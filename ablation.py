@@ -7,20 +7,14 @@ import sys
 
 from Utils.ladder.registry import ABLATION, RUNGS
 from Utils.train.launch import launch
-
-
-def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-
+from Utils.train.usage import fail, take_option
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if "--add" not in args or args.index("--add") + 1 >= len(args):
+    name, rest = take_option(args, "--add")
+    if name is None:
         sys.exit(fail(f"--add needs one of {', '.join(ABLATION)}"))
-    i = args.index("--add")
-    name = args[i + 1]
     if name not in ABLATION:
         sys.exit(fail(f"--add {name!r} is not an addition tried for the max rung: use one of {', '.join(ABLATION)}"))
     command = " ".join(shlex.quote(a) for a in ["ablation.py"] + args)
-    sys.exit(launch(RUNGS["fused"].additions + (name,), args[:i] + args[i + 2:], command))
+    sys.exit(launch(RUNGS["fused"].additions + (name,), rest, command))

@@ -148,9 +148,13 @@ def apply_cudnn_attention(b: Build) -> str | None:
     why = packed_attention.cudnn_unavailable(b.device)
     if why:
         return f"{why}: plain SDPA instead"
+    _hold_sdpa_to_cudnn(b)
+    return None
+
+
+def _hold_sdpa_to_cudnn(b: Build) -> None:
     for block in modules.blocks(b.model):
         block.attn = modules.CudnnAttention(block.attn)
-    return None
 
 
 def apply_packed_attention(b: Build) -> str | None:
@@ -162,13 +166,12 @@ def apply_packed_attention(b: Build) -> str | None:
         for block in modules.blocks(b.model):
             block.attn = modules.PackedAttention(block.attn)
         return None
-    fallback = packed_attention.cudnn_unavailable(b.device)
-    swap = modules.CudnnAttention if not fallback else None
     for block in modules.blocks(b.model):
-        block.attn.flash = True
-        if swap:
-            block.attn = swap(block.attn)
-    return f"{why}: {'SDPA held to cuDNN' if swap else 'plain SDPA'} instead"
+        block.attn.flash = True   # the model's SDPA branch, whether or not the run has `flash`
+    if packed_attention.cudnn_unavailable(b.device):
+        return f"{why}: plain SDPA instead"
+    _hold_sdpa_to_cudnn(b)
+    return f"{why}: SDPA held to cuDNN instead"
 
 
 def apply_loss(b: Build) -> None:

@@ -57,12 +57,10 @@ def load(prefix: str | os.PathLike) -> tuple[pd.DataFrame, pd.DataFrame]:
         raise ResultsError(f"{steps_path} not found: {_first_run_hint(prefix)}")
     if os.path.getsize(steps_path) == 0:
         raise ResultsError(f"{steps_path} is empty: {_first_run_hint(prefix)}")
-    check_file(steps_path, STEP_COLUMNS)
+    steps = read_table(steps_path, STEP_COLUMNS, STEP_NUMERIC)
     if not os.path.isfile(runs_path):
         raise ResultsError(f"{runs_path} not found: each run records itself there when it ends; "
                            f"{_first_run_hint(prefix)}")
-    check_file(runs_path, RUN_COLUMNS)
-    steps = read_table(steps_path, STEP_COLUMNS, STEP_NUMERIC)
     runs = read_table(runs_path, RUN_COLUMNS, RUN_NUMERIC)
     if runs.empty:
         raise ResultsError(f"{runs_path} records no runs: {_first_run_hint(prefix)}")

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from Utils.model import PRESETS
+from Utils.train.usage import fail
 
 EXAMPLE = "e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out"
 DEFAULT_WARMUP = 5
@@ -166,11 +167,6 @@ def check(argv) -> int:
             print(f"WARNING: DATA=auto falls back to synthetic tokens for every run: {e}", file=sys.stderr)
             print("synthetic")
     return 0
-
-
-def fail(message, code=2):
-    print(f"error: {message}", file=sys.stderr)
-    return code
 
 
 if __name__ == "__main__":

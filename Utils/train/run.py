@@ -18,10 +18,11 @@ from Utils.ladder.registry import RUNGS, RegistryError, resolve, run_name
 from Utils.model import PRESETS
 from Utils.results import metrics
 from Utils.results.store import ResultsError, append_run, check_prefix
-from Utils.train.cli import RunConfig, UsageError, fail, parse_args
+from Utils.train.cli import RunConfig, UsageError, parse_args
 from Utils.train.data import DataError, TokenLoader, load_tokens
 from Utils.train.interrupts import EXIT_INTERRUPTED, Interrupts
 from Utils.train.loop import train
+from Utils.train.usage import fail
 
 EXIT_FAILED, EXIT_OOM, EXIT_SKIPPED = 1, 3, 4   # 2: bad input, or results that cannot be written (fail)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

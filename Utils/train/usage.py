@@ -1,0 +1,19 @@
+"""One-line refusals of bad input: the message with its fix on stderr, exit status 2. Imports nothing heavy,
+so that a script can refuse its arguments before torch loads."""
+import sys
+
+EXIT_USAGE = 2
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> int:
+    """Print `error: message` on stderr; returns the exit status."""
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def take_option(args: list, flag: str) -> tuple:
+    """(the value after `flag`, args without the two), or (None, args) where `flag` is absent or has no value."""
+    if flag not in args or args.index(flag) + 1 >= len(args):
+        return None, args
+    i = args.index(flag)
+    return args[i + 1], args[:i] + args[i + 2:]

@@ -20,11 +20,11 @@ opt = $(if $(filter undefined,$(origin $(1))),,$(2) $(call q,$(1)))
 RUN_ARGS = --steps $(call q,STEPS) --batch-size $(call q,BATCH_SIZE) --prefix $(call q,PREFIX) \
 	$(call opt,MODEL,--model) $(call opt,SEQ_LEN,--seq-len) $(call opt,DEVICE,--device) \
 	$(call opt,DATA,--data) $(call opt,WARMUP,--warmup) $(call opt,SEED,--seed) $(call opt,DATA_DIR,--data-dir) \
-	$(if $(filter 1 yes true,$(PROFILE)),--profile)
+	$(if $(filter 1 yes true,$(PROFILE)),--profile) $(if $(filter 1 yes true,$(COLD)),--cold)
 
 need = @if [ -z '$(subst ','\'',$(strip $(value $(1))))' ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
 
-.PHONY: help install all ablation additions custom profile plots test gpu-test init_results reset clean notebook $(RUNGS) require-run require-prefix
+.PHONY: help install all ablation additions custom profile plots compare peak test gpu-test init_results reset clean notebook $(RUNGS) require-run require-prefix
 .DEFAULT_GOAL := help
 
 help:
@@ -37,9 +37,11 @@ help:
 	@echo "  make additions                                the registry: every addition, its pillar and needs"
 	@echo "  make ablation STEPS=n BATCH_SIZE=b PREFIX=dir each addition tried for max, alone on the fused rung"
 	@echo "  make plots PREFIX=dir                         charts and summary.md from PREFIX/results.csv"
+	@echo "  make compare PREFIXES=\"a b ...\" [OUT=dir]     one table and chart across results folders (compare.md/.png)"
 	@echo "  make profile STEPS=n BATCH_SIZE=b PREFIX=dir  compute / memory / overhead split of every rung"
 	@echo "  make init_results PREFIX=dir                  create PREFIX with empty results files"
-	@echo "  make clean PREFIX=dir                         remove the charts, summary.md and breakdown.md/.png"
+	@echo "  make peak PREFIX=dir                          this machine's bf16 matmul and copy peaks, into PREFIX/peak.csv (MFU's second denominator)"
+	@echo "  make clean PREFIX=dir                         remove the charts, summary.md, breakdown.md/.png and compare.md/.png"
 	@echo "  make reset PREFIX=dir                         remove every file the suite wrote in PREFIX, results too"
 	@echo "  make notebook [RESULTS=dir]                   execute notebooks/Optimizing_GPU_Utilization.ipynb in place"
 	@echo "  make install                                  what the suite needs (PyTorch's CPU build where there is no GPU)"
@@ -50,6 +52,7 @@ help:
 	@echo "          DATA=auto|shakespeare|synthetic|path.txt  WARMUP=n  SEED=n  DATA_DIR=dir  PYTHON=python3"
 	@echo "          REPEAT=n (rung targets, custom and all: n runs in a row, judged on their median)"
 	@echo "          PROFILE=1 (a rung target: profile it too)  ADDITIONS=\"a b\" (make ablation: only these)"
+	@echo "          COLD=1 (compile with an empty Inductor cache, as on a fresh machine)"
 
 require-run:
 	$(call need,STEPS)
@@ -117,12 +120,23 @@ profile: require-run
 plots: require-prefix
 	$(PYTHON) plot_results.py --prefix $(call q,PREFIX)
 
+# One table and one chart across results folders (machines or commits), written into OUT (default: the first).
+# Each word of PREFIXES is one folder, quoted for the shell as $(call q,...) quotes PREFIX.
+compare:
+	@if [ -z '$(subst ','\'',$(strip $(value PREFIXES)))' ]; then echo 'error: PREFIXES is required: two or more results folders, e.g. make compare PREFIXES="results/h200-b16 results/h100-b16" [OUT=dir]' >&2; exit 2; fi
+	$(PYTHON) -m Utils.report.compare $(call opt,OUT,--out) $(foreach p,$(value PREFIXES),'$(subst ','\'',$(p))')
+
 init_results: require-prefix
 	$(PYTHON) -m Utils.results.store init $(call q,PREFIX)
 
+# This machine's bf16 matmul rate and copy bandwidth, a row appended to PREFIX/peak.csv: MFU's second
+# denominator. MATMUL_N and COPY_GIB override the sizes (default 8192 and 2 GiB on a GPU).
+peak: require-prefix
+	$(PYTHON) -m Utils.train.peak --prefix $(call q,PREFIX) $(call opt,DEVICE,--device) $(call opt,MATMUL_N,--matmul-n) $(call opt,COPY_GIB,--copy-gib)
+
 # Only the files the suite writes, by name: anything else in PREFIX is left alone.
 CHARTS := speedup.png step_time.png throughput.png memory.png loss.png summary.md \
-	breakdown.md breakdown.png
+	breakdown.md breakdown.png compare.md compare.png
 # $(call remove,FILES): remove FILES from PREFIX; a PREFIX that does not exist has nothing to remove, one
 # that is not a folder or whose files cannot be removed is an error, naming it.
 define remove
@@ -134,7 +148,7 @@ clean: require-prefix
 	$(call remove,$(CHARTS) .tmp-*)
 
 reset: require-prefix
-	$(call remove,$(CHARTS) results.csv runs.csv breakdown.csv trace_*.json.gz *.error.log .results.lock .tmp-*)
+	$(call remove,$(CHARTS) results.csv runs.csv breakdown.csv peak.csv trace_*.json.gz *.error.log .results.lock .tmp-*)
 
 # Re-executes the notebook in place against RESULTS (default results/h200-b16), saving its outputs; the file
 # depends on the cells and the results only, so a second run against the same results changes nothing.
@@ -142,7 +156,8 @@ notebook:
 	$(PYTHON) notebooks/build_notebook.py $(if $(RESULTS),--results $(call q,RESULTS))
 
 # PyPI's torch for Linux is the CUDA build (several GB with its libraries): where no NVIDIA GPU answers,
-# PyTorch's CPU wheels instead, and none of requirements.txt's nvidia-* packages. A torch already there is kept.
+# PyTorch's CPU wheels instead, and none of requirements.txt's nvidia-* packages but nvidia-ml-py (pure
+# Python, and its tests run on a CPU). A torch already there is kept.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 install:
 	@if nvidia-smi -L >/dev/null 2>&1; then \
@@ -151,8 +166,8 @@ install:
 		if $(PYTHON) -c "import torch" 2>/dev/null; then echo "torch is installed: kept"; \
 		else echo "no NVIDIA GPU: PyTorch's CPU build"; \
 			$(PYTHON) -m pip install torch --index-url '$(TORCH_CPU_INDEX)' || exit $$?; fi; \
-		reqs=$$(mktemp); grep -v '^nvidia-' requirements.txt > $$reqs; \
-		echo "$(PYTHON) -m pip install -r requirements.txt (without its nvidia-* packages)"; \
+		reqs=$$(mktemp); { grep -v '^nvidia-' requirements.txt; grep '^nvidia-ml-py' requirements.txt; } > $$reqs; \
+		echo "$(PYTHON) -m pip install -r requirements.txt (without its nvidia-* CUDA packages)"; \
 		$(PYTHON) -m pip install -r $$reqs; rc=$$?; rm -f $$reqs; exit $$rc; \
 	fi
 

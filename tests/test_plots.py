@@ -159,7 +159,7 @@ def test_step_time_axis_turns_logarithmic_past_a_tenfold_spread(tmp_path):
 
 def test_run_matching(tmp_path):
     p = str(tmp_path)
-    add_run(p, "baseline", [1, 100, 101, 99], run_id="base-old")
+    add_run(p, "baseline", [1, 100, 101, 99], run_id="base-old", git_commit="older0000000")   # other code
     add_run(p, "baseline", [1, 200, 201, 199], run_id="base-new")
     add_run(p, "tf32", [1, 50, 50, 50], run_id="tf32-match")
     add_run(p, "tf32", [1, 40, 40, 40], run_id="tf32-batch8", batch_size=8)
@@ -218,13 +218,18 @@ def test_runs_repeated_from_one_commit_are_listed_with_the_median_of_their_media
     rc, out, err = run_main(p)
     assert rc == 0, err
     rows = summary_table(p)
-    assert rows["max"]["median ms"] == "13.0" and rows["max"]["speedup"] == "7.69x"   # the latest run
+    # The median of the three runs' medians, and the spread between them: (13 - 10) / 12.
+    assert rows["max"]["median ms"] == "12.0" and rows["max"]["speedup"] == "8.33x"
+    assert rows["max"]["runs"] == "3" and rows["max"]["spread"] == "25.0%"
+    assert rows["tf32"]["runs"] == "1" and rows["tf32"]["spread"] == "-"
     notes = summary_text(p).split("## Notes")[1]
     # The other commit's run, the other batch size's and the one with NaN step times are not repeats.
     assert ("- max: 3 ok runs of this configuration from commit bbbbbbb, median step times 12.0, 10.0, "
-            "13.0 ms, oldest first (their median 12.0 ms, 8.33x); the table shows the latest") in notes
+            "13.0 ms, oldest first; the table shows their median 12.0 ms (spread 25.0%)") in notes
     for rung in ("tf32", "bf16", "flash", "baseline"):
         assert f"- {rung}:" not in notes
+    frame = summarize(*load(p))
+    assert frame.at["max", "trimmed_mean_ms"] == pytest.approx((12 * 3 + 10 * 3 + 13 * 3) / 9)
 
 
 def test_a_repeated_baseline_divides_by_the_median_of_its_runs(tmp_path):
@@ -237,10 +242,23 @@ def test_a_repeated_baseline_divides_by_the_median_of_its_runs(tmp_path):
 
     rc, out, err = run_main(p)
     assert rc == 0, err
-    assert summary_table(p)["max"]["speedup"] == "5.00x"   # the table: latest against latest
+    assert summary_table(p)["max"]["speedup"] == "5.45x"   # 60 / 11, not the latest baseline's 50 / 10
     notes = summary_text(p).split("## Notes")[1]
     assert "- baseline: 3 ok runs of this configuration from commit ccccccc, median step times 100.0, 60.0, 50.0 ms" in notes
-    assert "(their median 11.0 ms, 5.45x)" in notes   # 60 / 11, not the latest baseline's 50 / 11
+
+
+def test_a_noisy_run_is_flagged(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "baseline", [1, 100, 100, 100, 100], run_id="base")
+    add_run(p, "tf32", [1, 50, 45, 55, 50, 60, 40], run_id="tf32-noisy")    # IQR 7.5 of 50: 15%
+    add_run(p, "bf16", [1, 40, 40.5, 39.5, 40], run_id="bf16-steady")       # IQR 0.25 of 40: 0.6%
+    rc, out, err = run_main(p)
+    assert rc == 0, err
+    rows = summary_table(p)
+    assert rows["tf32"]["status"] == "ok (noisy)" and rows["bf16"]["status"] == "ok"
+    notes = summary_text(p).split("## Notes")[1]
+    assert "- tf32: run tf32-noisy is noisy: its steps' IQR is 15.0% of their median (over 5%)" in notes
+    assert "bf16-steady" not in notes
 
 
 def test_no_baseline_leaves_speedups_out_and_still_draws(tmp_path):

@@ -140,8 +140,9 @@ def test_committed_results_are_read_with_the_schema(folder):
         if not os.path.exists(path):
             continue
         with open(path) as f:
-            assert f.readline().rstrip("\n").split(",") == columns, path
+            assert f.readline().rstrip("\n").split(",") in schema.known_headers(columns).values(), path
         frame = read_table(path, columns, numeric)
+        assert list(frame.columns) == columns
         assert len(frame) > 0 and all(frame[c].dtype == float for c in numeric)
     steps, runs = load(folder)
     assert len(steps) > 0 and len(runs) > 0
@@ -150,15 +151,46 @@ def test_committed_results_are_read_with_the_schema(folder):
 
 @pytest.mark.parametrize("folder", COMMITTED[:2], ids=os.path.basename)
 def test_committed_results_are_appended_to_as_they_are(folder, tmp_path):
+    """A file of an earlier schema version keeps every row and cell; its header widens to today's."""
     copy = tmp_path / "copy"
     copy.mkdir()
     for name in (schema.STEPS_FILE, schema.RUNS_FILE):
         (copy / name).write_bytes(open(os.path.join(folder, name), "rb").read())
-    before = {name: (copy / name).read_bytes() for name in (schema.STEPS_FILE, schema.RUNS_FILE)}
+    before = {name: _csv_rows(copy / name) for name in (schema.STEPS_FILE, schema.RUNS_FILE)}
     append_run(copy, _run("new"), _steps("new", 2))
-    for name, old in before.items():
-        after = (copy / name).read_bytes()
-        assert after.startswith(old) and after.count(b"\n") > old.count(b"\n")
+    for name, columns in ((schema.STEPS_FILE, STEP_COLUMNS), (schema.RUNS_FILE, RUN_COLUMNS)):
+        old, after = before[name], _csv_rows(copy / name)
+        assert after[0] == columns
+        assert len(after) > len(old)
+        for old_row, new_row in zip(old[1:], after[1:]):
+            assert new_row[:len(old_row)] == old_row and not any(new_row[len(old_row):])
+        assert after[-1][columns.index("schema_version")] == str(schema.SCHEMA_VERSION)
+
+
+def _csv_rows(path):
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def test_schema_versions_only_add_columns_at_the_end():
+    for table in (schema.STEP_SCHEMA, schema.RUN_SCHEMA, schema.BREAKDOWN_SCHEMA, schema.PEAK_SCHEMA):
+        since = [c.since for c in table]
+        assert since == sorted(since) and max(since) <= schema.SCHEMA_VERSION
+        versions = list(schema.headers(table).values())
+        assert all(later[:len(earlier)] == earlier for earlier, later in zip(versions, versions[1:]))
+    assert schema.headers(schema.RUN_SCHEMA)[2] == RUN_COLUMNS
+
+
+@pytest.mark.parametrize("change", ["a renamed column", "a dropped column", "an extra column"])
+def test_a_header_of_no_version_is_refused(tmp_path, change):
+    v1 = schema.headers(schema.RUN_SCHEMA)[1]
+    header = {"a renamed column": ["id"] + v1[1:], "a dropped column": v1[:-1],
+              "an extra column": v1 + ["my_column"]}[change]
+    raw = (",".join(header) + "\n").encode()
+    (tmp_path / "runs.csv").write_bytes(raw)
+    with pytest.raises(ResultsError, match="header"):
+        append_run(tmp_path, _run("new"), _steps("new", 2))
+    assert (tmp_path / "runs.csv").read_bytes() == raw
 
 
 def test_store_command_line(tmp_path, capsys):

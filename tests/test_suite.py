@@ -200,7 +200,8 @@ while [ $# -gt 0 ]; do if [ "$1" = -r ]; then cat "$2" >> {log}; fi; shift; done
         assert "--index-url" not in asked and "nvidia-cudnn-frontend" in asked
     else:
         assert "-m pip install torch --index-url https://download.pytorch.org/whl/cpu" in asked
-        assert "torch>=" in asked and "nvidia" not in asked
+        assert "torch>=" in asked and "nvidia-cudnn" not in asked and "nvidia-cuda" not in asked
+        assert "nvidia-ml-py" in asked   # pure Python: NVML's tests run on a CPU too
 
 
 def test_make_ablation_refuses_an_unknown_addition_before_running_any(tmp_path, suite_env):

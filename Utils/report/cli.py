@@ -19,7 +19,7 @@ from Utils.report.charts import CHARTS
 from Utils.report.figures import save_figure
 from Utils.report.stats import Report, build_report
 from Utils.report.summary import SUMMARY_FILE, write_summary
-from Utils.results.read import load
+from Utils.results.read import load, load_peak
 from Utils.results.store import ResultsError
 
 OUTPUT_FILES = (*CHARTS, SUMMARY_FILE)
@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefix = args.prefix
     try:
         steps, runs = load(prefix)
-        report = build_report(steps, runs)
+        report = build_report(steps, runs, load_peak(prefix))
         text, written = write_outputs(prefix, report)
     except ResultsError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -4,8 +4,13 @@ go with them.
 
 Median and IQR are recomputed here from the measured (non-warm-up) step times in results.csv, so that the
 table and the charts rest on the same numbers; runs.csv supplies status, memory, compile time and the
-environment. A rung run several times from one commit (`make max REPEAT=3`) gets a note with each run's
-median and the median of those, since runs differ more than steps within one.
+environment. A rung run several times from one commit (`make max REPEAT=3`) is shown by the median of its
+runs' medians, since runs differ more than steps within one (a card at its power cap moves a whole run), with
+the trimmed mean of all their steps and the spread of the runs' medians beside it; a run whose IQR is over
+NOISY_IQR of its median is flagged as noisy.
+
+MFU is shown two ways: against the datasheet's dense bf16 peak (Utils.results.gpus) and, where
+`make peak` measured this machine, against the rate it reached on a large bf16 matmul.
 """
 from dataclasses import dataclass
 
@@ -14,14 +19,32 @@ import pandas as pd
 
 from Utils.ladder.registry import rung_order
 from Utils.report.selection import BASELINE, Excluded, measured, norm, select, steps_by_run
+from Utils.results.gpus import peak_bf16_flops
 
 BOOTSTRAP_RESAMPLES = 1000
 BOOTSTRAP_SEED = 0
 NO_BASELINE_NOTE = "no ok baseline run: speedups left out"
+NOISY_IQR = 0.05       # a run whose steps' IQR is over 5% of their median is flagged as noisy
+TRIM = 0.10            # the trimmed mean drops this share of the steps at each end
 
-SUMMARY_COLUMNS = ["run_id", "status", "message", "median_step_ms", "iqr_step_ms", "speedup",
-                   "speedup_lo", "speedup_hi", "tokens_per_s", "mfu", "peak_mem_allocated_gib",
-                   "peak_mem_reserved_gib", "compile_s", "final_loss", "measured_steps"]
+SUMMARY_COLUMNS = ["run_id", "status", "message", "runs", "median_step_ms", "iqr_step_ms", "trimmed_mean_ms",
+                   "spread", "noisy", "speedup", "speedup_lo", "speedup_hi", "tokens_per_s", "mfu", "mfu_measured",
+                   "peak_mem_allocated_gib", "peak_mem_reserved_gib", "compile_s", "compile_cache", "final_loss",
+                   "measured_steps"]
+TEXT_COLUMNS = ("run_id", "status", "message", "compile_cache")
+
+
+def trimmed_mean(values, trim: float = TRIM) -> float:
+    """The mean of `values` without the lowest and highest `trim` share of them (as scipy.stats.trim_mean)."""
+    v = np.sort(np.asarray(values, dtype=float))
+    cut = int(trim * v.size)
+    return float(v[cut:v.size - cut].mean())
+
+
+def noisy(ms) -> bool:
+    """A run whose measured steps' IQR is over NOISY_IQR of their median."""
+    q25, median, q75 = np.percentile(np.asarray(ms, dtype=float), [25, 50, 75])
+    return bool(q75 - q25 > NOISY_IQR * median)
 
 
 def bootstrap_speedup(base_ms, rung_ms, resamples: int = BOOTSTRAP_RESAMPLES,
@@ -48,18 +71,28 @@ class Report:
     notes: list[str]             # lines for the notes section
     context: str                 # GPU, model, batch, seq_len, data: the title of every chart
     provenance: str = ""         # torch, commits, dates of the compared runs: the foot of every chart
+    peak: "pd.Series | None" = None   # the measured peak (peak.csv's row) that mfu_measured divides by
 
     def rungs_with_steps(self) -> list[str]:
         """The rungs that have a median step time, in table order."""
         return [r for r in self.table.index if np.isfinite(self.table.at[r, "median_step_ms"])]
 
 
-def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame) -> Report:
-    """Select the runs (see select_runs) and compute the table, notes and captions from load()'s frames."""
+def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataFrame | None" = None) -> Report:
+    """Select the runs (see select_runs) and compute the table, notes and captions from load()'s frames;
+    `peaks` (read.load_peak's frame) gives the measured peak for the second MFU."""
     sel = select(runs_df, steps_df)
     by_run = steps_by_run(steps_df)
-    base_run = sel.chosen.get(BASELINE) if sel.has_baseline else None
-    base_ms = measured(by_run[base_run["run_id"]])["step_ms"].to_numpy() if base_run is not None else None
+
+    def steps_of(rung):
+        """The measured step times of the rung's chosen run, or of all its repeated runs, one array each."""
+        runs = sel.repeats.get(rung) or [sel.chosen[rung]]
+        return [measured(by_run[r["run_id"]])["step_ms"].to_numpy() for r in runs]
+
+    base_runs = steps_of(BASELINE) if sel.has_baseline else None
+    base_ms = np.concatenate(base_runs) if base_runs else None
+    base_median = float(np.median([np.median(ms) for ms in base_runs])) if base_runs else None
+    peak = _measured_peak(peaks, sel.reference)
 
     rows, step_frames, notes = {}, [], []
     for rung in rung_order(runs_df["optimization"]):
@@ -67,23 +100,32 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame) -> Report:
         run = sel.chosen.get(rung)
         if run is not None:
             run_steps = by_run[run["run_id"]]
-            ms = measured(run_steps)["step_ms"].to_numpy()
-            q25, median, q75 = np.percentile(ms, [25, 50, 75])
-            row.update(run_id=run["run_id"], status=run["status"], message=run["message"],
-                       median_step_ms=median, iqr_step_ms=q75 - q25, measured_steps=ms.size,
+            each = steps_of(rung)
+            ms = np.concatenate(each)
+            medians = [float(np.median(m)) for m in each]
+            median = float(np.median(medians))
+            q25, q75 = np.percentile(each[-1], [25, 75])
+            row.update(run_id=run["run_id"], status=run["status"], message=run["message"], runs=len(each),
+                       median_step_ms=median, iqr_step_ms=q75 - q25, trimmed_mean_ms=trimmed_mean(ms),
+                       spread=(max(medians) - min(medians)) / median if len(each) > 1 else np.nan,
+                       noisy=float(any(noisy(m) for m in each)), measured_steps=ms.size,
                        tokens_per_s=run["batch_size"] * run["seq_len"] / (median / 1000.0),
                        peak_mem_allocated_gib=run["peak_mem_allocated_gib"],
-                       peak_mem_reserved_gib=run["peak_mem_reserved_gib"], compile_s=run["compile_s"])
-            mfu = measured(run_steps)["mfu"].dropna()
-            row["mfu"] = float(mfu.median()) if len(mfu) else np.nan
+                       peak_mem_reserved_gib=run["peak_mem_reserved_gib"], compile_s=run["compile_s"],
+                       compile_cache=norm(run.get("compile_cache", "")))
+            runs = sel.repeats.get(rung) or [run]
+            all_steps = pd.concat([measured(by_run[r["run_id"]]) for r in runs])
+            row["mfu"], row["mfu_measured"] = _mfus(runs, all_steps, row["tokens_per_s"], peak)
             losses = run_steps["loss"].dropna()
             row["final_loss"] = float(losses.iloc[-1]) if len(losses) else run["final_loss"]
             if base_ms is not None:
-                row["speedup"] = float(np.median(base_ms) / median)
+                row["speedup"] = base_median / median
                 row["speedup_lo"], row["speedup_hi"] = bootstrap_speedup(base_ms, ms)
             step_frames.append(run_steps.assign(optimization=rung))
             if run["notes"].strip():
                 notes.append(f"{rung}: {one_line(run['notes'])}")
+            notes += [f"{rung}: run {r['run_id']} is noisy: its steps' IQR is {q:.1%} of their median "
+                      f"(over {NOISY_IQR:.0%})" for r, q in _noisy_runs(sel.repeats.get(rung) or [run], each)]
         else:
             shown = sel.status_rows.get(rung)
             if shown is None:
@@ -102,21 +144,23 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame) -> Report:
         notes.append(f"{run['optimization']}: a later run, {run['run_id']}, ended {run['status']}"
                      f"{': ' + one_line(run['message']) if run['message'].strip() else ''}; "
                      f"the table shows the earlier ok run")
-    if sel.superseded:
-        notes.append(f"{sel.superseded} older ok run(s) of the same configuration were superseded "
+    superseded = sel.superseded - sum(len(runs) - 1 for runs in sel.repeats.values())   # repeats are shown
+    if superseded:
+        notes.append(f"{superseded} older ok run(s) of the same configuration were superseded "
                      f"by a later run of their rung")
-    notes += _repeat_notes(sel.repeats, by_run, base_ms)
+    notes += _repeat_notes(sel.repeats, by_run)
 
     table = pd.DataFrame.from_dict(rows, orient="index", columns=SUMMARY_COLUMNS)
     table.index.name = "optimization"
     for col in SUMMARY_COLUMNS:
-        if col not in ("run_id", "status", "message"):
+        if col not in TEXT_COLUMNS:
             table[col] = table[col].astype(float)
+    table["compile_cache"] = table["compile_cache"].fillna("").astype(str)
     steps = pd.concat(step_frames, ignore_index=True) if step_frames else steps_df.iloc[0:0]
     compared = pd.DataFrame([sel.chosen[r] for r in table.index if r in sel.chosen], columns=runs_df.columns)
     return Report(table=table, steps=steps, runs=compared, reference=sel.reference, has_baseline=sel.has_baseline,
                   excluded=sel.excluded, notes=notes, context=context(sel.reference),
-                  provenance=provenance(compared))
+                  provenance=provenance(compared), peak=peak)
 
 
 def summarize(steps_df: pd.DataFrame, runs_df: pd.DataFrame) -> pd.DataFrame:
@@ -134,29 +178,56 @@ def summarize(steps_df: pd.DataFrame, runs_df: pd.DataFrame) -> pd.DataFrame:
     return build_report(steps_df, runs_df).table
 
 
-def _repeat_notes(repeats, by_run, base_ms):
-    """One line per rung run several times from one commit: each run's median step time, and the median
-    of those medians, so that a rung is not judged on one run where runs differ (a GPU at its power
-    limit moves them by a few percent). Speedups divide the baseline's median of medians where it was
-    repeated too, else its latest run's median (the table's)."""
-    def medians(runs):
-        return [float(np.median(measured(by_run[r["run_id"]])["step_ms"])) for r in runs]
-
-    base = None
-    if BASELINE in repeats:
-        base = float(np.median(medians(repeats[BASELINE])))
-    elif base_ms is not None:
-        base = float(np.median(base_ms))
+def _repeat_notes(repeats, by_run):
+    """One line per rung run several times from one commit: each run's median step time, oldest first, their
+    median (the table's figure) and the spread between them."""
     notes = []
     for rung, runs in repeats.items():
-        each = medians(runs)
+        each = [float(np.median(measured(by_run[r["run_id"]])["step_ms"])) for r in runs]
         middle = float(np.median(each))
-        speedup = f", {base / middle:.2f}x" if base is not None and rung != BASELINE else ""
         notes.append(f"{rung}: {len(runs)} ok runs of this configuration from commit "
                      f"{str(runs[-1]['git_commit']).strip()}, median step times "
-                     f"{', '.join(f'{m:.1f}' for m in each)} ms, oldest first (their median {middle:.1f} ms"
-                     f"{speedup}); the table shows the latest")
+                     f"{', '.join(f'{m:.1f}' for m in each)} ms, oldest first; the table shows their median "
+                     f"{middle:.1f} ms (spread {(max(each) - min(each)) / middle:.1%})")
     return notes
+
+
+def _noisy_runs(runs, each):
+    """(run, IQR / median) of the runs whose steps are noisy."""
+    out = []
+    for run, ms in zip(runs, each):
+        q25, median, q75 = np.percentile(ms, [25, 50, 75])
+        if noisy(ms):
+            out.append((run, (q75 - q25) / median))
+    return out
+
+
+def _measured_peak(peaks, reference):
+    """peak.csv's row for the compared runs' GPU (read.measured_peak), or None."""
+    if peaks is None or reference is None or norm(reference["device"]) != "cuda":
+        return None
+    from Utils.results.read import measured_peak
+    return measured_peak(peaks, norm(reference["gpu_name"]), norm(reference.get("gpu_uuid", "")))
+
+
+def _mfus(runs, steps, tokens_per_s, peak) -> tuple[float, float]:
+    """(MFU against the datasheet's bf16 peak, MFU against the measured peak) for a rung's runs (runs.csv rows)
+    and their measured step rows: one run's median step MFU, or for repeated runs the MFU at the table's
+    tokens/s. Model FLOPs per token come from runs.csv (schema version 2), or from a step's MFU and tokens/s
+    in older files."""
+    run = runs[-1]
+    spec = peak_bf16_flops(norm(run["gpu_name"])) if norm(run["device"]) == "cuda" else None
+    ratio = (steps["mfu"] / steps["tokens_per_s"]).dropna()   # FLOPs per token / the spec's peak
+    if len(runs) == 1:
+        mfu = float(steps["mfu"].median()) if steps["mfu"].notna().any() else np.nan
+    else:
+        mfu = float(ratio.median()) * tokens_per_s if len(ratio) else np.nan
+    if peak is None:
+        return mfu, np.nan
+    measured_flops = peak["matmul_tflops"] * 1e12
+    if spec and np.isfinite(mfu):
+        return mfu, mfu * spec / measured_flops
+    return mfu, float(run.get("flops_per_token", np.nan)) * tokens_per_s / measured_flops
 
 
 def one_line(text: object) -> str:

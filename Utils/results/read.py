@@ -6,12 +6,14 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from Utils.results.schema import RUN_COLUMNS, RUN_NUMERIC, RUNS_FILE, STEP_COLUMNS, STEP_NUMERIC, STEPS_FILE
+from Utils.results.schema import (PEAK_COLUMNS, PEAK_FILE, PEAK_NUMERIC, RUN_COLUMNS, RUN_NUMERIC, RUNS_FILE,
+                                  STEP_COLUMNS, STEP_NUMERIC, STEPS_FILE)
 from Utils.results.store import ResultsError, check_file
 
 
 def read_table(path: str | os.PathLike, columns: Sequence[str], numeric: Sequence[str]) -> pd.DataFrame:
-    """The CSV at `path` as a frame in file order (index 0..n-1), after check_file(path, columns).
+    """The CSV at `path` as a frame in file order (index 0..n-1) with every one of `columns`, after
+    check_file(path, columns): a file of an earlier schema version has the columns added since blank.
 
     Raises ResultsError when the file is foreign or cut off (check_file), unreadable, or holds a cell in a
     `numeric` column that is neither blank nor a number."""
@@ -20,6 +22,7 @@ def read_table(path: str | os.PathLike, columns: Sequence[str], numeric: Sequenc
         df = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
         raise ResultsError(f"{path} is not a readable CSV ({str(e).splitlines()[0]}): move it aside")
+    df = df.reindex(columns=list(columns), fill_value="")
     for col in numeric:
         text = df[col].str.strip()
         values = pd.to_numeric(text, errors="coerce")
@@ -65,3 +68,25 @@ def load(prefix: str | os.PathLike) -> tuple[pd.DataFrame, pd.DataFrame]:
     if runs.empty:
         raise ResultsError(f"{runs_path} records no runs: {_first_run_hint(prefix)}")
     return steps, runs
+
+
+def load_peak(prefix: str | os.PathLike) -> pd.DataFrame | None:
+    """PREFIX/peak.csv (make peak's measurements, oldest first), or None where no peak was measured there: MFU
+    then has its datasheet denominator only. Raises ResultsError for a foreign or damaged file (read_table)."""
+    path = os.path.join(prefix, PEAK_FILE)
+    if not os.path.exists(path):
+        return None
+    return read_table(path, PEAK_COLUMNS, PEAK_NUMERIC)
+
+
+def measured_peak(peaks: pd.DataFrame | None, gpu_name: str, gpu_uuid: str = "") -> pd.Series | None:
+    """The latest measurement for a run's GPU: of the same card (gpu_uuid) where one was measured, since cards
+    of one name differ by their cooling, power limit and memory clock; else of a card of the same name; else
+    None."""
+    if peaks is None or peaks.empty:
+        return None
+    for column, value in (("gpu_uuid", gpu_uuid), ("gpu_name", gpu_name)):
+        same = peaks[peaks[column] == value] if value else None
+        if same is not None and not same.empty:
+            return same.iloc[-1]
+    return None

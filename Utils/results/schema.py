@@ -2,11 +2,14 @@
 and the statuses a run ends with. The writer (Utils.results.store), the readers (Utils.results.read, the
 report) and the breakdown all take their names from here.
 
-The columns and their order are the files' format: results committed under results/ are read and appended
-to with exactly these headers, so a column is never renamed, dropped or moved here without a schema version
-that tells the old files apart.
+The columns and their order are the files' format. Each column names the schema version that added it
+(`since`): a file written by an earlier version has that version's columns, a prefix of today's, and is read
+(the later columns blank) and appended to (its header widened first). A column is added at the end with
+a new version and never renamed, dropped or moved: a header that is no version's is foreign and refused.
 """
 from typing import NamedTuple
+
+SCHEMA_VERSION = 2   # 2: schema_version, wall-clock steps (window_wall_s), provenance, clocks and power
 
 STEPS_FILE = "results.csv"        # a row per step
 RUNS_FILE = "runs.csv"            # a row per run
@@ -18,6 +21,7 @@ class Column(NamedTuple):
     name: str
     numeric: bool                 # read back as a float (a blank cell is NaN); otherwise text
     meaning: str                  # with its unit
+    since: int = 1                # the schema version that added it
 
 
 STEP_SCHEMA = (
@@ -25,10 +29,11 @@ STEP_SCHEMA = (
     Column("optimization", False, "the run's name: a rung (fused) or a combination of additions (fused+loss)"),
     Column("step", True, "step number, from 0"),
     Column("warmup", True, "1 for a warm-up step (left out of every summary), else 0"),
-    Column("step_ms", True, "step time in milliseconds: the step whole (batch copy to optimizer step), between CUDA events around it (perf_counter on a CPU)"),
+    Column("step_ms", True, "step time in milliseconds: from the previous step's end to this step's end, both marked on the device (a CUDA event on the stream; perf_counter on a CPU), so host time between steps counts. Before version 2: CUDA events around the step alone"),
     Column("tokens_per_s", True, "global batch x seq_len / step time"),
     Column("loss", True, "training loss of the step"),
     Column("mfu", True, "model FLOPs utilization, a fraction of the GPU's dense bf16 peak; blank when unknown"),
+    Column("schema_version", True, "the schema version that wrote the row (blank: 1)", since=2),
 )
 
 RUN_SCHEMA = (
@@ -60,6 +65,23 @@ RUN_SCHEMA = (
     Column("git_commit", False, "commit of the code that ran, with -dirty for uncommitted changes"),
     Column("command", False, "the command line"),
     Column("config", False, 'JSON: {"run": settings, "additions": [names]} ({"run", "recipe"} in older runs)'),
+    Column("schema_version", True, "the schema version that wrote the row (blank: 1)", since=2),
+    Column("window_wall_s", True, "wall-clock seconds of the measured steps, from the last warm-up step's end "
+           "to the last step's end (perf_counter after synchronizing); the measured step_ms add up to it", since=2),
+    Column("flops_per_token", True, "model FLOPs per token (6N + attention), the numerator of MFU", since=2),
+    Column("compile_cache", False, "warm: every compiled graph came from Inductor's cache; cold: some were "
+           "compiled (COLD=1 runs with an empty cache); blank without torch.compile", since=2),
+    Column("gpu_uuid", False, "the GPU's UUID (GPU-...)", since=2),
+    Column("driver_version", False, "NVIDIA driver version (NVML)", since=2),
+    Column("cudnn_version", False, "cuDNN version PyTorch loaded (torch.backends.cudnn.version())", since=2),
+    Column("triton_version", False, "triton's version, where installed", since=2),
+    Column("bitsandbytes_version", False, "bitsandbytes' version, where installed", since=2),
+    Column("cudnn_frontend_version", False, "nvidia-cudnn-frontend's version, where installed", since=2),
+    Column("sm_clock_mhz_median", True, "median SM clock over the measured steps, MHz (NVML samples)", since=2),
+    Column("power_w_median", True, "median board power over the measured steps, W (NVML samples)", since=2),
+    Column("temp_c_max", True, "highest GPU temperature over the measured steps, deg C (NVML samples)", since=2),
+    Column("throttle_reasons", False, "the distinct clock event (throttle) reasons NVML reported over the measured "
+           "steps, space-separated (none: none seen)", since=2),
 )
 
 BREAKDOWN_SCHEMA = (
@@ -75,12 +97,47 @@ BREAKDOWN_SCHEMA = (
     Column("peak_tflops", True, "the GPU's dense bf16 peak, TFLOP/s"),
 )
 
+# make peak PREFIX=dir: this machine's measured peaks, the second MFU denominator (a row per measurement).
+PEAK_FILE = "peak.csv"
+PEAK_SCHEMA = (
+    Column("measured_at", False, "UTC time of the measurement, ISO 8601"),
+    Column("device", False, "cuda or cpu"),
+    Column("gpu_name", False, "the device's name (torch.cuda.get_device_name), or cpu"),
+    Column("gpu_uuid", False, "the GPU's UUID (GPU-...)"),
+    Column("torch_version", False, "torch.__version__"),
+    Column("git_commit", False, "commit of the code that measured"),
+    Column("matmul_n", True, "side of the square bf16 matmul timed (n x n by n x n)"),
+    Column("matmul_tflops", True, "bf16 matmul rate, TFLOP/s: 2 n^3 per matmul / median time"),
+    Column("copy_gib", True, "size of the buffer copied device to device, GiB"),
+    Column("copy_gb_s", True, "copy bandwidth, GB/s: bytes read plus bytes written / median time"),
+    Column("schema_version", True, "the schema version that wrote the row"),
+)
+PEAK_SCHEMA = tuple(c._replace(since=2) for c in PEAK_SCHEMA)   # the file is new in version 2
+
 STEP_COLUMNS = [c.name for c in STEP_SCHEMA]
 RUN_COLUMNS = [c.name for c in RUN_SCHEMA]
 BREAKDOWN_COLUMNS = [c.name for c in BREAKDOWN_SCHEMA]
 STEP_NUMERIC = [c.name for c in STEP_SCHEMA if c.numeric]
 RUN_NUMERIC = [c.name for c in RUN_SCHEMA if c.numeric]
 BREAKDOWN_NUMERIC = [c.name for c in BREAKDOWN_SCHEMA if c.numeric]
+PEAK_COLUMNS = [c.name for c in PEAK_SCHEMA]
+PEAK_NUMERIC = [c.name for c in PEAK_SCHEMA if c.numeric]
+
+
+def headers(schema: tuple) -> dict[int, list[str]]:
+    """{version: that version's header} for each schema version that changed `schema`'s columns, oldest first;
+    an older header is a prefix of every later one."""
+    versions = sorted({c.since for c in schema})
+    return {v: [c.name for c in schema if c.since <= v] for v in versions}
+
+
+def known_headers(columns: list[str]) -> dict[int, list[str]]:
+    """headers() of the schema whose columns today are `columns`: the headers a file of it may have; a list of
+    columns that is no schema's has only itself."""
+    for schema in (STEP_SCHEMA, RUN_SCHEMA, BREAKDOWN_SCHEMA, PEAK_SCHEMA):
+        if [c.name for c in schema] == list(columns):
+            return headers(schema)
+    return {SCHEMA_VERSION: list(columns)}
 
 # ok: every step ran; oom: the batch did not fit; skipped: the run's change cannot run on this machine;
 # failed: an unexpected error; interrupted: Ctrl-C or SIGTERM. The steps measured before the end are kept.

@@ -3,8 +3,10 @@ with the columns of Utils.results.schema.
 
 Rows are only ever appended. An append is whole or absent: the new rows are written next to the file
 with the old bytes in front of them and renamed over it, under an exclusive lock, with SIGINT and
-SIGTERM held back, so neither a Ctrl-C nor a second run appending at once can tear a row. A file whose
-header is not ours, or that ends mid-row, is refused with a one-line error and left as it is.
+SIGTERM held back, so neither a Ctrl-C nor a second run appending at once can tear a row. A file written
+by an earlier schema version (Utils.results.schema) is widened to today's header in the same rename, its
+rows kept and the new columns blank. A file whose header is no version's, or that ends mid-row, is refused
+with a one-line error and left as it is.
 
     python -m Utils.results.store init PREFIX     (make init_results PREFIX=dir): empty results files
 """
@@ -20,7 +22,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from Utils.results.files import TEMPORARY_PREFIX, real_path, stage
-from Utils.results.schema import LOCK_FILE, RUN_COLUMNS, RUNS_FILE, STATUSES, STEP_COLUMNS, STEPS_FILE
+from Utils.results.schema import (LOCK_FILE, RUN_COLUMNS, RUNS_FILE, SCHEMA_VERSION, STATUSES, STEP_COLUMNS,
+                                  STEPS_FILE, known_headers)
 
 Row = Mapping[str, object]
 
@@ -29,14 +32,15 @@ class ResultsError(Exception):
     """A results file that cannot be trusted or written; the message is one line and names the fix."""
 
 
-def check_file(path: str | os.PathLike, columns: Sequence[str]) -> None:
-    """Raise ResultsError unless `path` is absent, empty, or a complete file with our header."""
+def check_file(path: str | os.PathLike, columns: Sequence[str]) -> list[str] | None:
+    """Raise ResultsError unless `path` is absent, empty, or a complete file with the header of some schema
+    version of `columns` (schema.known_headers); return that header, or None for an absent or empty file."""
     if not os.path.exists(path):
-        return
+        return None
     with open(path, "rb") as f:
         raw = f.read()
     if not raw:
-        return
+        return None
     name = os.path.basename(path)
     if not raw.endswith(b"\n"):
         raise ResultsError(f"{path} ends in the middle of a row (cut off?): move it aside or repair it; "
@@ -45,13 +49,15 @@ def check_file(path: str | os.PathLike, columns: Sequence[str]) -> None:
         rows = list(csv.reader(io.StringIO(raw.decode("utf-8"))))
     except (UnicodeDecodeError, csv.Error) as e:
         raise ResultsError(f"{path} is not a readable CSV ({e}): move it aside; it was not changed")
-    if rows[0] != list(columns):
+    header = rows[0]
+    if header not in known_headers(columns).values():
         raise ResultsError(f"{path} has a header that is not the suite's {name} header: "
                            f"use another PREFIX or move the file aside; it was not changed")
     for i, row in enumerate(rows[1:], start=2):
-        if len(row) != len(columns):
-            raise ResultsError(f"{path} line {i} has {len(row)} fields, expected {len(columns)}: "
+        if len(row) != len(header):
+            raise ResultsError(f"{path} line {i} has {len(row)} fields, expected {len(header)}: "
                                f"the file is damaged; move it aside; it was not changed")
+    return header
 
 
 def check_prefix(prefix: str | os.PathLike) -> None:
@@ -83,8 +89,23 @@ def _format(rows, columns):
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n", extrasaction="raise")
     for row in rows:
-        writer.writerow({k: _cell(row.get(k)) for k in columns})
+        cells = {k: _cell(row.get(k)) for k in columns}
+        if "schema_version" in cells:
+            cells["schema_version"] = str(SCHEMA_VERSION)
+        writer.writerow(cells)
     return buf.getvalue()
+
+
+def _widened(old: bytes, columns) -> bytes:
+    """A file of an earlier schema version (its header a prefix of `columns`) with today's header, each row
+    given blank cells for the columns added since."""
+    rows = list(csv.reader(io.StringIO(old.decode("utf-8"))))
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(columns)
+    for row in rows[1:]:
+        writer.writerow(row + [""] * (len(columns) - len(row)))
+    return buf.getvalue().encode("utf-8")
 
 
 def _cell(value):
@@ -103,6 +124,8 @@ def _stage(path, columns, text):
     if os.path.exists(path):
         with open(path, "rb") as f:
             old = f.read()
+    if old and not old.startswith((",".join(columns) + "\n").encode()):
+        old = _widened(old, columns)   # check_file has proved it an earlier version's
     header = b"" if old else (",".join(columns) + "\n").encode()
     mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
     return stage(path, lambda f: f.write(old + header + text.encode()), mode=mode)

@@ -35,6 +35,7 @@ class RunConfig:
     seed: int
     data_dir: str | None = None
     profile: bool = False
+    cold: bool = False
 
     def as_dict(self):
         return asdict(self)
@@ -63,6 +64,9 @@ def build_parser(prog=None):
     p.add_argument("--profile", action="store_true",
                    help=f"after the timed steps, profile {PROFILE_STEPS} more under torch.profiler and write "
                         f"breakdown.csv/.md/.png and trace_<rung>.json.gz; the run is not added to results.csv")
+    p.add_argument("--cold", action="store_true",
+                   help="compile with an empty Inductor and Triton cache, as on a fresh machine (COLD=1); "
+                        "runs.csv's compile_cache says which a run had")
     return p
 
 
@@ -145,7 +149,7 @@ def parse_args(argv=None, prog=None):
 
     return RunConfig(steps=steps, batch_size=batch, prefix=a.prefix, model=model, seq_len=seq_len,
                      device=device, data=data, warmup=warmup, seed=seed, data_dir=a.data_dir,
-                     profile=a.profile)
+                     profile=a.profile, cold=a.cold)
 
 
 def check(argv) -> int:

@@ -1,7 +1,12 @@
-"""The one training loop: a step timed whole, every step recorded, and the profiled steps of `make profile`.
+"""The one training loop: every step timed and recorded, the measured window's wall clock, the GPU's clocks
+over it, and the profiled steps of `make profile`.
 
-A step is timed whole: the batch's copy to the device, forward, backward, gradient clipping and the
-optimizer step, between two CUDA events (or perf_counter on a CPU, where work is synchronous).
+A step's time runs from the previous step's end to its own end, both marked on the device (a CUDA event
+recorded on the stream after the step's last kernel; perf_counter on a CPU, where work is synchronous), as
+MLPerf times a run and torch.utils.benchmark a statement: whatever the GPU waits for between two steps,
+the host's reading back of a loss included, belongs to a step. The measured steps then add up to the
+window's wall clock (window_wall_s), which the host takes with perf_counter after synchronizing on the last
+warm-up step's end and on the last step's end.
 """
 import os
 import time
@@ -11,38 +16,35 @@ import torch
 from Utils.ladder.apply import Build
 from Utils.results import metrics
 from Utils.results.gpus import peak_bandwidth, peak_bf16_flops
+from Utils.train import nvml
 from Utils.train.cli import PROFILE_STEPS, RunConfig
 from Utils.train.data import inputs_targets
 
 
-class StepTimer:
-    """start() and stop() bracket a step without waiting for the device; elapsed_ms() waits for that
-    step only. On a CPU, work is synchronous and the host clock is the step's clock."""
+class StepClock:
+    """mark() marks a step's end without waiting for the device; ms(earlier, later) is the time between two
+    marks and waits for the later one; wait(mark) waits for it and returns the host's perf_counter."""
 
-    def __init__(self, device):
+    def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def start(self):
+    def mark(self):
         if not self.cuda:
-            return [time.perf_counter()]
-        begin = torch.cuda.Event(enable_timing=True)
-        begin.record()
-        return [begin]
+            return time.perf_counter()
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return end
 
-    def stop(self, mark):
+    def ms(self, earlier, later) -> float:
         if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            mark.append(end)
-        else:
-            mark.append(time.perf_counter())
-        return mark
+            later.synchronize()
+            return earlier.elapsed_time(later)
+        return (later - earlier) * 1e3
 
-    def elapsed_ms(self, mark):
+    def wait(self, mark) -> float:
         if self.cuda:
-            mark[1].synchronize()
-            return mark[0].elapsed_time(mark[1])
-        return (mark[1] - mark[0]) * 1e3
+            mark.synchronize()
+        return time.perf_counter()
 
 
 def train(b: Build, cfg: RunConfig, run: dict, rows: list):
@@ -51,16 +53,17 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
     device, source, optimizer, update, step_model, config = b.device, b.source, b.optimizer, b.update, b.step_model, b.config
     flops_token = metrics.flops_per_token(b.model.num_params(), config.n_layer, config.n_head,
                                           config.n_embd // config.n_head, cfg.seq_len)
+    run["flops_per_token"] = flops_token
     peak = peak_bf16_flops(run["gpu_name"]) if device.type == "cuda" else None
-    timer = StepTimer(device)
+    clock = StepClock(device)
+    sampler = nvml.Sampler(run.get("gpu_uuid", "")) if device.type == "cuda" else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
     cudagraphs, deferred = b.cudagraphs, b.sync_every > 1
 
     def step():
-        """One training step, timed whole; returns (timing mark, loss tensor) without synchronizing."""
+        """One training step; returns (the mark of its end, loss tensor) without synchronizing."""
         if cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-        mark = timer.start()
         window = source.next_batch().to(device, non_blocking=True)
         x, y = inputs_targets(window, cfg.batch_size, cfg.seq_len)
         with b.autocast():
@@ -69,10 +72,10 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
         update()
         optimizer.zero_grad(set_to_none=True)
         # A loss read later must survive the next step (a CUDA graph replay reuses its output's memory).
-        return timer.stop(mark), (loss.detach().clone() if deferred else loss)
+        return clock.mark(), (loss.detach().clone() if deferred else loss)
 
-    def record(i, mark, loss):
-        ms, loss_value = timer.elapsed_ms(mark), loss.item()
+    def record(i, start, end, loss):
+        ms, loss_value = clock.ms(start, end), loss.item()
         tps = tokens_per_step / (ms / 1e3)
         step_mfu = metrics.mfu(flops_token, tps, peak)
         rows.append({"run_id": run["run_id"], "optimization": run["optimization"], "step": i,
@@ -84,16 +87,35 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
               f"{mfu_text}{tag}", flush=True)
 
     # The host reads timings and losses back every sync_every steps, so between read-backs the CPU queues
-    # work ahead of the GPU and no step waits for the host.
-    pending = []
+    # work ahead of the GPU and no step waits for the host. It reads back at the warm-up's last step too: the
+    # measured window's wall clock starts when the device has finished it.
+    pending, window_start = [], None
+
+    def read_back():
+        """Wait for the newest pending step, note the time, then record every pending step."""
+        synced_at = clock.wait(pending[-1][2])
+        for entry in pending:
+            record(*entry)
+        pending.clear()
+        return synced_at
+
+    last_end = clock.mark()
     try:
         for i in range(cfg.steps):
-            pending.append((i, *step()))
-            if len(pending) == b.sync_every or i == cfg.steps - 1:
-                for entry in pending:
-                    record(*entry)
-                pending.clear()
+            end, loss = step()
+            pending.append((i, last_end, end, loss))
+            last_end = end
+            if len(pending) == b.sync_every or i in (cfg.warmup - 1, cfg.steps - 1):
+                synced_at = read_back()
+                if i == cfg.warmup - 1:
+                    window_start = synced_at
+                    if sampler:
+                        sampler.start()
+                if i == cfg.steps - 1 and window_start is not None:
+                    run["window_wall_s"] = synced_at - window_start
     finally:
+        if sampler:
+            run.update(sampler.stop())
         # A run that stops early (a signal, out of memory) keeps every step that finished, read back or not.
         recorded = {row["step"] for row in rows}
         for entry in pending:
@@ -104,11 +126,11 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
             except Exception:   # the device itself failed: what it holds cannot be read back
                 break
     if cfg.profile:
-        return profile_steps(step, timer, cfg, device, run, flops_token * tokens_per_step, peak)
+        return profile_steps(step, clock, cfg, device, run, flops_token * tokens_per_step, peak)
     return None
 
 
-def profile_steps(step, timer, cfg, device, run, flops_per_step, peak):
+def profile_steps(step, clock, cfg, device, run, flops_per_step, peak):
     """PROFILE_STEPS more steps under torch.profiler (one more before them that the schedule discards),
     exported as a gzipped Chrome trace and split into compute, memory and overhead."""
     if device.type != "cuda":
@@ -132,8 +154,8 @@ def profile_steps(step, timer, cfg, device, run, flops_per_step, peak):
         for key in ("run_id", "git_commit", "started_at", "torch_version"):   # the breakdown chart's provenance
             prof.add_metadata(key, str(run.get(key) or ""))
         for _ in range(1 + PROFILE_STEPS):
-            mark, _ = step()
-            timer.elapsed_ms(mark)   # waits for the step, so that each profiler window holds one whole step
+            end, _ = step()
+            clock.wait(end)   # waits for the step, so that each profiler window holds one whole step
             prof.step()
     return breakdown.split(breakdown.load_trace(path), flops_per_step=flops_per_step, peak_flops=peak,
                            peak_bandwidth=peak_bandwidth(run["gpu_name"]))

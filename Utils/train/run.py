@@ -1,12 +1,14 @@
 """A run from start to record: parse the arguments, build the run's additions, train, and append the
 result with its status (ok, oom, skipped, failed, interrupted) whatever happened.
 """
+import contextlib
 import gc
 import json
 import os
 import shlex
-import subprocess
+import shutil
 import sys
+import tempfile
 import traceback
 import uuid
 from datetime import datetime, timezone
@@ -22,10 +24,10 @@ from Utils.train.cli import RunConfig, UsageError, parse_args
 from Utils.train.data import DataError, TokenLoader, load_tokens
 from Utils.train.interrupts import EXIT_INTERRUPTED, Interrupts
 from Utils.train.loop import train
+from Utils.train.provenance import environment
 from Utils.train.usage import fail
 
 EXIT_FAILED, EXIT_OOM, EXIT_SKIPPED = 1, 3, 4   # 2: bad input, or results that cannot be written (fail)
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(additions, argv=None, command=None) -> int:
@@ -44,32 +46,48 @@ def main(additions, argv=None, command=None) -> int:
     return run(additions, cfg, command)
 
 
-def environment(device):
-    cuda = device.type == "cuda"
-    return {
-        "device": device.type,
-        "gpu_name": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda if cuda else "",
-        "git_commit": git_commit(),
-    }
+def compile_counts() -> tuple[int, int]:
+    """(graphs loaded from Inductor's caches, graphs compiled) so far in this process: torch's own counters
+    of its FX graph and AOTAutograd caches (a bypass compiles, as a miss does)."""
+    from torch._dynamo.utils import counters
+    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    compiled = sum(counters[group][f"{kind}_cache_{what}"] for group, kind in
+                   (("inductor", "fxgraph"), ("aot_autograd", "autograd")) for what in ("miss", "bypass"))
+    return hits, compiled
 
 
-def git_commit():
-    """The commit the code ran from; GIT_COMMIT wins for copies of the tree that carry no .git."""
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
+def compile_cache(before: tuple[int, int]) -> str | None:
+    """warm when every graph compiled since compile_counts() returned `before` came from the caches, cold when
+    any was compiled, None when there was nothing to compile."""
+    hits, compiled = (now - then for now, then in zip(compile_counts(), before))
+    if compiled:
+        return "cold"
+    return "warm" if hits else None
+
+
+@contextlib.contextmanager
+def cold_caches(cold: bool):
+    """With `cold`, Inductor and Triton compile into an empty folder of their own, removed afterwards: the
+    compile time of a fresh machine (make ... COLD=1)."""
+    if not cold:
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="cold-compile-")
+    saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return f"{sha}-dirty" if sha and dirty else sha
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-def summarize(additions, cfg, run, rows):
+def summarize(additions, cfg, run, rows, counts_before=(0, 0)):
     measured = [r for r in rows if not r["warmup"]]
     if measured:
         med, iqr = metrics.median_iqr([r["step_ms"] for r in measured])
@@ -80,6 +98,7 @@ def summarize(additions, cfg, run, rows):
         if "torch_compile" in additions and rows:
             # The first step holds the compilation; what it took beyond a normal step is compile time.
             run["compile_s"] = max(0.0, (rows[0]["step_ms"] - med) / 1e3)
+    run["compile_cache"] = compile_cache(counts_before)
     if rows:
         run["final_loss"] = rows[-1]["loss"]
 
@@ -181,8 +200,8 @@ def run(additions: tuple, cfg: RunConfig, command: str) -> int:
     rows, held = [], {}
     status, message, code = "ok", "", 0
     reset_peak_memory(device)
-    profiled = None
-    with Interrupts() as interrupts:
+    profiled, counts_before = None, compile_counts()
+    with Interrupts() as interrupts, cold_caches(cfg.cold):
         try:
             try:   # the only place a signal raises; every handler below runs with it disarmed
                 interrupts.arm()
@@ -221,7 +240,7 @@ def run(additions: tuple, cfg: RunConfig, command: str) -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        summarize(additions, cfg, run, rows)
+        summarize(additions, cfg, run, rows, counts_before)
         if interrupts.requested:   # at any moment until now, whatever else its arrival made of the run
             status, code = "interrupted", EXIT_INTERRUPTED
             message = f"interrupted after {len(rows)} of {cfg.steps} steps; the measured steps are kept"

@@ -255,7 +255,8 @@ def test_a_noisy_run_is_flagged(tmp_path):
     rc, out, err = run_main(p)
     assert rc == 0, err
     rows = summary_table(p)
-    assert rows["tf32"]["status"] == "ok (noisy)" and rows["bf16"]["status"] == "ok"
+    assert rows["tf32"]["noisy"] == "yes" and rows["bf16"]["noisy"] == "-"
+    assert rows["tf32"]["status"] == rows["bf16"]["status"] == "ok"
     notes = summary_text(p).split("## Notes")[1]
     assert "- tf32: run tf32-noisy is noisy: its steps' IQR is 15.0% of their median (over 5%)" in notes
     assert "bf16-steady" not in notes

@@ -9,7 +9,7 @@ from Utils.results.files import write_atomic
 from Utils.results.gpus import gpu_spec
 
 SUMMARY_FILE = "summary.md"
-TABLE_HEADER = ["rung", "runs", "median ms", "IQR ms", "trimmed mean ms", "spread", "speedup", "tokens/s",
+TABLE_HEADER = ["rung", "runs", "median ms", "IQR ms", "trimmed mean ms", "spread", "noisy", "speedup", "tokens/s",
                 "MFU", "MFU of measured peak", "peak alloc GiB", "peak reserved GiB", "compile s", "cache",
                 "final loss", "status"]
 
@@ -18,15 +18,14 @@ def table_rows(table: pd.DataFrame) -> list[list[str]]:
     """summarize()'s frame as the text cells of summary.md's table, header first."""
     rows = [TABLE_HEADER]
     for rung, r in table.iterrows():
-        status = r["status"] + (" (noisy)" if r["noisy"] == 1 else "")
         rows.append([rung, markdown.cell(r["runs"], ".0f"), markdown.cell(r["median_step_ms"], ".1f"),
                      markdown.cell(r["iqr_step_ms"], ".1f"), markdown.cell(r["trimmed_mean_ms"], ".1f"),
-                     markdown.cell(100 * r["spread"], ".1f", "%"),
+                     markdown.cell(100 * r["spread"], ".1f", "%"), "yes" if r["noisy"] == 1 else "-",
                      markdown.cell(r["speedup"], ".2f", "x"), markdown.cell(r["tokens_per_s"], ",.0f"),
                      markdown.cell(100 * r["mfu"], ".1f", "%"), markdown.cell(100 * r["mfu_measured"], ".1f", "%"),
                      markdown.cell(r["peak_mem_allocated_gib"], ".1f"), markdown.cell(r["peak_mem_reserved_gib"], ".1f"),
                      markdown.cell(r["compile_s"], ".1f"), r["compile_cache"] or "-",
-                     markdown.cell(r["final_loss"], ".3f"), status])
+                     markdown.cell(r["final_loss"], ".3f"), r["status"]])
     return rows
 
 
@@ -60,7 +59,7 @@ def render_summary(report: Report) -> str:
                  "step time over each run's measured steps, warm-up left out; a rung run several times from one "
                  "commit (REPEAT=n) shows the median of its runs' medians, the spread between those medians "
                  f"((max - min) / median) and the mean of all its steps without the {TRIM:.0%} at each end. "
-                 f"A run whose IQR is over {NOISY_IQR:.0%} of its median is marked noisy. "
+                 f"noisy: a run's IQR is over {NOISY_IQR:.0%} of its median. "
                  "speedup = baseline median / rung median; tokens/s = batch × seq_len / median step time. "
                  f"{mfu_text(report)} speedup.png's whiskers: 95% bootstrap interval of the ratio of medians "
                  f"({BOOTSTRAP_RESAMPLES} resamples of the measured step times): the spread within runs, not "

@@ -503,9 +503,11 @@ class Study:
             saved = self.value(p, "median_step_ms") - self.value("torch_compile", "median_step_ms")
             if saved > 0:
                 compile_s = self.value("torch_compile", "compile_s")
-                items.append(f"Compiling took {compile_s:.1f} s and saves {saved:.1f} ms per step: it pays for itself "
-                             f"after about {compile_s * 1e3 / saved:,.0f} steps. For a short experiment it does not; for "
-                             f"a training run of thousands of steps it is noise.")
+                cache = {"warm": " with Inductor's cache warm (a fresh machine compiles longer: COLD=1 shows how "
+                                 "long)", "cold": " from a cold cache"}.get(self.value("torch_compile", "compile_cache"), "")
+                items.append(f"Compiling took {compile_s:.1f} s{cache} and saves {saved:.1f} ms per step: it pays for "
+                             f"itself after about {compile_s * 1e3 / saved:,.0f} steps. For a short experiment it does "
+                             f"not; for a training run of thousands of steps it is noise.")
         items.append(f"The memory model above assumes the score passes drop from {roofline.EAGER_SCORE_PASSES} (counted, "
                      f"eager) to {roofline.COMPILED_SCORE_PASSES} (assumed, fused); the attention still writes its "
                      f"scores out, and that traffic is what the next rung removes.")

@@ -69,8 +69,8 @@ RUN_SCHEMA = (
     Column("window_wall_s", True, "wall-clock seconds of the measured steps, from the last warm-up step's end "
            "to the last step's end (perf_counter after synchronizing); the measured step_ms add up to it", since=2),
     Column("flops_per_token", True, "model FLOPs per token (6N + attention), the numerator of MFU", since=2),
-    Column("compile_cache", False, "warm: every compiled graph came from Inductor's cache; cold: some were "
-           "compiled (COLD=1 runs with an empty cache); blank without torch.compile", since=2),
+    Column("compile_cache", False, "warm: every graph torch.compile needed came from Inductor's caches; cold: "
+           "none did (COLD=1 runs with an empty cache); partial: some did; blank without torch.compile", since=2),
     Column("gpu_uuid", False, "the GPU's UUID (GPU-...)", since=2),
     Column("driver_version", False, "NVIDIA driver version (NVML)", since=2),
     Column("cudnn_version", False, "cuDNN version PyTorch loaded (torch.backends.cudnn.version())", since=2),

@@ -57,12 +57,13 @@ def compile_counts() -> tuple[int, int]:
 
 
 def compile_cache(before: tuple[int, int]) -> str | None:
-    """warm when every graph compiled since compile_counts() returned `before` came from the caches, cold when
-    any was compiled, None when there was nothing to compile."""
+    """Since compile_counts() returned `before`: warm when every graph came from the caches, cold when every one
+    was compiled, partial when some were (a graph the cache bypasses, e.g. one around a CUDA graph's custom
+    kernels, compiles every time); None when there was nothing to compile."""
     hits, compiled = (now - then for now, then in zip(compile_counts(), before))
-    if compiled:
-        return "cold"
-    return "warm" if hits else None
+    if not hits and not compiled:
+        return None
+    return "partial" if hits and compiled else "cold" if compiled else "warm"
 
 
 @contextlib.contextmanager

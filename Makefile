@@ -24,7 +24,7 @@ RUN_ARGS = --steps $(call q,STEPS) --batch-size $(call q,BATCH_SIZE) --prefix $(
 
 need = @if [ -z '$(subst ','\'',$(strip $(value $(1))))' ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
 
-.PHONY: help install all ablation additions custom profile plots compare peak test gpu-test init_results reset clean notebook $(RUNGS) require-run require-prefix
+.PHONY: help install all scaling ablation additions custom profile plots compare peak test gpu-test init_results reset clean notebook $(RUNGS) require-run require-prefix
 .DEFAULT_GOAL := help
 
 help:
@@ -34,6 +34,7 @@ help:
 	@echo "                                                (REPEAT=n: n runs in a row, judged on their median)"
 	@echo "  make all STEPS=n BATCH_SIZE=b PREFIX=dir      every rung in ladder order, then the charts"
 	@echo "  make custom WITH=\"a b ...\" STEPS=n BATCH_SIZE=b PREFIX=dir   exactly those additions"
+	@echo "  make scaling RUNG=r NPROC=\"1 2 4 8\" STEPS=n BATCH_SIZE=b PREFIX=dir   a rung at each GPU count, then scaling.png"
 	@echo "  make additions                                the registry: every addition, its pillar and needs"
 	@echo "  make ablation STEPS=n BATCH_SIZE=b PREFIX=dir each addition tried for max, alone on the fused rung"
 	@echo "  make plots PREFIX=dir                         charts and summary.md from PREFIX/results.csv"
@@ -53,6 +54,8 @@ help:
 	@echo "          REPEAT=n (rung targets, custom and all: n runs in a row, judged on their median)"
 	@echo "          PROFILE=1 (a rung target: profile it too)  ADDITIONS=\"a b\" (make ablation: only these)"
 	@echo "          COLD=1 (compile with an empty Inductor cache, as on a fresh machine)"
+	@echo "          NPROC=n (runs, all, custom: n processes through torchrun, one GPU each; BATCH_SIZE stays per GPU)"
+	@echo "          PARALLEL=ddp|fsdp (with NPROC: DistributedDataParallel, the default, or FSDP2's fully_shard)"
 
 require-run:
 	$(call need,STEPS)
@@ -80,13 +83,25 @@ endef
 wait_for = $(1) & pid=$$!; trap 'kill -TERM $$pid 2>/dev/null; wait $$pid; exit $$?' TERM INT; \
 	wait $$pid; rc=$$?; trap - TERM INT
 
+# NPROC processes through torchrun, one GPU each, where NPROC is above 1 or PARALLEL is named; otherwise one
+# process, as always. $(call launch,SCRIPT-OR--m MODULE) is the command that starts a run.
+NPROC ?= 1
+distributed = $(or $(filter-out 1,$(strip $(NPROC))),$(strip $(PARALLEL)))
+launch = $(if $(distributed),$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node $(call q,NPROC) $(1) \
+	--parallel $(if $(strip $(PARALLEL)),$(call q,PARALLEL),ddp),$(PYTHON) $(1))
+# $(call check_parallel,ADDITIONS): NPROC, PARALLEL and the additions checked before any process starts.
+check_parallel = @$(if $(distributed),$(PYTHON) -m Utils.train.distributed check $(call q,NPROC) \
+	'$(if $(strip $(PARALLEL)),$(subst ','\'',$(PARALLEL)),ddp)' '$(or $(DEVICE),auto)' $(1),true)
+
 $(RUNGS): require-run
-	$(call repeat,$@,$(PYTHON) $(call script,$@) $(RUN_ARGS))
+	$(call check_parallel,$@)
+	$(call repeat,$@,$(call launch,$(call script,$@)) $(RUN_ARGS))
 
 # Exactly the additions named in WITH (make additions lists them), recorded under a name built from them.
 custom: require-run
 	@if [ -z "$(strip $(value WITH))" ]; then echo 'error: WITH is required: the additions to run, e.g. make custom WITH="bf16 torch_compile flash" STEPS=50 BATCH_SIZE=16 PREFIX=./out (make additions lists them)' >&2; exit 2; fi
-	$(call repeat,custom,$(PYTHON) -m Utils.train --with $(call q,WITH) $(RUN_ARGS))
+	$(call check_parallel,$(call q,WITH))
+	$(call repeat,custom,$(call launch,-m Utils.train) --with $(call q,WITH) $(RUN_ARGS))
 
 additions:
 	@$(PYTHON) -m Utils.ladder table
@@ -103,6 +118,12 @@ define each
 	$(4) \
 	if [ -n "$$failed" ]; then echo "error: make $(1): not ok:$$failed (see "$(call q,PREFIX)")" >&2; exit 1; fi
 endef
+
+# RUNG at each process count in NPROC (through torchrun, PARALLEL=ddp unless named), then the charts: scaling.png.
+scaling: require-run
+	@if [ -z "$(strip $(RUNG))" ] || [ -z "$(filter $(strip $(RUNG)),$(RUNGS))" ]; then echo 'error: RUNG must name one rung ($(RUNGS)), e.g. make scaling RUNG=max NPROC="1 2" STEPS=60 BATCH_SIZE=16 PREFIX=./out' >&2; exit 2; fi
+	@for n in $(NPROC); do $(PYTHON) -m Utils.train.distributed check "$$n" '$(or $(PARALLEL),ddp)' '$(or $(DEVICE),auto)' $(RUNG) || exit $$?; done
+	$(call each,scaling,$(NPROC),$(MAKE) --no-print-directory $(RUNG) NPROC=$$x PARALLEL=$(or $(PARALLEL),ddp) $${data:+DATA=$$data},$(MAKE) --no-print-directory plots || failed="$$failed plots";)
 
 all: require-run
 	$(call each,all,$(RUNGS),$(MAKE) --no-print-directory $$x $${data:+DATA=$$data},$(MAKE) --no-print-directory plots || failed="$$failed plots";)
@@ -136,7 +157,7 @@ peak: require-prefix
 
 # Only the files the suite writes, by name: anything else in PREFIX is left alone.
 CHARTS := speedup.png step_time.png throughput.png memory.png loss.png summary.md \
-	breakdown.md breakdown.png compare.md compare.png
+	breakdown.md breakdown.png compare.md compare.png scaling.png
 # $(call remove,FILES): remove FILES from PREFIX; a PREFIX that does not exist has nothing to remove, one
 # that is not a folder or whose files cannot be removed is an error, naming it.
 define remove
@@ -148,7 +169,7 @@ clean: require-prefix
 	$(call remove,$(CHARTS) .tmp-*)
 
 reset: require-prefix
-	$(call remove,$(CHARTS) results.csv runs.csv breakdown.csv peak.csv trace_*.json.gz *.error.log .results.lock .tmp-*)
+	$(call remove,$(CHARTS) results.csv runs.csv breakdown.csv peak.csv trace_*.json.gz *.error.log .results.lock .tmp-* .rank-failure-*)
 
 # Re-executes the notebook in place against RESULTS (default results/h200-b16), saving its outputs; the file
 # depends on the cells and the results only, so a second run against the same results changes nothing.

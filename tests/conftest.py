@@ -89,7 +89,8 @@ def suite_env(tmp_path_factory, tiktoken_cache, shakespeare_path):
 # make reads its variables from the environment too: a PREFIX or STEPS exported in the shell that runs
 # the tests must not reach the suite (a test's `make reset` would then delete that PREFIX's results).
 MAKE_VARIABLES = ("STEPS", "BATCH_SIZE", "PREFIX", "MODEL", "SEQ_LEN", "DEVICE", "DATA", "WARMUP", "SEED",
-                  "DATA_DIR", "PROFILE", "PYTHON", "RESULTS", "MAKEFLAGS", "MAKELEVEL", "MFLAGS")
+                  "DATA_DIR", "PROFILE", "PYTHON", "RESULTS", "MAKEFLAGS", "MAKELEVEL", "MFLAGS", "NPROC", "PARALLEL",
+                  "RUNG", "COLD", "REPEAT", "WITH", "ADDITIONS", "PREFIXES", "OUT", "MATMUL_N", "COPY_GIB")
 
 
 def clean_env():

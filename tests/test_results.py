@@ -178,7 +178,7 @@ def test_schema_versions_only_add_columns_at_the_end():
         assert since == sorted(since) and max(since) <= schema.SCHEMA_VERSION
         versions = list(schema.headers(table).values())
         assert all(later[:len(earlier)] == earlier for earlier, later in zip(versions, versions[1:]))
-    assert schema.headers(schema.RUN_SCHEMA)[2] == RUN_COLUMNS
+    assert schema.headers(schema.RUN_SCHEMA)[schema.SCHEMA_VERSION] == RUN_COLUMNS
 
 
 @pytest.mark.parametrize("change", ["a renamed column", "a dropped column", "an extra column"])

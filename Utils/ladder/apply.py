@@ -16,7 +16,8 @@ import torch.nn as nn
 
 from Utils.kernels import chunked_loss, cublaslt, gelu_epilogue, loss_kernel, packed_attention, triton_update
 from Utils.ladder import modules
-from Utils.ladder.registry import ADDITIONS, STAGES, resolve
+from Utils.ladder.parallel import wrap
+from Utils.ladder.registry import ADDITIONS, STAGES, check_parallel, resolve
 from Utils.model import GPT, GPTConfig
 
 # Identical on every rung (nanoGPT's GPT-2 124M settings), so that only the additions differ.
@@ -41,7 +42,10 @@ class Build:
     additions: tuple = ()
     autocast_dtype: torch.dtype | None = None     # bf16: the autocast dtype; None: autocast off
     model: GPT | None = None
-    step_model: nn.Module | None = None           # the model the step calls (compiled, or the model itself)
+    parallel: str = ""                            # ddp or fsdp through torchrun (Utils.ladder.parallel), or ''
+    module: nn.Module | None = None               # the model as the step runs it, before compilation (DDP's
+                                                  # wrapper, or the model itself)
+    step_model: nn.Module | None = None           # the model the step calls (compiled, or `module`)
     cudagraphs: bool = False                      # the step model replays CUDA graphs
     optimizer: torch.optim.Optimizer | None = None
     update: Callable[[], None] | None = None       # clips the gradients and steps the optimizer
@@ -55,11 +59,13 @@ class Build:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
 
-def build(additions, device: torch.device, config: GPTConfig, seed: int, loader) -> Build:
+def build(additions, device: torch.device, config: GPTConfig, seed: int, loader, parallel: str = "") -> Build:
     """Apply `additions` (names; checked by registry.resolve) to a plain GPT-2 of `config` trained with AdamW as
-    torch ships it, fed by `loader`. Raises Unavailable where a change cannot run here at all."""
+    torch ships it, fed by `loader`, spread over the processes as `parallel` says (ddp, fsdp; '' for one).
+    Raises Unavailable where a change cannot run here at all."""
     additions = resolve(additions)
-    b = Build(device=device, config=config, additions=additions)
+    check_parallel(additions, parallel)
+    b = Build(device=device, config=config, additions=additions, parallel=parallel)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 
     def stage(name):
@@ -74,7 +80,8 @@ def build(additions, device: torch.device, config: GPTConfig, seed: int, loader)
     with device:   # initialized where it trains: no 124M-parameter init on the host, no copy
         b.model = GPT(b.config)
     stage("model")
-    b.step_model = b.model
+    b.module = wrap(b.model, parallel, device) if parallel else b.model   # before compile, as torchtitan does
+    b.step_model = b.module
     stage("compile")
     b.optimizer = torch.optim.AdamW(param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS)
     b.update = _clip_and_step(b)
@@ -218,7 +225,7 @@ def require_compiler(device: torch.device) -> None:
 def apply_torch_compile(b: Build) -> None:
     """torch.compile fuses elementwise work into few Triton (GPU) or C++ (CPU) kernels."""
     require_compiler(b.device)
-    b.step_model = torch.compile(b.model)
+    b.step_model = torch.compile(b.module)
 
 
 def apply_cudagraphs(b: Build) -> str | None:
@@ -226,7 +233,7 @@ def apply_cudagraphs(b: Build) -> str | None:
     lazy, so this replaces apply_torch_compile's wrapper before anything was compiled."""
     if b.device.type != "cuda":
         return "CUDA graphs need a GPU: compiled in the default mode"
-    b.step_model, b.cudagraphs = torch.compile(b.model, mode="reduce-overhead"), True
+    b.step_model, b.cudagraphs = torch.compile(b.module, mode="reduce-overhead"), True
     return None
 
 

@@ -141,6 +141,33 @@ def resolve(names) -> tuple:
     return tuple(name for name in ADDITIONS if name in chosen)
 
 
+# What cannot run when fully_shard spreads the model over the processes (PARALLEL=fsdp): its parameters and
+# gradients are then DTensor shards, which the hand-written kernels (raw pointers, cuBLASLt, cuDNN's
+# frontend), bitsandbytes' optimizer and a CUDA graph around the step's collectives do not take.
+# DistributedDataParallel keeps whole tensors on every rank, and every addition runs under it.
+PARALLEL_EXCLUDES = {
+    "ddp": {},
+    "fsdp": {name: "its kernel takes whole tensors, not FSDP's DTensor shards"
+             for name in ("gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel", "triton_update",
+                          "fold_clip")}
+    | {"8bit": "bitsandbytes' optimizer takes whole tensors, not FSDP's DTensor shards",
+       "cudagraphs": "a CUDA graph cannot hold FSDP's all-gathers and reduce-scatters",
+       "fp8": "its scaled matmuls have not been tried on FSDP's shards"},
+}
+
+
+def check_parallel(additions, parallel: str) -> None:
+    """Raise RegistryError, naming the fix, where `additions` cannot run under PARALLEL=`parallel`."""
+    if not parallel:
+        return
+    refused = {a: why for a, why in PARALLEL_EXCLUDES[parallel].items() if a in additions}
+    if refused:
+        name, why = next(iter(refused.items()))
+        others = [a for a in refused if a != name]
+        raise RegistryError(f"{name}{' (and ' + ', '.join(others) + ')' if others else ''} cannot run with "
+                            f"PARALLEL={parallel}: {why}; use PARALLEL=ddp, or a run without it")
+
+
 def run_name(additions) -> str:
     """The name a run of these additions is recorded under: the rung's name where a rung has exactly these, else
     the largest rung they contain, then the rest in the order they apply: fused+loss, baseline+bf16+flash.

@@ -13,13 +13,13 @@ import numpy as np
 import pandas as pd
 
 from Utils.ladder.registry import rung_order
-from Utils.results.schema import MATCH_KEYS, STEP_COLUMNS
+from Utils.results.schema import MATCH_KEYS, RUN_DEFAULTS, STEP_COLUMNS
 
 BASELINE = "baseline"
 # MATCH_KEYS without the GPU: the settings under which a rung's non-ok run still speaks for it.
 STATUS_KEYS = tuple(k for k in MATCH_KEYS if k != "gpu_name")
 KEY_LABELS = {"batch_size": "batch", "seq_len": "seq_len", "model": "model", "data": "data",
-              "device": "device", "gpu_name": "gpu"}
+              "device": "device", "gpu_name": "gpu", "nproc": "nproc", "parallel": "parallel"}
 
 
 class Excluded(NamedTuple):
@@ -40,8 +40,10 @@ def norm(value: object) -> str:
 
 def mismatches(run: pd.Series, ref: pd.Series, keys: tuple = MATCH_KEYS) -> list[str]:
     """How `run`'s settings differ from `ref`'s in `keys`, e.g. ["batch 8 != 16"]; empty when they match."""
-    return [f"{KEY_LABELS[k]} {norm(run[k]) or '(blank)'} != {norm(ref[k]) or '(blank)'}"
-            for k in keys if norm(run[k]) != norm(ref[k])]
+    def value(row, k):   # a frame without a later version's column has that column's default
+        return norm(row.get(k, RUN_DEFAULTS.get(k, "")))
+    return [f"{KEY_LABELS[k]} {value(run, k) or '(blank)'} != {value(ref, k) or '(blank)'}"
+            for k in keys if value(run, k) != value(ref, k)]
 
 
 def measured(run_steps: pd.DataFrame) -> pd.DataFrame:

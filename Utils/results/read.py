@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from Utils.results.schema import (PEAK_COLUMNS, PEAK_FILE, PEAK_NUMERIC, RUN_COLUMNS, RUN_NUMERIC, RUNS_FILE,
+from Utils.results.schema import (PEAK_COLUMNS, PEAK_FILE, PEAK_NUMERIC, RUN_COLUMNS, RUN_DEFAULTS, RUN_NUMERIC, RUNS_FILE,
                                   STEP_COLUMNS, STEP_NUMERIC, STEPS_FILE)
 from Utils.results.store import ResultsError, check_file
 
@@ -23,6 +23,9 @@ def read_table(path: str | os.PathLike, columns: Sequence[str], numeric: Sequenc
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
         raise ResultsError(f"{path} is not a readable CSV ({str(e).splitlines()[0]}): move it aside")
     df = df.reindex(columns=list(columns), fill_value="")
+    for col, value in RUN_DEFAULTS.items():   # rows written before the column existed
+        if col in df.columns and columns == RUN_COLUMNS:
+            df.loc[df[col] == "", col] = value
     for col in numeric:
         text = df[col].str.strip()
         values = pd.to_numeric(text, errors="coerce")

@@ -9,7 +9,8 @@ a new version and never renamed, dropped or moved: a header that is no version's
 """
 from typing import NamedTuple
 
-SCHEMA_VERSION = 2   # 2: schema_version, wall-clock steps (window_wall_s), provenance, clocks and power
+SCHEMA_VERSION = 3   # 2: schema_version, wall-clock steps (window_wall_s), provenance, clocks and power
+                     # 3: several GPUs (nproc, parallel, global and per-GPU tokens/s)
 
 STEPS_FILE = "results.csv"        # a row per step
 RUNS_FILE = "runs.csv"            # a row per run
@@ -22,6 +23,7 @@ class Column(NamedTuple):
     numeric: bool                 # read back as a float (a blank cell is NaN); otherwise text
     meaning: str                  # with its unit
     since: int = 1                # the schema version that added it
+    default: str = ""             # its value in rows written before it existed
 
 
 STEP_SCHEMA = (
@@ -82,6 +84,12 @@ RUN_SCHEMA = (
     Column("temp_c_max", True, "highest GPU temperature over the measured steps, deg C (NVML samples)", since=2),
     Column("throttle_reasons", False, "the distinct clock event (throttle) reasons NVML reported over the measured "
            "steps, space-separated (none: none seen)", since=2),
+    Column("nproc", True, "processes, one GPU each (torchrun's world size); 1 for a run without torchrun",
+           since=3, default="1"),
+    Column("parallel", False, "ddp or fsdp (PARALLEL) for a run through torchrun; blank for a single process",
+           since=3),
+    Column("global_tokens_per_s", True, "tokens/s of all processes together at the median step time", since=3),
+    Column("tokens_per_s_per_gpu", True, "global_tokens_per_s / nproc", since=3),
 )
 
 BREAKDOWN_SCHEMA = (
@@ -119,6 +127,7 @@ RUN_COLUMNS = [c.name for c in RUN_SCHEMA]
 BREAKDOWN_COLUMNS = [c.name for c in BREAKDOWN_SCHEMA]
 STEP_NUMERIC = [c.name for c in STEP_SCHEMA if c.numeric]
 RUN_NUMERIC = [c.name for c in RUN_SCHEMA if c.numeric]
+RUN_DEFAULTS = {c.name: c.default for c in RUN_SCHEMA if c.default}
 BREAKDOWN_NUMERIC = [c.name for c in BREAKDOWN_SCHEMA if c.numeric]
 PEAK_COLUMNS = [c.name for c in PEAK_SCHEMA]
 PEAK_NUMERIC = [c.name for c in PEAK_SCHEMA if c.numeric]
@@ -143,6 +152,6 @@ def known_headers(columns: list[str]) -> dict[int, list[str]]:
 # failed: an unexpected error; interrupted: Ctrl-C or SIGTERM. The steps measured before the end are kept.
 STATUSES = ("ok", "oom", "skipped", "failed", "interrupted")
 
-# Two runs are compared (a speedup, a scaling figure) only when these run columns are equal: the same work
-# on the same kind of device.
-MATCH_KEYS = ("batch_size", "seq_len", "model", "data", "device", "gpu_name")
+# Two runs are compared (a speedup) only when these run columns are equal: the same work on the same kind
+# of device, spread over the same processes in the same way. A scaling figure compares across nproc.
+MATCH_KEYS = ("batch_size", "seq_len", "model", "data", "device", "gpu_name", "nproc", "parallel")

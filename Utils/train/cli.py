@@ -36,6 +36,7 @@ class RunConfig:
     data_dir: str | None = None
     profile: bool = False
     cold: bool = False
+    parallel: str = ""        # ddp or fsdp: one of several processes started by torchrun
 
     def as_dict(self):
         return asdict(self)
@@ -67,6 +68,8 @@ def build_parser(prog=None):
     p.add_argument("--cold", action="store_true",
                    help="compile with an empty Inductor and Triton cache, as on a fresh machine (COLD=1); "
                         "runs.csv's compile_cache says which a run had")
+    p.add_argument("--parallel", default="", help="ddp or fsdp: this process is one of torchrun's (make ... NPROC=n "
+                                                  "PARALLEL=ddp); BATCH_SIZE is per process")
     return p
 
 
@@ -147,9 +150,17 @@ def parse_args(argv=None, prog=None):
     if data not in ("auto", "shakespeare", "synthetic") and not os.path.isfile(data):
         raise UsageError(f"DATA={data!r} is not a file: give a text file, or DATA=shakespeare, synthetic or auto")
 
+    parallel = a.parallel
+    if parallel:
+        from Utils.train.distributed import PARALLEL_MODES, launched_by_torchrun
+        if parallel not in PARALLEL_MODES:
+            raise UsageError(f"PARALLEL={parallel!r} is not one of {', '.join(PARALLEL_MODES)}: e.g. PARALLEL=ddp")
+        if not launched_by_torchrun():
+            raise UsageError(f"PARALLEL={parallel} runs under torchrun: use make <rung> NPROC=n PARALLEL={parallel} "
+                             f"..., or torchrun --standalone --nproc-per-node n <script> --parallel {parallel} ...")
     return RunConfig(steps=steps, batch_size=batch, prefix=a.prefix, model=model, seq_len=seq_len,
                      device=device, data=data, warmup=warmup, seed=seed, data_dir=a.data_dir,
-                     profile=a.profile, cold=a.cold)
+                     profile=a.profile, cold=a.cold, parallel=parallel)
 
 
 def check(argv) -> int:

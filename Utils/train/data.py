@@ -125,27 +125,34 @@ def load_tokens(data, vocab_size, seed, data_dir=None):
 class TokenLoader:
     """Sequential (B, T+1) windows over the token stream: row b of a batch holds tokens
     [p + bT, p + bT + T], so inputs are the first T and targets the last T. When fewer than B*T + 1
-    tokens remain, the stream starts again from its beginning."""
+    tokens remain, the stream starts again from its beginning.
 
-    def __init__(self, tokens, batch_size, seq_len, pin_memory=False):
-        need = batch_size * seq_len + 1
+    Among `world` processes, the global batch is `world` x B rows read as one process would read them at
+    batch `world` x B, and rank r takes rows rB to (r+1)B - 1: two processes at B see, together and in
+    order, the tokens one process sees at 2B."""
+
+    def __init__(self, tokens, batch_size, seq_len, pin_memory=False, rank=0, world=1):
+        need = world * batch_size * seq_len + 1
         if len(tokens) < need:
-            raise DataError(f"the data has {len(tokens):,} tokens, fewer than one batch needs "
-                            f"({batch_size} x {seq_len} + 1): use a smaller BATCH_SIZE or SEQ_LEN, or more text")
+            raise DataError(f"the data has {len(tokens):,} tokens, fewer than one global batch needs "
+                            f"({world} x {batch_size} x {seq_len} + 1): use a smaller BATCH_SIZE or SEQ_LEN, "
+                            f"fewer processes, or more text")
         self.tokens = torch.from_numpy(tokens.astype(np.int64))
         if pin_memory:
             # Pinned once, so every window is a pinned view and its copy to the GPU can be asynchronous.
             self.tokens = self.tokens.pin_memory()
         self.B, self.T = batch_size, seq_len
+        self.rank, self.world = rank, world
         self.pos = 0
 
     def next_batch(self):
-        """A (B*T + 1,) view of the stream; split it with `inputs_targets` once it is on the device."""
-        n = self.B * self.T + 1
-        if self.pos + n > len(self.tokens):
+        """This rank's (B*T + 1,) view of the stream; split it with `inputs_targets` once it is on the device."""
+        stride = self.world * self.B * self.T
+        if self.pos + stride + 1 > len(self.tokens):
             self.pos = 0
-        window = self.tokens[self.pos:self.pos + n]
-        self.pos += self.B * self.T
+        start = self.pos + self.rank * self.B * self.T
+        window = self.tokens[start:start + self.B * self.T + 1]
+        self.pos += stride
         return window
 
 

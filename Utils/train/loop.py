@@ -16,7 +16,7 @@ import torch
 from Utils.ladder.apply import Build
 from Utils.results import metrics
 from Utils.results.gpus import peak_bandwidth, peak_bf16_flops
-from Utils.train import nvml
+from Utils.train import distributed, nvml
 from Utils.train.cli import PROFILE_STEPS, RunConfig
 from Utils.train.data import inputs_targets
 
@@ -57,8 +57,9 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
     peak = peak_bf16_flops(run["gpu_name"]) if device.type == "cuda" else None
     clock = StepClock(device)
     sampler = nvml.Sampler(run.get("gpu_uuid", "")) if device.type == "cuda" else None
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    cudagraphs, deferred = b.cudagraphs, b.sync_every > 1
+    world = run.get("nproc") or 1
+    tokens_per_step = world * cfg.batch_size * cfg.seq_len   # the global batch
+    cudagraphs, deferred, main = b.cudagraphs, b.sync_every > 1, run.get("rank", 0) == 0
 
     def step():
         """One training step; returns (the mark of its end, loss tensor) without synchronizing."""
@@ -74,28 +75,32 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
         # A loss read later must survive the next step (a CUDA graph replay reuses its output's memory).
         return clock.mark(), (loss.detach().clone() if deferred else loss)
 
-    def record(i, start, end, loss):
-        ms, loss_value = clock.ms(start, end), loss.item()
+    def record(i, ms, loss_value):
         tps = tokens_per_step / (ms / 1e3)
-        step_mfu = metrics.mfu(flops_token, tps, peak)
+        step_mfu = metrics.mfu(flops_token, tps / world, peak)   # per GPU
         rows.append({"run_id": run["run_id"], "optimization": run["optimization"], "step": i,
                      "warmup": i < cfg.warmup, "step_ms": ms, "tokens_per_s": tps, "loss": loss_value,
                      "mfu": step_mfu})
-        mfu_text = f"MFU {step_mfu:.1%}" if step_mfu is not None else "MFU n/a"
-        tag = " (warm-up)" if i < cfg.warmup else ""
-        print(f"step {i + 1}/{cfg.steps} | loss {loss_value:.4f} | {ms:.1f} ms | {tps:,.0f} tok/s | "
-              f"{mfu_text}{tag}", flush=True)
+        if main:
+            mfu_text = f"MFU {step_mfu:.1%}" if step_mfu is not None else "MFU n/a"
+            tag = " (warm-up)" if i < cfg.warmup else ""
+            print(f"step {i + 1}/{cfg.steps} | loss {loss_value:.4f} | {ms:.1f} ms | {tps:,.0f} tok/s | "
+                  f"{mfu_text}{tag}", flush=True)
 
     # The host reads timings and losses back every sync_every steps, so between read-backs the CPU queues
     # work ahead of the GPU and no step waits for the host. It reads back at the warm-up's last step too: the
-    # measured window's wall clock starts when the device has finished it.
+    # measured window's wall clock starts when the device has finished it. Among several processes a step
+    # takes as long as its slowest rank, and its loss is the mean over the ranks' shares of the batch.
     pending, window_start = [], None
 
     def read_back():
         """Wait for the newest pending step, note the time, then record every pending step."""
         synced_at = clock.wait(pending[-1][2])
-        for entry in pending:
-            record(*entry)
+        ms = [clock.ms(start, end) for _, start, end, _ in pending]
+        losses = [loss.item() for *_, loss in pending]
+        ms, losses = distributed.reduce_steps(ms, losses, device)
+        for (i, *_), step_ms, loss in zip(pending, ms, losses):
+            record(i, step_ms, loss)
         pending.clear()
         return synced_at
 
@@ -118,11 +123,11 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
             run.update(sampler.stop())
         # A run that stops early (a signal, out of memory) keeps every step that finished, read back or not.
         recorded = {row["step"] for row in rows}
-        for entry in pending:
-            if entry[0] in recorded:
+        for i, start, end, loss in pending:
+            if i in recorded:
                 continue
-            try:
-                record(*entry)
+            try:   # this rank's own figures: the others may be gone
+                record(i, clock.ms(start, end), loss.item())
             except Exception:   # the device itself failed: what it holds cannot be read back
                 break
     if cfg.profile:

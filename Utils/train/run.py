@@ -16,13 +16,14 @@ from datetime import datetime, timezone
 import torch
 
 from Utils.ladder.apply import Unavailable, build
-from Utils.ladder.registry import RUNGS, RegistryError, resolve, run_name
+from Utils.ladder.registry import RUNGS, RegistryError, check_parallel, resolve, run_name
 from Utils.model import PRESETS
 from Utils.results import metrics
 from Utils.results.store import ResultsError, append_run, check_prefix
 from Utils.train.cli import RunConfig, UsageError, parse_args
 from Utils.train.data import DataError, TokenLoader, load_tokens
 from Utils.train.interrupts import EXIT_INTERRUPTED, Interrupts
+from Utils.train import distributed
 from Utils.train.loop import train
 from Utils.train.provenance import environment
 from Utils.train.usage import fail
@@ -38,6 +39,7 @@ def main(additions, argv=None, command=None) -> int:
     try:
         additions = resolve(RUNGS[additions].additions if isinstance(additions, str) else additions)
         cfg = parse_args(argv, prog=os.path.basename(sys.argv[0]))
+        check_parallel(additions, cfg.parallel)
         check_prefix(cfg.prefix)
     except (UsageError, ResultsError, RegistryError) as e:
         return fail(str(e))
@@ -92,8 +94,10 @@ def summarize(additions, cfg, run, rows, counts_before=(0, 0)):
     measured = [r for r in rows if not r["warmup"]]
     if measured:
         med, iqr = metrics.median_iqr([r["step_ms"] for r in measured])
-        run.update(median_step_ms=med, iqr_step_ms=iqr,
-                   median_tokens_per_s=cfg.batch_size * cfg.seq_len / (med / 1e3))
+        world = run.get("nproc") or 1
+        tokens_per_s = world * cfg.batch_size * cfg.seq_len / (med / 1e3)
+        run.update(median_step_ms=med, iqr_step_ms=iqr, median_tokens_per_s=tokens_per_s,
+                   global_tokens_per_s=tokens_per_s, tokens_per_s_per_gpu=tokens_per_s / world)
         mfus = [r["mfu"] for r in measured if r["mfu"] is not None]
         run["mfu"] = metrics.median_iqr(mfus)[0] if mfus else None
         if "torch_compile" in additions and rows:
@@ -153,9 +157,10 @@ def _first_line(e):
         return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
-def _write_error_log(prefix, run_id):
-    """The whole traceback of the exception being handled, beside the results; its path, or None."""
-    path = os.path.join(prefix, f"{run_id}.error.log")
+def _write_error_log(prefix, run_id, rank=0):
+    """The whole traceback of the exception being handled, beside the results; its path, or None. Each rank of
+    a run on several processes writes its own."""
+    path = os.path.join(prefix, f"{run_id}.error.log" if not rank else f"{run_id}.rank{rank}.error.log")
     try:
         with open(path, "w", encoding="utf-8", errors="backslashreplace") as f:
             traceback.print_exc(file=f)
@@ -178,25 +183,36 @@ def peak_memory_gib(device):
 
 def run(additions: tuple, cfg: RunConfig, command: str) -> int:
     name = run_name(additions)
+    dist = distributed.from_env(cfg.parallel)
     device = torch.device(cfg.device)
     try:
         tokens, data_name = load_tokens(cfg.data, PRESETS[cfg.model].vocab_size, cfg.seed, cfg.data_dir)
     except DataError as e:
         return fail(str(e))
-    if len(tokens) < cfg.batch_size * cfg.seq_len + 1:
+    world = dist.world_size
+    if len(tokens) < world * cfg.batch_size * cfg.seq_len + 1:
         return fail(f"DATA={data_name} has {len(tokens):,} tokens, fewer than one batch needs "
-                    f"(BATCH_SIZE={cfg.batch_size} x SEQ_LEN={cfg.seq_len} + 1): use a smaller BATCH_SIZE or "
-                    f"SEQ_LEN, or more text")
-    run = {"run_id": f"{datetime.now():%Y%m%d-%H%M%S}-{name}-{uuid.uuid4().hex[:6]}",
+                    f"({world} x BATCH_SIZE={cfg.batch_size} x SEQ_LEN={cfg.seq_len} + 1): use a smaller BATCH_SIZE "
+                    f"or SEQ_LEN, or more text")
+    if dist.active:
+        try:
+            device = distributed.init(dist, cfg.device)
+        except Exception as e:
+            return fail(f"rank {dist.rank} cannot join the other processes: {_first_line(e)}")
+    run_id = f"{datetime.now():%Y%m%d-%H%M%S}-{name}-{uuid.uuid4().hex[:6]}"
+    run = {"run_id": distributed.broadcast_text(run_id, device),
            "optimization": name, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "steps": cfg.steps, "warmup_steps": cfg.warmup, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-           "model": cfg.model, "data": data_name, "command": command,
+           "model": cfg.model, "data": data_name, "command": command, "nproc": world, "parallel": cfg.parallel,
+           "rank": dist.rank,
            "config": json.dumps({"run": cfg.as_dict(), "additions": list(additions)}, sort_keys=True),
            **environment(device)}
     changes = " ".join(additions) or "none"
-    print(f"{name} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {data_name} | "
-          f"{device.type} {run['gpu_name']} | additions: {changes} | steps {cfg.steps} (warm-up {cfg.warmup}) "
-          f"| seed {cfg.seed}", flush=True)
+    spread = f" | {world} processes, {cfg.parallel}" if dist.active else ""
+    if dist.main:
+        print(f"{name} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {data_name} | "
+              f"{device.type} {run['gpu_name']} | additions: {changes} | steps {cfg.steps} (warm-up {cfg.warmup}) "
+              f"| seed {cfg.seed}{spread}", flush=True)
 
     rows, held = [], {}
     status, message, code = "ok", "", 0
@@ -206,11 +222,13 @@ def run(additions: tuple, cfg: RunConfig, command: str) -> int:
         try:
             try:   # the only place a signal raises; every handler below runs with it disarmed
                 interrupts.arm()
-                loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda")
-                held["build"] = build(additions, device, PRESETS[cfg.model], cfg.seed, loader)
+                loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda",
+                                     rank=dist.rank, world=world)
+                held["build"] = build(additions, device, PRESETS[cfg.model], cfg.seed, loader, cfg.parallel)
+                distributed.barrier()   # every rank built: the first step's collectives wait for no set-up
                 run["n_params"] = held["build"].model.num_params(exclude_position_embedding=False)
                 run["notes"] = "; ".join(held["build"].notes)
-                for note in held["build"].notes:
+                for note in held["build"].notes if dist.main else ():
                     print(f"note: {note}")
                 profiled = train(held["build"], cfg, run, rows)
             finally:
@@ -227,7 +245,7 @@ def run(additions: tuple, cfg: RunConfig, command: str) -> int:
                            + (f" (peak {peak:.1f} GiB allocated)" if peak is not None else "")
                            + f": try a smaller BATCH_SIZE, e.g. {max(1, cfg.batch_size // 2)}")
             else:
-                log = _write_error_log(cfg.prefix, run["run_id"])
+                log = _write_error_log(cfg.prefix, run["run_id"], dist.rank)
                 where = f" (the whole error: {log})" if log else ""
                 if _compile_failure(e) and not rows:
                     status, code = "skipped", EXIT_SKIPPED
@@ -245,8 +263,23 @@ def run(additions: tuple, cfg: RunConfig, command: str) -> int:
         if interrupts.requested:   # at any moment until now, whatever else its arrival made of the run
             status, code = "interrupted", EXIT_INTERRUPTED
             message = f"interrupted after {len(rows)} of {cfg.steps} steps; the measured steps are kept"
+        if dist.active and dist.main and status != "ok":
+            # Another rank's failure ends every rank: torchrun stops them, or their collectives break. Its
+            # report names the cause.
+            other = distributed.other_failure(cfg.prefix, run["run_id"], world)
+            if other:
+                status, message = other
+                code = EXIT_OOM if status == "oom" else EXIT_FAILED
         run.update(status=status, message=message)
-        return _record(cfg, run, rows, profiled, code)
+        if not dist.main:
+            if status in ("failed", "oom"):
+                distributed.report_failure(cfg.prefix, run["run_id"], dist.rank, status, message)
+                print(f"error: rank {dist.rank}: {run['optimization']} {status}: {message}", file=sys.stderr)
+            distributed.close()
+            return code
+        code = _record(cfg, run, rows, profiled, code)
+        distributed.close()
+        return code
 
 
 def _record(cfg, run, rows, profiled, code):

@@ -1,0 +1,180 @@
+"""Several processes, one GPU each, on PyTorch's own stack: torchrun starts them, torch.distributed joins
+them, DistributedDataParallel or FSDP2's fully_shard spreads the model (Utils.ladder.parallel).
+
+A process learns its place from the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK). Every
+collective has a timeout (DIST_TIMEOUT_S), so that a rank that hangs ends the run with an error instead of
+holding the others forever. Rank 0 records the run; a rank that fails writes one line beside the results
+(`failure_path`), which rank 0 reads when torchrun stops it, so that the record names the rank that failed.
+
+    python -m Utils.train.distributed check NPROC PARALLEL DEVICE RUNG    (the Makefile, before torchrun starts)
+"""
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+PARALLEL_MODES = ("ddp", "fsdp")
+# A collective that waits longer than this ends the run. Ranks compile apart (each its own Inductor) before
+# their first all-reduce, so the limit is well above a cold compile of the max rung (22 s on an H200).
+DIST_TIMEOUT_S = float(os.environ.get("DIST_TIMEOUT_S", 300))
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place among the run's processes; a run without torchrun is rank 0 of 1, parallel ''."""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    parallel: str = ""
+
+    @property
+    def main(self) -> bool:
+        """The process that prints every step and records the run."""
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.parallel)
+
+
+def from_env(parallel: str) -> Dist:
+    """The Dist torchrun's variables describe, for a run asked to use `parallel` ('' for none)."""
+    if not parallel:
+        return Dist()
+    return Dist(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                local_rank=int(os.environ.get("LOCAL_RANK", 0)), parallel=parallel)
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init(dist: Dist, device_type: str):
+    """Join the process group (NCCL between GPUs, gloo between CPU processes) and return this rank's device."""
+    import torch
+    import torch.distributed as td
+    if device_type == "cuda":
+        torch.cuda.set_device(dist.local_rank)
+        device = torch.device("cuda", dist.local_rank)
+    else:
+        device = torch.device("cpu")
+    td.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+                          timeout=timedelta(seconds=DIST_TIMEOUT_S),
+                          **({"device_id": device} if device_type == "cuda" else {}))
+    return device
+
+
+def barrier() -> None:
+    import torch.distributed as td
+    if td.is_initialized():
+        td.barrier()
+
+
+def close() -> None:
+    import torch.distributed as td
+    if td.is_initialized():
+        td.destroy_process_group()
+
+
+def reduce_steps(step_ms: list, losses: list, device) -> tuple[list, list]:
+    """Each step's time as the slowest rank's, and its loss as the mean over ranks (every rank trains on its
+    own share of the global batch): one all-reduce each, at a read-back."""
+    import torch
+    import torch.distributed as td
+    if not td.is_initialized() or td.get_world_size() == 1:
+        return step_ms, losses
+    times = torch.tensor(step_ms, dtype=torch.float64, device=device)
+    loss = torch.tensor(losses, dtype=torch.float64, device=device)
+    td.all_reduce(times, op=td.ReduceOp.MAX)
+    td.all_reduce(loss, op=td.ReduceOp.SUM)
+    return times.tolist(), (loss / td.get_world_size()).tolist()
+
+
+def broadcast_text(text: str, device) -> str:
+    """Rank 0's `text` on every rank (the run's id, so that every rank names the same run)."""
+    import torch.distributed as td
+    if not td.is_initialized():
+        return text
+    box = [text]
+    td.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    return box[0]
+
+
+def failure_path(prefix: str, run_id: str, rank: int) -> str:
+    """Where a rank other than 0 leaves the one line that says why it failed."""
+    return os.path.join(prefix, f".rank-failure-{run_id}-{rank}")
+
+
+def report_failure(prefix: str, run_id: str, rank: int, status: str, message: str) -> None:
+    """A failing rank's last word, for rank 0's record: `status` (failed, oom) and its one-line message."""
+    try:
+        with open(failure_path(prefix, run_id, rank), "w", encoding="utf-8") as f:
+            f.write(f"{status}\n{message}\n")
+    except OSError:
+        pass
+
+
+def other_failure(prefix: str, run_id: str, world_size: int) -> tuple[str, str] | None:
+    """(status, "rank r: message") of the lowest rank that reported a failure of this run, or None; the reports
+    are removed once read."""
+    found = None
+    for rank in range(1, world_size):
+        path = failure_path(prefix, run_id, rank)
+        try:
+            with open(path, encoding="utf-8") as f:
+                status, message = (f.read().split("\n") + ["", ""])[:2]
+            os.unlink(path)
+        except OSError:
+            continue
+        found = found or (status, f"rank {rank}: {message}")
+    return found
+
+
+def check(nproc: str, parallel: str, device: str, gpus: int | None = None, additions: str = "") -> str | None:
+    """Why NPROC and PARALLEL cannot run here, or cannot run `additions` (a rung's name, or addition names
+    separated by spaces), in one line with the fix; None when they can. `gpus` is the number of GPUs present
+    (counted when None)."""
+    try:
+        n = int(nproc)
+    except ValueError:
+        n = 0
+    if n < 1:
+        return f"NPROC={nproc!r} is not a number of processes: use NPROC=1 (one GPU) or more, e.g. NPROC=2"
+    if parallel and parallel not in PARALLEL_MODES:
+        return f"PARALLEL={parallel!r} is not one of {', '.join(PARALLEL_MODES)}: e.g. PARALLEL=ddp"
+    if additions.strip():
+        from Utils.ladder.registry import RUNGS, RegistryError, check_parallel, resolve
+        try:
+            names = RUNGS[additions].additions if additions in RUNGS else additions.split()
+            check_parallel(resolve(names), parallel)
+        except RegistryError as e:
+            return str(e)
+    if device not in ("auto", "cuda", "cpu"):
+        return None   # the run's own argument check names it
+    if gpus is None:
+        import torch
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    on_gpu = device == "cuda" or (device == "auto" and gpus > 0)
+    if device == "cuda" and gpus == 0:
+        return "DEVICE=cuda but PyTorch sees no CUDA GPU here: use DEVICE=cpu (gloo between CPU processes)"
+    if on_gpu and n > gpus:
+        return (f"NPROC={n} but this machine has {gpus} GPU{'s' if gpus != 1 else ''}: use NPROC={gpus} or fewer "
+                f"(one process per GPU)")
+    return None
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) not in (4, 5) or argv[0] != "check":
+        print("usage: python -m Utils.train.distributed check NPROC PARALLEL DEVICE [RUNG-OR-ADDITIONS]",
+              file=sys.stderr)
+        return 2
+    problem = check(argv[1], argv[2], argv[3], additions=argv[4] if len(argv) == 5 else "")
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

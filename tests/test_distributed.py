@@ -1,0 +1,149 @@
+"""Several processes through torchrun, on the CPU with gloo: the same global batch as one process, the
+records, a rank that fails, Ctrl-C, and the refusals that come before any process starts."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from Utils.train import distributed
+from Utils.train.data import TokenLoader
+
+from conftest import REPO_ROOT, clean_env, make, read_csv
+
+RUN = ["DATA=synthetic", "SEQ_LEN=32", "WARMUP=1"]
+
+
+def _losses(prefix):
+    return [float(r["loss"]) for r in read_csv(os.path.join(prefix, "results.csv"))]
+
+
+def test_ranks_read_the_global_batch_of_one_process_in_order():
+    tokens = torch.arange(1000).numpy()
+    one = TokenLoader(tokens, 4, 8)
+    ranks = [TokenLoader(tokens, 2, 8, rank=r, world=2) for r in range(2)]
+    for _ in range(40):   # past the end of the stream, where every loader starts again
+        whole = one.next_batch()
+        parts = [loader.next_batch() for loader in ranks]
+        assert torch.equal(torch.cat([parts[0][:-1], parts[1]]), whole)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_train_as_one_process_on_twice_the_batch(tmp_path, parallel):
+    env = clean_env()
+    one = make(["baseline", "STEPS=5", "BATCH_SIZE=4", f"PREFIX={tmp_path / 'one'}"] + RUN, env, timeout=300)
+    assert one.returncode == 0, one.stderr
+    two = make(["baseline", "STEPS=5", "BATCH_SIZE=2", f"PREFIX={tmp_path / 'two'}", "NPROC=2",
+                f"PARALLEL={parallel}"] + RUN, env, timeout=300)
+    assert two.returncode == 0, two.stderr
+    assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), abs=1e-5)
+    runs = read_csv(tmp_path / "two" / "runs.csv")
+    assert len(runs) == 1, "rank 0 alone records the run"
+    run = runs[0]
+    assert (run["nproc"], run["parallel"], run["batch_size"]) == ("2", parallel, "2")
+    steps = read_csv(tmp_path / "two" / "results.csv")
+    last = steps[-1]
+    assert float(last["tokens_per_s"]) == pytest.approx(2 * 2 * 32 / (float(last["step_ms"]) / 1e3), rel=1e-4)
+    assert float(run["tokens_per_s_per_gpu"]) == pytest.approx(float(run["global_tokens_per_s"]) / 2, rel=1e-5)
+    assert read_csv(tmp_path / "one" / "runs.csv")[0]["nproc"] == "1"
+
+
+def test_compiled_ddp_runs(tmp_path):
+    r = make(["torch_compile", "STEPS=3", "BATCH_SIZE=2", f"PREFIX={tmp_path}", "NPROC=2"] + RUN, clean_env(),
+             timeout=600)
+    assert r.returncode == 0, r.stderr
+    run = read_csv(tmp_path / "runs.csv")[0]
+    assert run["status"] == "ok" and run["parallel"] == "ddp" and run["compile_cache"]
+
+
+def _fail_rank(tmp_path, rank):
+    """A sitecustomize that makes rank `rank`'s third optimizer step raise."""
+    folder = tmp_path / "inject"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(f"""
+import os
+if os.environ.get("RANK") == "{rank}":
+    import torch
+    _step, _calls = torch.optim.AdamW.step, [0]
+
+    def step(self, *args, **kwargs):
+        _calls[0] += 1
+        if _calls[0] == 3:
+            raise RuntimeError("injected failure")
+        return _step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = step
+""")
+    return str(folder)
+
+
+def test_a_failing_rank_ends_the_run_and_is_named(tmp_path):
+    env = dict(clean_env(), PYTHONPATH=_fail_rank(tmp_path, 1))
+    prefix = tmp_path / "out"
+    r = make(["baseline", "STEPS=20", "BATCH_SIZE=2", f"PREFIX={prefix}", "NPROC=2"] + RUN, env, timeout=300)
+    assert r.returncode != 0
+    run = read_csv(prefix / "runs.csv")[0]
+    assert run["status"] == "failed"
+    assert run["message"].startswith("rank 1: RuntimeError: injected failure")
+    assert not [n for n in os.listdir(prefix) if n.startswith(".rank-failure-")]
+    assert os.path.exists(prefix / f"{run['run_id']}.rank1.error.log")
+
+
+def test_ctrl_c_stops_every_rank_and_records_the_run_as_interrupted(tmp_path):
+    cmd = ["make", "--no-print-directory", f"PYTHON={sys.executable}", "baseline", "STEPS=2000", "BATCH_SIZE=2",
+           f"PREFIX={tmp_path}", "NPROC=2"] + RUN
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=dict(clean_env(), PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    for line in proc.stdout:
+        if line.startswith("step 3/") or time.time() > deadline:
+            break
+    os.killpg(proc.pid, signal.SIGINT)   # what Ctrl-C in a terminal does: every process of the group
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    runs = read_csv(tmp_path / "runs.csv")
+    assert len(runs) == 1 and runs[0]["status"] == "interrupted"
+    assert int(runs[0]["steps"]) == 2000 and len(read_csv(tmp_path / "results.csv")) >= 3
+
+
+@pytest.mark.parametrize("args, error", [
+    (["NPROC=0"], "error: NPROC='0' is not a number of processes"),
+    (["NPROC=two"], "error: NPROC='two' is not a number of processes"),
+    (["NPROC=2", "PARALLEL=zero"], "error: PARALLEL='zero' is not one of ddp, fsdp"),
+    (["NPROC=2", "DEVICE=cuda"], "error: DEVICE=cuda but PyTorch sees no CUDA GPU here"),
+])
+def test_bad_process_settings_are_refused_before_any_process_starts(tmp_path, args, error):
+    if "DEVICE=cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    r = make(["fused", "STEPS=3", "BATCH_SIZE=2", f"PREFIX={tmp_path}"] + RUN + args, clean_env(), timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[0].startswith(error) and "torch.distributed.run" not in r.stdout
+    assert not os.path.exists(tmp_path / "runs.csv")
+
+
+def test_an_addition_fsdp_cannot_run_is_refused_with_the_fix(tmp_path):
+    r = make(["max", "STEPS=3", "BATCH_SIZE=2", f"PREFIX={tmp_path}", "NPROC=2", "PARALLEL=fsdp"] + RUN,
+             clean_env(), timeout=120)
+    assert r.returncode == 2
+    line = r.stderr.splitlines()[0]
+    assert "cannot run with PARALLEL=fsdp" in line and "use PARALLEL=ddp" in line
+    assert not os.path.exists(tmp_path / "runs.csv")
+
+
+def test_more_processes_than_gpus_is_refused():
+    assert distributed.check("3", "ddp", "auto", gpus=2) == \
+        "NPROC=3 but this machine has 2 GPUs: use NPROC=2 or fewer (one process per GPU)"
+    assert distributed.check("2", "ddp", "auto", gpus=2) is None
+    assert distributed.check("4", "ddp", "cpu", gpus=2) is None   # CPU processes are not GPUs
+
+
+def test_parallel_without_torchrun_is_refused_in_one_line(tmp_path):
+    env = {k: v for k, v in clean_env().items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run([sys.executable, "fused_optimizer.py", "--parallel", "ddp", "--steps", "3", "--batch-size",
+                        "2", "--prefix", str(tmp_path)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("error: PARALLEL=ddp runs under torchrun: use make <rung> NPROC=n PARALLEL=ddp")

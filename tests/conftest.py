@@ -66,9 +66,10 @@ def shakespeare_path(request):
 
 
 def summary_table(prefix):
-    """summary.md's table as {rung: {column header: cell text}}, in table order."""
+    """summary.md's first table (the ladder's) as {rung: {column header: cell text}}, in table order."""
     with open(os.path.join(prefix, "summary.md")) as f:
-        lines = [ln for ln in f.read().splitlines() if ln.startswith("|")]
+        text = f.read().split("\n## ")[0]
+    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
     return {r[0]: dict(zip(header, r)) for r in rows}

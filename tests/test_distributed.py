@@ -147,3 +147,16 @@ def test_parallel_without_torchrun_is_refused_in_one_line(tmp_path):
                        timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert r.stderr.startswith("error: PARALLEL=ddp runs under torchrun: use make <rung> NPROC=n PARALLEL=ddp")
+
+
+def test_make_scaling_runs_the_rung_at_each_count_and_draws_the_chart(tmp_path):
+    r = make(["scaling", "RUNG=baseline", "NPROC=1 2", "STEPS=3", "BATCH_SIZE=2", f"PREFIX={tmp_path}"] + RUN,
+             clean_env(), timeout=600)
+    assert r.returncode == 0, r.stderr
+    runs = read_csv(tmp_path / "runs.csv")
+    assert [(run["nproc"], run["parallel"]) for run in runs] == [("1", "ddp"), ("2", "ddp")]
+    assert os.path.exists(tmp_path / "scaling.png")
+    assert "## Scaling" in (tmp_path / "summary.md").read_text()
+    bad = make(["scaling", "RUNG=turbo", "NPROC=1 2", "STEPS=3", "BATCH_SIZE=2", f"PREFIX={tmp_path}"], clean_env(),
+               timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: RUNG must name one rung")

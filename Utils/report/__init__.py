@@ -4,6 +4,7 @@ that `make plots` runs where torch cannot be imported.
     selection  which runs a ladder report compares, and why the others are left out
     stats      the numbers: medians, IQRs, speedups with bootstrap intervals, notes, captions (Report)
     charts     speedup.png, step_time.png, throughput.png, memory.png, loss.png
+    scaling    one rung across GPU counts: global tokens/s, scaling efficiency, scaling.png
     summary    summary.md
     cli        plot_results.py's command line
     figures    what every chart shares: resolution, wrapped titles and footnotes, writing

@@ -4,8 +4,11 @@
 
 reads DIR/results.csv (a row per step) and DIR/runs.csv (a row per run) and writes into DIR:
 speedup.png, step_time.png, throughput.png, memory.png, loss.png and summary.md; the summary is
-printed to the terminal too. Which runs are compared is Utils.report.selection's business, the numbers
-Utils.report.stats', the charts Utils.report.charts' and summary.md Utils.report.summary's.
+printed to the terminal too. Where DIR holds ok runs of one rung at two or more GPU counts (make scaling),
+scaling.png too, and summary.md gains a scaling section; elsewhere no scaling.png is written (an old one
+is left as it is). Which runs are compared is Utils.report.selection's business, the numbers
+Utils.report.stats', the charts Utils.report.charts', the scaling across GPUs Utils.report.scaling's and
+summary.md Utils.report.summary's.
 
 Exit codes: 0 when everything was written; 2 for bad arguments, unusable input or an unwritable
 PREFIX, with a single "error: ..." line on stderr.
@@ -17,23 +20,30 @@ from collections.abc import Sequence
 
 from Utils.report.charts import CHARTS
 from Utils.report.figures import save_figure
+from Utils.report.scaling import SCALING_FILE, Scaling, build_scaling, plot_scaling
 from Utils.report.stats import Report, build_report
 from Utils.report.summary import SUMMARY_FILE, write_summary
 from Utils.results.read import load, load_peak
 from Utils.results.store import ResultsError
 
-OUTPUT_FILES = (*CHARTS, SUMMARY_FILE)
+OUTPUT_FILES = (*CHARTS, SCALING_FILE, SUMMARY_FILE)   # scaling.png only where a rung ran on several GPU counts
 
 
-def write_outputs(prefix: str | os.PathLike, report: Report) -> tuple[str, list[str]]:
-    """Write every chart and summary.md into prefix; return (summary text, written paths)."""
+def write_outputs(prefix: str | os.PathLike, report: Report,
+                  scaling: "Scaling | None" = None) -> tuple[str, list[str]]:
+    """Write every chart, scaling.png where `scaling` holds a rung measured at two or more GPU counts, and
+    summary.md into prefix; return (summary text, written paths)."""
     written = []
     for name, plot in CHARTS.items():
         path = os.path.join(prefix, name)
         save_figure(plot(report), path)
         written.append(path)
+    if scaling is not None and not scaling.scaled().empty:
+        path = os.path.join(prefix, SCALING_FILE)
+        save_figure(plot_scaling(scaling.table, scaling.context, scaling.provenance), path)
+        written.append(path)
     path = os.path.join(prefix, SUMMARY_FILE)
-    text = write_summary(report, path)
+    text = write_summary(report, path, scaling)
     written.append(path)
     return text, written
 
@@ -61,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         steps, runs = load(prefix)
         report = build_report(steps, runs, load_peak(prefix))
-        text, written = write_outputs(prefix, report)
+        text, written = write_outputs(prefix, report, build_scaling(steps, runs))
     except ResultsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,9 +1,11 @@
-"""summary.md: the ladder table in ladder order, how its numbers were made, the runs left out, the notes."""
+"""summary.md: the ladder table in ladder order, how its numbers were made, the runs left out, the notes; and,
+where a rung was run at several GPU counts, its scaling table."""
 import os
 
 import pandas as pd
 
 from Utils.report import markdown
+from Utils.report.scaling import GOALS, Scaling
 from Utils.report.stats import BOOTSTRAP_RESAMPLES, NO_BASELINE_NOTE, NOISY_IQR, TRIM, Report
 from Utils.results.files import write_atomic
 from Utils.results.gpus import gpu_spec
@@ -12,6 +14,7 @@ SUMMARY_FILE = "summary.md"
 TABLE_HEADER = ["rung", "runs", "median ms", "IQR ms", "trimmed mean ms", "spread", "noisy", "speedup", "tokens/s",
                 "MFU", "MFU of measured peak", "peak alloc GiB", "peak reserved GiB", "compile s", "cache",
                 "final loss", "status"]
+SCALING_HEADER = ["rung", "GPUs", "parallel", "median ms", "global tokens/s", "tokens/s per GPU", "efficiency"]
 
 
 def table_rows(table: pd.DataFrame) -> list[list[str]]:
@@ -47,9 +50,38 @@ def mfu_text(report: Report) -> str:
     return text + "."
 
 
-def render_summary(report: Report) -> str:
+def scaling_rows(table: pd.DataFrame) -> list[list[str]]:
+    """scaling_table's frame as the text cells of summary.md's scaling table, header first."""
+    rows = [SCALING_HEADER]
+    for _, r in table.iterrows():
+        rows.append([r["rung"], f"{r['nproc']:d}", r["parallel"] or "-", markdown.cell(r["median_step_ms"], ".1f"),
+                     markdown.cell(r["global_tokens_per_s"], ",.0f"), markdown.cell(r["tokens_per_s_per_gpu"], ",.0f"),
+                     markdown.cell(100 * r["efficiency"], ".1f", "%")])
+    return rows
+
+
+def scaling_section(scaling: "Scaling | None") -> list[str]:
+    """The lines of the "## Scaling" section: the rungs measured at two or more GPU counts, how the numbers
+    were made, and the notes; none where no rung was."""
+    table = scaling.scaled() if scaling is not None else None
+    if table is None or table.empty:
+        return []
+    goals = ", ".join(f"{100 * g:.0f}% on {n} GPUs" for n, g in GOALS.items())
+    lines = ["", "## Scaling", "", markdown.table(scaling_rows(table), left=(0, 2)), ""]
+    lines.append("Each rung's latest ok run at each GPU count with the work of its latest ok 1-GPU run (batch "
+                 "per GPU, seq_len, model, data, GPU) and one parallel strategy. median ms: the median measured "
+                 "step time, each step timed as its slowest rank's; global tokens/s = GPUs × batch per GPU × "
+                 "seq_len / median step time; efficiency = global tokens/s / (GPUs × the 1-GPU run's), given "
+                 f"only for runs of one commit on one kind of GPU (goals: {goals}). scaling.png draws them.")
+    if scaling.notes:
+        lines += [""] + [f"- {n}" for n in scaling.notes]
+    return lines
+
+
+def render_summary(report: Report, scaling: "Scaling | None" = None) -> str:
     """summary.md's text: heading (what was measured, and where the figures come from), the table in ladder
-    order, excluded runs, notes."""
+    order, excluded runs, notes; and the scaling section where `scaling` (scaling.build_scaling) holds a rung
+    measured at two or more GPU counts."""
     lines = [f"# Ladder results: {report.context} · {report.provenance}", ""]
     if not report.has_baseline:
         lines += [f"**{NO_BASELINE_NOTE}**", ""]
@@ -70,11 +102,12 @@ def render_summary(report: Report) -> str:
     if report.notes:
         lines += ["", "## Notes", ""]
         lines += [f"- {n}" for n in report.notes]
+    lines += scaling_section(scaling)
     return "\n".join(lines) + "\n"
 
 
-def write_summary(report: Report, path: str | os.PathLike) -> str:
-    """Write render_summary(report) to path through a temporary file; return the text."""
-    text = render_summary(report)
+def write_summary(report: Report, path: str | os.PathLike, scaling: "Scaling | None" = None) -> str:
+    """Write render_summary(report, scaling) to path through a temporary file; return the text."""
+    text = render_summary(report, scaling)
     write_atomic(path, lambda f: f.write(text.encode("utf-8")))
     return text

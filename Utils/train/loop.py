@@ -130,6 +130,10 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
                 record(i, clock.ms(start, end), loss.item())
             except Exception:   # the device itself failed: what it holds cannot be read back
                 break
+    if cfg.profile and not main:   # the other ranks step with rank 0, whose profile is the run's
+        for _ in range(1 + PROFILE_STEPS):
+            clock.wait(step()[0])
+        return None
     if cfg.profile:
         return profile_steps(step, clock, cfg, device, run, flops_token * tokens_per_step, peak)
     return None

@@ -61,6 +61,7 @@ require-run:
 	$(call need,STEPS)
 	$(call need,BATCH_SIZE)
 	$(call need,PREFIX)
+	@case '$(subst ','\'',$(COLD))' in ''|0|1|yes|no|true|false) ;; *) echo "error: COLD must be 1 (compile with an empty cache) or 0, not '$(subst ','\'',$(COLD))'" >&2; exit 2;; esac
 
 require-prefix:
 	$(call need,PREFIX)
@@ -89,9 +90,11 @@ NPROC ?= 1
 distributed = $(or $(filter-out 1,$(strip $(NPROC))),$(strip $(PARALLEL)))
 launch = $(if $(distributed),$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node $(call q,NPROC) $(1) \
 	--parallel $(if $(strip $(PARALLEL)),$(call q,PARALLEL),ddp),$(PYTHON) $(1))
-# $(call check_parallel,ADDITIONS): NPROC, PARALLEL and the additions checked before any process starts.
+# $(call check_parallel,ADDITIONS): NPROC, PARALLEL, the additions and every other argument checked before
+# any process starts (DATA=auto is fetched then, once, for all of them).
 check_parallel = @$(if $(distributed),$(PYTHON) -m Utils.train.distributed check $(call q,NPROC) \
-	'$(if $(strip $(PARALLEL)),$(subst ','\'',$(PARALLEL)),ddp)' '$(or $(DEVICE),auto)' $(1),true)
+	'$(if $(strip $(PARALLEL)),$(subst ','\'',$(PARALLEL)),ddp)' '$(or $(DEVICE),auto)' $(1) && \
+	$(PYTHON) -m Utils.train.cli $(RUN_ARGS) >/dev/null,true)
 
 $(RUNGS): require-run
 	$(call check_parallel,$@)
@@ -121,17 +124,20 @@ endef
 
 # RUNG at each process count in NPROC (through torchrun, PARALLEL=ddp unless named), then the charts: scaling.png.
 scaling: require-run
-	@if [ -z "$(strip $(RUNG))" ] || [ -z "$(filter $(strip $(RUNG)),$(RUNGS))" ]; then echo 'error: RUNG must name one rung ($(RUNGS)), e.g. make scaling RUNG=max NPROC="1 2" STEPS=60 BATCH_SIZE=16 PREFIX=./out' >&2; exit 2; fi
+	@if [ $(words $(RUNG)) != 1 ] || [ -z "$(filter $(strip $(RUNG)),$(RUNGS))" ]; then echo 'error: RUNG must name one rung ($(RUNGS)), e.g. make scaling RUNG=max NPROC="1 2" STEPS=60 BATCH_SIZE=16 PREFIX=./out' >&2; exit 2; fi
+	@if [ -z "$(strip $(NPROC))" ]; then echo 'error: NPROC is required: the GPU counts to run, e.g. NPROC="1 2 4 8"' >&2; exit 2; fi
 	@for n in $(NPROC); do $(PYTHON) -m Utils.train.distributed check "$$n" '$(or $(PARALLEL),ddp)' '$(or $(DEVICE),auto)' $(RUNG) || exit $$?; done
 	$(call each,scaling,$(NPROC),$(MAKE) --no-print-directory $(RUNG) NPROC=$$x PARALLEL=$(or $(PARALLEL),ddp) $${data:+DATA=$$data},$(MAKE) --no-print-directory plots || failed="$$failed plots";)
 
 all: require-run
+	$(call check_parallel,)
 	$(call each,all,$(RUNGS),$(MAKE) --no-print-directory $$x $${data:+DATA=$$data},$(MAKE) --no-print-directory plots || failed="$$failed plots";)
 
 # Each addition tried for the max rung alone on top of the fused rung, as rungs fused+<addition>.
 ablation: require-run
 	@for x in $(ADDITIONS); do case " $(ABLATION) " in *" $$x "*) ;; *) echo "error: ADDITIONS names $$x, which make ablation does not try: use some of $(ABLATION)" >&2; exit 2;; esac; done
-	$(call each,ablation,$(if $(ADDITIONS),$(ADDITIONS),$(ABLATION)),$(PYTHON) ablation.py --add $$x $(RUN_ARGS) $${data:+--data $$data})
+	$(call check_parallel,fused)
+	$(call each,ablation,$(if $(ADDITIONS),$(ADDITIONS),$(ABLATION)),$(call launch,ablation.py) --add $$x $(RUN_ARGS) $${data:+--data $$data})
 
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
 # breakdown files and a trace per rung, and leaves results.csv alone.

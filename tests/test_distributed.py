@@ -114,6 +114,7 @@ def test_ctrl_c_stops_every_rank_and_records_the_run_as_interrupted(tmp_path):
     (["NPROC=two"], "error: NPROC='two' is not a number of processes"),
     (["NPROC=2", "PARALLEL=zero"], "error: PARALLEL='zero' is not one of ddp, fsdp"),
     (["NPROC=2", "DEVICE=cuda"], "error: DEVICE=cuda but PyTorch sees no CUDA GPU here"),
+    (["NPROC=2", "SEED=-1"], "error: SEED='-1' is not an integer"),   # the run's own checks, before torchrun too
 ])
 def test_bad_process_settings_are_refused_before_any_process_starts(tmp_path, args, error):
     if "DEVICE=cuda" in args and torch.cuda.is_available():

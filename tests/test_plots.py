@@ -464,3 +464,16 @@ def test_long_provenance_and_custom_runs_still_fit(tmp_path):
         fig = plot(report)
         assert data[-20:] in fig.get_suptitle().replace("\n", ""), name
         assert not sticks_out(fig), name
+
+
+def test_a_run_over_two_processes_reports_global_tokens_and_per_gpu_mfu(tmp_path):
+    p = str(tmp_path)
+    for rung, ms in (("baseline", 200.0), ("tf32", 100.0)):
+        add_run(p, rung, [1, ms, ms, ms], mfu=[0.2] * 4, nproc=2, parallel="ddp", gpu_name="NVIDIA H200",
+                device="cuda")
+    rc, out, err = run_main(p)
+    assert rc == 0, err
+    rows = summary_table(p)
+    assert rows["tf32"]["tokens/s"] == f"{2 * BATCH * SEQ / 0.1:,.0f}"   # both processes' tokens
+    assert rows["tf32"]["MFU"] == "20.0%"                                 # per GPU, as each step recorded it
+    assert "batch 2 ddp × " in summary_text(p).splitlines()[0]

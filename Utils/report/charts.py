@@ -170,7 +170,7 @@ def plot_throughput(report: Report) -> Figure:
     fig, (ax_tok, ax_mfu) = _figure("Throughput (higher is better)", report, _bar_height(len(rungs)) + 0.2,
                                     width=10, ncols=2, sharey=True)
     colors = rung_colors(rungs)
-    for ax, col, label, fmt in ((ax_tok, "tokens_per_s", "tokens / s (batch × seq_len / median step time)",
+    for ax, col, label, fmt in ((ax_tok, "tokens_per_s", "tokens / s (global batch × seq_len / median step time)",
                                  lambda v: f"  {v:,.0f}"),
                                 (ax_mfu, "mfu", "MFU (% of the GPU's peak FLOP/s)",
                                  lambda v: f"  {100 * v:.1f}%")):

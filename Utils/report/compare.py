@@ -30,10 +30,11 @@ from Utils.ladder.registry import rung_order
 from Utils.report import markdown
 from Utils.report.charts import PALETTE, rung_label
 from Utils.report.figures import FOOTNOTE_SIZE, TITLE_SIZE, add_footnote, new_figure, save_figure, wrap
-from Utils.report.selection import measured, steps_by_run
+from Utils.report.selection import steps_by_run
 from Utils.report.stats import BOOTSTRAP_RESAMPLES, Report, bootstrap_speedup, build_report, distinct, short_commit
 from Utils.results.files import write_atomic
 from Utils.results.read import load
+from Utils.results.schema import RUN_DEFAULTS, step_timing
 from Utils.results.store import ResultsError
 
 COMPARE_MD = "compare.md"
@@ -47,12 +48,13 @@ UNKNOWN = "unknown"      # a provenance value that is blank, or a column older f
 # runs.csv columns read as text, and the name each goes by on the chart.
 TEXT_KEYS = {"gpu_name": "GPU", "gpu_uuid": "UUID", "driver_version": "driver", "torch_version": "torch",
              "cuda_version": "CUDA", "cudnn_version": "cuDNN", "git_commit": "commit", "batch_size": "batch",
-             "seq_len": "seq_len", "model": "model", "data": "data"}
+             "seq_len": "seq_len", "model": "model", "data": "data", "nproc": "processes",
+             "parallel": "parallel", "step_timing": "step timing"}
 # runs.csv columns of which the compared runs' median is shown, with its unit and chart name.
 MEDIAN_KEYS = {"sm_clock_mhz_median": ("MHz", "SM clock"), "power_w_median": ("W", "power")}
 PROVENANCE_KEYS = (*TEXT_KEYS, *MEDIAN_KEYS)
 # Keys that change the work a step does: folders that differ in them are compared only under a warning.
-WORK_KEYS = ("batch_size", "seq_len", "model")
+WORK_KEYS = ("batch_size", "seq_len", "model", "nproc", "parallel", "step_timing")
 
 TABLE_COLUMNS = ["run_id", "status", "median_step_ms", "speedup", "speedup_lo", "speedup_hi",
                  "ratio", "ratio_lo", "ratio_hi"]
@@ -110,8 +112,11 @@ def check_prefixes(prefixes: Sequence[str]) -> None:
 
 
 def _text_value(runs: pd.DataFrame, key: str) -> str:
+    if key == "step_timing":
+        versions = runs["schema_version"] if "schema_version" in runs.columns else [None] * len(runs)
+        return ", ".join(distinct(step_timing(v) for v in versions)) or UNKNOWN
     if key not in runs.columns:
-        return UNKNOWN
+        return RUN_DEFAULTS.get(key) or UNKNOWN
     values = runs[key]
     if key == "git_commit":
         values = [short_commit(c) for c in values]
@@ -158,17 +163,18 @@ def work_warnings(labels: Sequence[str], provenance: Sequence[dict[str, str]]) -
 
 
 def _ok_ms(report: Report, by_run: dict, rung: str) -> "np.ndarray | None":
-    """The measured step times of the run that represents `rung` in `report`, or None when it has no ok run
-    with a median there."""
+    """The measured step times of every run that `rung`'s row in `report` stands for (its repeats included),
+    or None when it has no ok run with a median there."""
     if rung not in report.table.index:
         return None
     row = report.table.loc[rung]
     if row["status"] != "ok" or not np.isfinite(row["median_step_ms"]):
         return None
-    return measured(by_run[row["run_id"]])["step_ms"].to_numpy(dtype=float)
+    return report.measured_ms[rung]
 
 
-def _row(report: Report, rung: str, ms: "np.ndarray | None", ref_ms: "np.ndarray | None", reference: bool) -> dict:
+def _row(report: Report, rung: str, ms: "np.ndarray | None", ref_ms: "np.ndarray | None", reference: bool,
+         ref_median: "float | None" = None) -> dict:
     """One (rung, folder) row of the table: numbers only where the rung has an ok run in this folder (and,
     for the ratio, in the first folder too); the status otherwise."""
     row = dict.fromkeys(TABLE_COLUMNS, np.nan)
@@ -182,8 +188,8 @@ def _row(report: Report, rung: str, ms: "np.ndarray | None", ref_ms: "np.ndarray
     row.update({c: t[c] for c in ("median_step_ms", "speedup", "speedup_lo", "speedup_hi")})
     if reference:
         row.update(ratio=1.0, ratio_lo=1.0, ratio_hi=1.0)
-    elif ref_ms is not None:
-        row["ratio"] = float(np.median(ref_ms) / np.median(ms))
+    elif ref_ms is not None and ref_median is not None and np.isfinite(ref_median):
+        row["ratio"] = ref_median / float(t["median_step_ms"])   # the medians the table shows
         row["ratio_lo"], row["ratio_hi"] = bootstrap_speedup(ref_ms, ms)
     return row
 
@@ -194,8 +200,9 @@ def _table(reports: Sequence[Report], labels: Sequence[str], rungs: Sequence[str
     rows, index = [], []
     for rung in rungs:
         ms = [_ok_ms(r, b, rung) for r, b in zip(reports, by_runs)]
+        ref_median = float(reports[0].table.at[rung, "median_step_ms"]) if ms[0] is not None else None
         for i, (report, label) in enumerate(zip(reports, labels)):
-            rows.append(_row(report, rung, ms[i], ms[0], reference=i == 0))
+            rows.append(_row(report, rung, ms[i], ms[0], reference=i == 0, ref_median=ref_median))
             index.append((rung, label))
     table = pd.DataFrame(rows, columns=TABLE_COLUMNS,
                          index=pd.MultiIndex.from_tuples(index, names=["optimization", "folder"]))

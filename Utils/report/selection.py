@@ -13,13 +13,16 @@ import numpy as np
 import pandas as pd
 
 from Utils.ladder.registry import rung_order
-from Utils.results.schema import MATCH_KEYS, RUN_DEFAULTS, STEP_COLUMNS
+from Utils.results.schema import MATCH_KEYS, RUN_DEFAULTS, STEP_COLUMNS, step_timing
 
 BASELINE = "baseline"
 # MATCH_KEYS without the GPU: the settings under which a rung's non-ok run still speaks for it.
 STATUS_KEYS = tuple(k for k in MATCH_KEYS if k != "gpu_name")
 KEY_LABELS = {"batch_size": "batch", "seq_len": "seq_len", "model": "model", "data": "data",
-              "device": "device", "gpu_name": "gpu", "nproc": "nproc", "parallel": "parallel"}
+              "device": "device", "gpu_name": "gpu", "nproc": "nproc", "parallel": "parallel",
+              "step_timing": "step timing"}
+# What two compared runs must share: MATCH_KEYS, and how their steps were timed (schema version 2 changed it).
+COMPARED_KEYS = (*MATCH_KEYS, "step_timing")
 
 
 class Excluded(NamedTuple):
@@ -38,9 +41,11 @@ def norm(value: object) -> str:
     return str(value).strip()
 
 
-def mismatches(run: pd.Series, ref: pd.Series, keys: tuple = MATCH_KEYS) -> list[str]:
+def mismatches(run: pd.Series, ref: pd.Series, keys: tuple = COMPARED_KEYS) -> list[str]:
     """How `run`'s settings differ from `ref`'s in `keys`, e.g. ["batch 8 != 16"]; empty when they match."""
     def value(row, k):   # a frame without a later version's column has that column's default
+        if k == "step_timing":
+            return step_timing(row.get("schema_version"))
         return norm(row.get(k, RUN_DEFAULTS.get(k, "")))
     return [f"{KEY_LABELS[k]} {value(run, k) or '(blank)'} != {value(ref, k) or '(blank)'}"
             for k in keys if value(run, k) != value(ref, k)]
@@ -111,7 +116,7 @@ def select(runs_df: pd.DataFrame, steps_df: "pd.DataFrame | None" = None) -> Sel
 
     excluded, mismatched = [], set()
     for i, run in runs_df.iterrows():
-        reasons = mismatches(run, reference, MATCH_KEYS)
+        reasons = mismatches(run, reference, COMPARED_KEYS)
         if reasons:
             mismatched.add(i)
         if i in problems:

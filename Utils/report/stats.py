@@ -12,7 +12,7 @@ NOISY_IQR of its median is flagged as noisy.
 MFU is shown two ways: against the datasheet's dense bf16 peak (Utils.results.gpus) and, where
 `make peak` measured this machine, against the rate it reached on a large bf16 matmul.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -72,6 +72,8 @@ class Report:
     context: str                 # GPU, model, batch, seq_len, data: the title of every chart
     provenance: str = ""         # torch, commits, dates of the compared runs: the foot of every chart
     peak: "pd.Series | None" = None   # the measured peak (peak.csv's row) that mfu_measured divides by
+    measured_ms: dict = field(default_factory=dict)   # rung -> the measured step times of all the runs its
+                                                      # row stands for (several where it was repeated)
 
     def rungs_with_steps(self) -> list[str]:
         """The rungs that have a median step time, in table order."""
@@ -94,14 +96,14 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataF
     base_median = float(np.median([np.median(ms) for ms in base_runs])) if base_runs else None
     peak = _measured_peak(peaks, sel.reference)
 
-    rows, step_frames, notes = {}, [], []
+    rows, step_frames, notes, measured_ms = {}, [], [], {}
     for rung in rung_order(runs_df["optimization"]):
         row = dict.fromkeys(SUMMARY_COLUMNS, np.nan)
         run = sel.chosen.get(rung)
         if run is not None:
             run_steps = by_run[run["run_id"]]
             each = steps_of(rung)
-            ms = np.concatenate(each)
+            ms = measured_ms[rung] = np.concatenate(each)
             medians = [float(np.median(m)) for m in each]
             median = float(np.median(medians))
             q25, q75 = np.percentile(each[-1], [25, 75])
@@ -109,7 +111,7 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataF
                        median_step_ms=median, iqr_step_ms=q75 - q25, trimmed_mean_ms=trimmed_mean(ms),
                        spread=(max(medians) - min(medians)) / median if len(each) > 1 else np.nan,
                        noisy=float(any(noisy(m) for m in each)), measured_steps=ms.size,
-                       tokens_per_s=run["batch_size"] * run["seq_len"] / (median / 1000.0),
+                       tokens_per_s=nproc_of(run) * run["batch_size"] * run["seq_len"] / (median / 1000.0),
                        peak_mem_allocated_gib=run["peak_mem_allocated_gib"],
                        peak_mem_reserved_gib=run["peak_mem_reserved_gib"], compile_s=run["compile_s"],
                        compile_cache=norm(run.get("compile_cache", "")))
@@ -160,7 +162,7 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataF
     compared = pd.DataFrame([sel.chosen[r] for r in table.index if r in sel.chosen], columns=runs_df.columns)
     return Report(table=table, steps=steps, runs=compared, reference=sel.reference, has_baseline=sel.has_baseline,
                   excluded=sel.excluded, notes=notes, context=context(sel.reference),
-                  provenance=provenance(compared), peak=peak)
+                  provenance=provenance(compared), peak=peak, measured_ms=measured_ms)
 
 
 def summarize(steps_df: pd.DataFrame, runs_df: pd.DataFrame) -> pd.DataFrame:
@@ -211,8 +213,8 @@ def _measured_peak(peaks, reference):
 
 
 def _mfus(runs, steps, tokens_per_s, peak) -> tuple[float, float]:
-    """(MFU against the datasheet's bf16 peak, MFU against the measured peak) for a rung's runs (runs.csv rows)
-    and their measured step rows: one run's median step MFU, or for repeated runs the MFU at the table's
+    """(MFU against the datasheet's bf16 peak, MFU against the measured peak), per GPU, for a rung's runs
+    (runs.csv rows) at the global `tokens_per_s`, and their measured step rows: one run's median step MFU, or for repeated runs the MFU at the table's
     tokens/s. Model FLOPs per token come from runs.csv (schema version 2), or from a step's MFU and tokens/s
     in older files."""
     run = runs[-1]
@@ -227,7 +229,7 @@ def _mfus(runs, steps, tokens_per_s, peak) -> tuple[float, float]:
     measured_flops = peak["matmul_tflops"] * 1e12
     if spec and np.isfinite(mfu):
         return mfu, mfu * spec / measured_flops
-    return mfu, float(run.get("flops_per_token", np.nan)) * tokens_per_s / measured_flops
+    return mfu, float(run.get("flops_per_token", np.nan)) * tokens_per_s / nproc_of(run) / measured_flops
 
 
 def one_line(text: object) -> str:
@@ -235,15 +237,24 @@ def one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
+def nproc_of(run: "pd.Series") -> int:
+    """The processes a run spread over (runs.csv's nproc; 1 where it is blank or absent, as before schema 3)."""
+    n = run.get("nproc", 1)
+    return int(n) if isinstance(n, (int, float)) and np.isfinite(n) and n >= 1 else 1
+
+
 def context(ref: "pd.Series | None") -> str:
-    """What the compared runs measured: "GPU · model (N params) · batch B × seq_len T · data D"."""
+    """What the compared runs measured: "GPU · model (N params) · batch B × seq_len T · data D", the batch
+    written "n × B" for a run over n processes (BATCH_SIZE is per process)."""
     if ref is None:
         return ""
     gpu = "CPU" if norm(ref["device"]) == "cpu" else (norm(ref["gpu_name"]) or "unknown GPU")
     model = norm(ref["model"]) or "unknown model"
     if np.isfinite(ref["n_params"]):
         model += f" ({ref['n_params'] / 1e6:.0f}M params)"
-    return (f"{gpu} · {model} · batch {norm(ref['batch_size']) or '?'} × seq_len "
+    n = nproc_of(ref)
+    spread = f"{n} {norm(ref.get('parallel', '')) or 'processes'} × " if n > 1 else ""
+    return (f"{gpu} · {model} · batch {spread}{norm(ref['batch_size']) or '?'} × seq_len "
             f"{norm(ref['seq_len']) or '?'} · data {norm(ref['data']) or '?'}")
 
 

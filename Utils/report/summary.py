@@ -92,7 +92,8 @@ def render_summary(report: Report, scaling: "Scaling | None" = None) -> str:
                  "commit (REPEAT=n) shows the median of its runs' medians, the spread between those medians "
                  f"((max - min) / median) and the mean of all its steps without the {TRIM:.0%} at each end. "
                  f"noisy: a run's IQR is over {NOISY_IQR:.0%} of its median. "
-                 "speedup = baseline median / rung median; tokens/s = batch × seq_len / median step time. "
+                 "speedup = baseline median / rung median; tokens/s = global batch (processes × batch) × seq_len / "
+                 "median step time; MFU is per GPU. "
                  f"{mfu_text(report)} speedup.png's whiskers: 95% bootstrap interval of the ratio of medians "
                  f"({BOOTSTRAP_RESAMPLES} resamples of the measured step times): the spread within runs, not "
                  f"between them, which the spread column shows.")

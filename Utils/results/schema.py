@@ -133,6 +133,16 @@ PEAK_COLUMNS = [c.name for c in PEAK_SCHEMA]
 PEAK_NUMERIC = [c.name for c in PEAK_SCHEMA if c.numeric]
 
 
+def step_timing(version: object) -> str:
+    """How a row's step_ms was timed, by the schema version that wrote it (a blank version is 1): steps timed
+    apart add up to less than the wall clock, so the two are never divided by each other."""
+    try:
+        v = float(version)
+    except (TypeError, ValueError):
+        v = 1.0
+    return "around each step" if not v >= 2 else "end to end"
+
+
 def headers(schema: tuple) -> dict[int, list[str]]:
     """{version: that version's header} for each schema version that changed `schema`'s columns, oldest first;
     an older header is a prefix of every later one."""

@@ -76,18 +76,20 @@ def close() -> None:
         td.destroy_process_group()
 
 
-def reduce_steps(step_ms: list, losses: list, device) -> tuple[list, list]:
-    """Each step's time as the slowest rank's, and its loss as the mean over ranks (every rank trains on its
-    own share of the global batch): one all-reduce each, at a read-back."""
+def reduce_steps(step_ms: list, losses: list, window_s: float | None, device) -> tuple[list, list, float | None]:
+    """Each step's time as the slowest rank's, its loss as the mean over ranks (every rank trains on its own
+    share of the global batch), and the measured window as the longest: one all-reduce of each, after the
+    last step."""
     import torch
     import torch.distributed as td
     if not td.is_initialized() or td.get_world_size() == 1:
-        return step_ms, losses
-    times = torch.tensor(step_ms, dtype=torch.float64, device=device)
+        return step_ms, losses, window_s
+    longest = torch.tensor(list(step_ms) + [window_s or 0.0], dtype=torch.float64, device=device)
     loss = torch.tensor(losses, dtype=torch.float64, device=device)
-    td.all_reduce(times, op=td.ReduceOp.MAX)
+    td.all_reduce(longest, op=td.ReduceOp.MAX)
     td.all_reduce(loss, op=td.ReduceOp.SUM)
-    return times.tolist(), (loss / td.get_world_size()).tolist()
+    times = longest.tolist()
+    return times[:-1], (loss / td.get_world_size()).tolist(), (times[-1] if window_s is not None else None)
 
 
 def broadcast_text(text: str, device) -> str:

@@ -90,17 +90,16 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
     # The host reads timings and losses back every sync_every steps, so between read-backs the CPU queues
     # work ahead of the GPU and no step waits for the host. It reads back at the warm-up's last step too: the
     # measured window's wall clock starts when the device has finished it. Among several processes a step
-    # takes as long as its slowest rank, and its loss is the mean over the ranks' shares of the batch.
+    # takes as long as its slowest rank, and its loss is the mean over the ranks' shares of the batch: one
+    # all-reduce after the last step says so, so that no collective of the harness lands inside a timed step
+    # (the lines printed meanwhile are rank 0's own).
     pending, window_start = [], None
 
     def read_back():
         """Wait for the newest pending step, note the time, then record every pending step."""
         synced_at = clock.wait(pending[-1][2])
-        ms = [clock.ms(start, end) for _, start, end, _ in pending]
-        losses = [loss.item() for *_, loss in pending]
-        ms, losses = distributed.reduce_steps(ms, losses, device)
-        for (i, *_), step_ms, loss in zip(pending, ms, losses):
-            record(i, step_ms, loss)
+        for i, start, end, loss in pending:
+            record(i, clock.ms(start, end), loss.item())
         pending.clear()
         return synced_at
 
@@ -118,6 +117,8 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
                         sampler.start()
                 if i == cfg.steps - 1 and window_start is not None:
                     run["window_wall_s"] = synced_at - window_start
+        if len(rows) == cfg.steps:
+            _slowest_rank(rows, run, device)
     finally:
         if sampler:
             run.update(sampler.stop())
@@ -135,8 +136,22 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
             clock.wait(step()[0])
         return None
     if cfg.profile:
-        return profile_steps(step, clock, cfg, device, run, flops_token * tokens_per_step, peak)
+        return profile_steps(step, clock, cfg, device, run, flops_token * cfg.batch_size * cfg.seq_len, peak)
     return None
+
+
+def _slowest_rank(rows, run, device):
+    """Every step's time as its slowest rank's, its loss as the ranks' mean, the window as the longest
+    (nothing changes in a single process)."""
+    window = run.get("window_wall_s")
+    ms, losses, window = distributed.reduce_steps([r["step_ms"] for r in rows], [r["loss"] for r in rows],
+                                                  window, device)
+    for row, step_ms, loss in zip(rows, ms, losses):
+        tps = row["tokens_per_s"] * row["step_ms"] / step_ms
+        row.update(step_ms=step_ms, loss=loss, tokens_per_s=tps,
+                   mfu=row["mfu"] * row["step_ms"] / step_ms if row["mfu"] is not None else None)
+    if window is not None:
+        run["window_wall_s"] = window
 
 
 def profile_steps(step, clock, cfg, device, run, flops_per_step, peak):

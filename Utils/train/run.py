@@ -191,8 +191,9 @@ def run(additions: tuple, cfg: RunConfig, command: str) -> int:
         return fail(str(e))
     world = dist.world_size
     if len(tokens) < world * cfg.batch_size * cfg.seq_len + 1:
+        processes = f"NPROC={world} x " if world > 1 else ""
         return fail(f"DATA={data_name} has {len(tokens):,} tokens, fewer than one batch needs "
-                    f"({world} x BATCH_SIZE={cfg.batch_size} x SEQ_LEN={cfg.seq_len} + 1): use a smaller BATCH_SIZE "
+                    f"({processes}BATCH_SIZE={cfg.batch_size} x SEQ_LEN={cfg.seq_len} + 1): use a smaller BATCH_SIZE "
                     f"or SEQ_LEN, or more text")
     if dist.active:
         try:
@@ -208,7 +209,7 @@ def run(additions: tuple, cfg: RunConfig, command: str) -> int:
            "config": json.dumps({"run": cfg.as_dict(), "additions": list(additions)}, sort_keys=True),
            **environment(device)}
     changes = " ".join(additions) or "none"
-    spread = f" | {world} processes, {cfg.parallel}" if dist.active else ""
+    spread = f" | {world} process{'es' if world > 1 else ''}, {cfg.parallel}" if dist.active else ""
     if dist.main:
         print(f"{name} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {data_name} | "
               f"{device.type} {run['gpu_name']} | additions: {changes} | steps {cfg.steps} (warm-up {cfg.warmup}) "

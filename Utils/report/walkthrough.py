@@ -504,7 +504,8 @@ class Study:
             if saved > 0:
                 compile_s = self.value("torch_compile", "compile_s")
                 cache = {"warm": " with Inductor's cache warm (a fresh machine compiles longer: COLD=1 shows how "
-                                 "long)", "cold": " from a cold cache"}.get(self.value("torch_compile", "compile_cache"), "")
+                                 "long)", "cold": " from a cold cache",
+                         "partial": " with part of Inductor's cache warm"}.get(self.value("torch_compile", "compile_cache"), "")
                 items.append(f"Compiling took {compile_s:.1f} s{cache} and saves {saved:.1f} ms per step: it pays for "
                              f"itself after about {compile_s * 1e3 / saved:,.0f} steps. For a short experiment it does "
                              f"not; for a training run of thousands of steps it is noise.")

@@ -16,7 +16,16 @@ from datetime import timedelta
 PARALLEL_MODES = ("ddp", "fsdp")
 # A collective that waits longer than this ends the run. Ranks compile apart (each its own Inductor) before
 # their first all-reduce, so the limit is well above a cold compile of the max rung (22 s on an H200).
-DIST_TIMEOUT_S = float(os.environ.get("DIST_TIMEOUT_S", 300))
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def timeout_s() -> float:
+    """DIST_TIMEOUT_S from the environment where it is a positive number of seconds, else the default."""
+    try:
+        value = float(os.environ.get("DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+    return value if value > 0 else DEFAULT_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -59,7 +68,7 @@ def init(dist: Dist, device_type: str):
     else:
         device = torch.device("cpu")
     td.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
-                          timeout=timedelta(seconds=DIST_TIMEOUT_S),
+                          timeout=timedelta(seconds=timeout_s()),
                           **({"device_id": device} if device_type == "cuda" else {}))
     return device
 

@@ -73,10 +73,13 @@ def init(dist: Dist, device_type: str):
     return device
 
 
-def barrier() -> None:
+def barrier() -> bool:
+    """Wait for every rank; False (at once) in a single process."""
     import torch.distributed as td
-    if td.is_initialized():
-        td.barrier()
+    if not td.is_initialized():
+        return False
+    td.barrier()
+    return True
 
 
 def close() -> None:

@@ -113,6 +113,8 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
                 synced_at = read_back()
                 if i == cfg.warmup - 1:
                     window_start = synced_at
+                    if distributed.barrier():   # every rank starts the measured window together
+                        last_end, window_start = clock.mark(), time.perf_counter()
                     if sampler:
                         sampler.start()
                 if i == cfg.steps - 1 and window_start is not None:

@@ -304,3 +304,12 @@ def test_make_compare_refuses_no_prefixes(prefixes):
     assert done.returncode == 2
     errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: PREFIXES is required")
+
+
+def test_folders_over_different_process_counts_are_named_and_warned(tmp_path):
+    a, b = two_folders(str(tmp_path), b_config=dict(nproc=2, parallel="ddp"))
+    rc, stdout, err = run_main(["--out", tmp_path / "out", a, b])
+    assert rc == 0, err
+    differs = section(stdout, "What differs")
+    assert "| nproc " in differs and "| parallel " in differs
+    assert "warning: the folders ran different work (" in stdout and "nproc 1 in h200, 2 in h100" in stdout

@@ -161,3 +161,14 @@ def test_make_scaling_runs_the_rung_at_each_count_and_draws_the_chart(tmp_path):
     bad = make(["scaling", "RUNG=turbo", "NPROC=1 2", "STEPS=3", "BATCH_SIZE=2", f"PREFIX={tmp_path}"], clean_env(),
                timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: RUNG must name one rung")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rung", ["fused", "max"])
+def test_ddp_on_one_gpu_runs_every_addition_of_the_rung(tmp_path, rung):
+    r = make([rung, "STEPS=12", "BATCH_SIZE=4", f"PREFIX={tmp_path}", "NPROC=1", "PARALLEL=ddp", "DATA=synthetic"],
+             clean_env(), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = read_csv(tmp_path / "runs.csv")[0]
+    assert (run["status"], run["nproc"], run["parallel"]) == ("ok", "1", "ddp")
+    assert run["gpu_uuid"].startswith("GPU-")

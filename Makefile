@@ -42,7 +42,7 @@ help:
 	@echo "  make profile STEPS=n BATCH_SIZE=b PREFIX=dir  compute / memory / overhead split of every rung"
 	@echo "  make init_results PREFIX=dir                  create PREFIX with empty results files"
 	@echo "  make peak PREFIX=dir                          this machine's bf16 matmul and copy peaks, into PREFIX/peak.csv (MFU's second denominator)"
-	@echo "  make clean PREFIX=dir                         remove the charts, summary.md, breakdown.md/.png and compare.md/.png"
+	@echo "  make clean PREFIX=dir                         remove the charts (scaling.png too), summary.md, breakdown.md/.png, compare.md/.png"
 	@echo "  make reset PREFIX=dir                         remove every file the suite wrote in PREFIX, results too"
 	@echo "  make notebook [RESULTS=dir]                   execute notebooks/Optimizing_GPU_Utilization.ipynb in place"
 	@echo "  make install                                  what the suite needs (PyTorch's CPU build where there is no GPU)"
@@ -54,7 +54,7 @@ help:
 	@echo "          REPEAT=n (rung targets, custom and all: n runs in a row, judged on their median)"
 	@echo "          PROFILE=1 (a rung target: profile it too)  ADDITIONS=\"a b\" (make ablation: only these)"
 	@echo "          COLD=1 (compile with an empty Inductor cache, as on a fresh machine)"
-	@echo "          NPROC=n (runs, all, custom: n processes through torchrun, one GPU each; BATCH_SIZE stays per GPU)"
+	@echo "          NPROC=n (runs, all, custom, ablation: n processes through torchrun, one GPU each; BATCH_SIZE stays per GPU)"
 	@echo "          PARALLEL=ddp|fsdp (with NPROC: DistributedDataParallel, the default, or FSDP2's fully_shard)"
 
 require-run:

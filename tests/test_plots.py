@@ -476,4 +476,4 @@ def test_a_run_over_two_processes_reports_global_tokens_and_per_gpu_mfu(tmp_path
     rows = summary_table(p)
     assert rows["tf32"]["tokens/s"] == f"{2 * BATCH * SEQ / 0.1:,.0f}"   # both processes' tokens
     assert rows["tf32"]["MFU"] == "20.0%"                                 # per GPU, as each step recorded it
-    assert "batch 2 ddp × " in summary_text(p).splitlines()[0]
+    assert f"batch 2 × {BATCH} (2 processes, ddp) × seq_len" in summary_text(p).splitlines()[0]

@@ -252,9 +252,10 @@ def context(ref: "pd.Series | None") -> str:
     model = norm(ref["model"]) or "unknown model"
     if np.isfinite(ref["n_params"]):
         model += f" ({ref['n_params'] / 1e6:.0f}M params)"
-    n = nproc_of(ref)
-    spread = f"{n} {norm(ref.get('parallel', '')) or 'processes'} × " if n > 1 else ""
-    return (f"{gpu} · {model} · batch {spread}{norm(ref['batch_size']) or '?'} × seq_len "
+    n, batch = nproc_of(ref), norm(ref["batch_size"]) or "?"
+    if n > 1:
+        batch = f"{n} × {batch} ({n} processes, {norm(ref.get('parallel', '')) or 'parallel'})"
+    return (f"{gpu} · {model} · batch {batch} × seq_len "
             f"{norm(ref['seq_len']) or '?'} · data {norm(ref['data']) or '?'}")
 
 

@@ -5,6 +5,7 @@ that `make plots` runs where torch cannot be imported.
     stats      the numbers: medians, IQRs, speedups with bootstrap intervals, notes, captions (Report)
     charts     speedup.png, step_time.png, throughput.png, memory.png, loss.png
     scaling    one rung across GPU counts: global tokens/s, scaling efficiency, scaling.png
+    compare    several results folders (machines, commits) side by side: compare.md, compare.png
     summary    summary.md
     cli        plot_results.py's command line
     figures    what every chart shares: resolution, wrapped titles and footnotes, writing

@@ -75,6 +75,16 @@ def summary_table(prefix):
     return {r[0]: dict(zip(header, r)) for r in rows}
 
 
+def sticks_out(fig):
+    """Whether any text or artist of fig reaches past its edges once rendered (it would be cut off)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(fig)
+    fig.canvas.draw()
+    box = fig.get_tightbbox(fig.canvas.get_renderer())    # inches
+    width, height = fig.get_size_inches()
+    return box.x0 < -0.01 or box.y0 < -0.01 or box.x1 > width + 0.01 or box.y1 > height + 0.01
+
+
 def read_csv(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))

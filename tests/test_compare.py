@@ -8,10 +8,9 @@ import os
 
 import numpy as np
 import pytest
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from conftest import clean_env, make
+from conftest import clean_env, make, sticks_out
 from Utils.report.compare import COMPARE_MD, COMPARE_PNG, compare, folder_labels, main, plot_compare
 from Utils.results.read import load
 from Utils.results.schema import RUN_SCHEMA, STEP_SCHEMA, headers
@@ -254,13 +253,6 @@ def test_a_chart_that_cannot_be_written_leaves_the_old_files_whole(tmp_path, mon
     assert not [n for n in os.listdir(a) if n.startswith(".tmp-")]
 
 
-def sticks_out(fig):
-    """Whether any text or artist of fig reaches past its edges once rendered (it would be cut off)."""
-    FigureCanvasAgg(fig)
-    fig.canvas.draw()
-    box = fig.get_tightbbox(fig.canvas.get_renderer())
-    width, height = fig.get_size_inches()
-    return box.x0 < -0.01 or box.y0 < -0.01 or box.x1 > width + 0.01 or box.y1 > height + 0.01
 
 
 def test_the_chart_carries_every_folders_provenance_whole(tmp_path):

@@ -13,10 +13,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from conftest import summary_table  # noqa: E402
+from conftest import sticks_out, summary_table  # noqa: E402
 from Utils.ladder.registry import rung_order  # noqa: E402
 from Utils.report.charts import CHARTS as CHART_PLOTS, plot_step_time  # noqa: E402
 from Utils.report.cli import main  # noqa: E402
@@ -422,13 +421,6 @@ def test_the_newest_ok_baseline_sets_the_configuration(tmp_path):
 # Every chart carries what was measured and where the figures come from, whole
 
 
-def sticks_out(fig):
-    """Whether any text or artist of fig reaches past its edges once rendered (it would be cut off)."""
-    FigureCanvasAgg(fig)
-    fig.canvas.draw()
-    box = fig.get_tightbbox(fig.canvas.get_renderer())    # inches
-    width, height = fig.get_size_inches()
-    return box.x0 < -0.01 or box.y0 < -0.01 or box.x1 > width + 0.01 or box.y1 > height + 0.01
 
 
 def test_every_chart_carries_its_provenance_whole(ladder):

@@ -7,8 +7,8 @@ import os
 
 import numpy as np
 import pytest
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+from conftest import sticks_out
 from Utils.report.cli import main
 from Utils.report.scaling import GOALS, build_scaling, plot_scaling, scaling_table
 from Utils.results.read import load
@@ -118,13 +118,6 @@ def test_plot_results_writes_scaling_png_and_the_summary_section(scaled):
     assert "baseline" not in section, "a rung run on one GPU count is no scaling line"
 
 
-def sticks_out(fig):
-    """Whether any text or artist of fig reaches past its edges once rendered (it would be cut off)."""
-    FigureCanvasAgg(fig)
-    fig.canvas.draw()
-    box = fig.get_tightbbox(fig.canvas.get_renderer())
-    width, height = fig.get_size_inches()
-    return box.x0 < -0.01 or box.y0 < -0.01 or box.x1 > width + 0.01 or box.y1 > height + 0.01
 
 
 def test_the_figure_draws_the_ideal_the_goals_and_the_provenance_whole(scaled):

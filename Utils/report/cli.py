@@ -48,14 +48,16 @@ def write_outputs(prefix: str | os.PathLike, report: Report,
     return text, written
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """The report's command lines: a bad argument is one `error: ...` line with the usage, and exit status 2."""
+
     def error(self, message):
         usage = self.format_usage().strip().removeprefix("usage: ")
         self.exit(2, f"error: {message} (usage: {usage})\n")
 
 
 def _parser():
-    p = _Parser(prog="plot_results.py",
+    p = Parser(prog="plot_results.py",
                 description="Draw the ladder's charts and summary.md from PREFIX/results.csv and PREFIX/runs.csv.")
     p.add_argument("--prefix", required=True, help="folder holding results.csv and runs.csv; outputs go there too")
     return p

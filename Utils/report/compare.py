@@ -29,6 +29,7 @@ from matplotlib.patches import Patch
 from Utils.ladder.registry import rung_order
 from Utils.report import markdown
 from Utils.report.charts import PALETTE, rung_label
+from Utils.report.cli import Parser
 from Utils.report.figures import FOOTNOTE_SIZE, TITLE_SIZE, add_footnote, new_figure, save_figure, wrap
 from Utils.report.selection import steps_by_run
 from Utils.report.stats import BOOTSTRAP_RESAMPLES, Report, bootstrap_speedup, build_report, distinct, short_commit
@@ -437,14 +438,8 @@ def write_compare(comparison: Comparison, out_dir: str | os.PathLike) -> str:
     return text
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        usage = self.format_usage().strip().removeprefix("usage: ")
-        self.exit(2, f"error: {message} (usage: {usage})\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m Utils.report.compare",
+    p = Parser(prog="python -m Utils.report.compare",
                 description="One table (compare.md) and one chart (compare.png) across results folders.")
     p.add_argument("--out", help="folder to write compare.md and compare.png into (default: the first PREFIX)")
     p.add_argument("prefixes", nargs="+", metavar="PREFIX",

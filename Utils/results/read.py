@@ -23,8 +23,8 @@ def read_table(path: str | os.PathLike, columns: Sequence[str], numeric: Sequenc
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
         raise ResultsError(f"{path} is not a readable CSV ({str(e).splitlines()[0]}): move it aside")
     df = df.reindex(columns=list(columns), fill_value="")
-    for col, value in RUN_DEFAULTS.items():   # rows written before the column existed
-        if col in df.columns and columns == RUN_COLUMNS:
+    if list(columns) == RUN_COLUMNS:
+        for col, value in RUN_DEFAULTS.items():   # rows written before the column existed
             df.loc[df[col] == "", col] = value
     for col in numeric:
         text = df[col].str.strip()

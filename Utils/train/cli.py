@@ -152,9 +152,9 @@ def parse_args(argv=None, prog=None):
 
     parallel = a.parallel
     if parallel:
-        from Utils.train.distributed import PARALLEL_MODES, launched_by_torchrun
-        if parallel not in PARALLEL_MODES:
-            raise UsageError(f"PARALLEL={parallel!r} is not one of {', '.join(PARALLEL_MODES)}: e.g. PARALLEL=ddp")
+        from Utils.train.distributed import launched_by_torchrun, parallel_problem
+        if parallel_problem(parallel):
+            raise UsageError(parallel_problem(parallel))
         if not launched_by_torchrun():
             raise UsageError(f"PARALLEL={parallel} runs under torchrun: use make <rung> NPROC=n PARALLEL={parallel} "
                              f"..., or torchrun --standalone --nproc-per-node n <script> --parallel {parallel} ...")

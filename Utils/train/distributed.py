@@ -144,6 +144,13 @@ def other_failure(prefix: str, run_id: str, world_size: int) -> tuple[str, str] 
     return found
 
 
+def parallel_problem(parallel: str) -> str | None:
+    """Why PARALLEL names no mode, in one line with the fix; None when it names one."""
+    if parallel not in PARALLEL_MODES:
+        return f"PARALLEL={parallel!r} is not one of {', '.join(PARALLEL_MODES)}: e.g. PARALLEL=ddp"
+    return None
+
+
 def check(nproc: str, parallel: str, device: str, gpus: int | None = None, additions: str = "") -> str | None:
     """Why NPROC and PARALLEL cannot run here, or cannot run `additions` (a rung's name, or addition names
     separated by spaces), in one line with the fix; None when they can. `gpus` is the number of GPUs present
@@ -154,8 +161,8 @@ def check(nproc: str, parallel: str, device: str, gpus: int | None = None, addit
         n = 0
     if n < 1:
         return f"NPROC={nproc!r} is not a number of processes: use NPROC=1 (one GPU) or more, e.g. NPROC=2"
-    if parallel and parallel not in PARALLEL_MODES:
-        return f"PARALLEL={parallel!r} is not one of {', '.join(PARALLEL_MODES)}: e.g. PARALLEL=ddp"
+    if parallel and parallel_problem(parallel):
+        return parallel_problem(parallel)
     if additions.strip():
         from Utils.ladder.registry import RUNGS, RegistryError, check_parallel, resolve
         try:

@@ -56,10 +56,11 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
     run["flops_per_token"] = flops_token
     peak = peak_bf16_flops(run["gpu_name"]) if device.type == "cuda" else None
     clock = StepClock(device)
-    sampler = nvml.Sampler(run.get("gpu_uuid", "")) if device.type == "cuda" else None
     world = run.get("nproc") or 1
     tokens_per_step = world * cfg.batch_size * cfg.seq_len   # the global batch
     cudagraphs, deferred, main = b.cudagraphs, b.sync_every > 1, run.get("rank", 0) == 0
+    # Rank 0 records the run, so only its GPU is sampled.
+    sampler = nvml.Sampler(run.get("gpu_uuid", "")) if device.type == "cuda" and main else None
 
     def step():
         """One training step; returns (the mark of its end, loss tensor) without synchronizing."""

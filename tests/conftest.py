@@ -19,6 +19,15 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared"))
 
 
+@pytest.fixture(autouse=True)
+def _restore_tf32():
+    """A run built in this process (the tf32 addition) switches TF32 on for the whole process; each test
+    starts from the flags it found, so that an fp32 tolerance elsewhere is not met or missed by test order."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 @pytest.fixture(scope="session")
 def repo_root():
     return REPO_ROOT

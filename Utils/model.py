@@ -104,7 +104,7 @@ class Block(nn.Module):
 
 
 class OutputLoss(nn.Module):
-    """The output layer's logits over the real vocabulary, and their mean cross-entropy.
+    """The mean cross-entropy of the output layer's logits over the real vocabulary.
 
     A module of its own, given the (possibly padded) output weight, so that an addition can replace how the
     loss is made (the chunked loss never holds the logits whole) without the model knowing."""
@@ -113,9 +113,9 @@ class OutputLoss(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
 
-    def forward(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    def forward(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = F.linear(h, weight)[..., :self.vocab_size]   # a full slice, a no-op, unless the vocabulary is padded
-        return logits, F.cross_entropy(logits.reshape(-1, self.vocab_size), targets.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, self.vocab_size), targets.reshape(-1))
 
 
 class GPT(nn.Module):
@@ -164,8 +164,11 @@ class GPT(nn.Module):
         return n
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """(logits, loss): logits [B, T, vocab_size] (None where the loss module never makes them whole), and
-        the mean cross-entropy against targets (None without targets)."""
+        """(logits [B, T, vocab_size], None) without targets; (None, mean cross-entropy) with them.
+
+        A training step gets no logits: logits returned from a compiled forward are written out whole and held
+        by the caller, beside what the loss keeps for backward (24.5 GiB more at batch 64 on the fused rung,
+        BENCHMARKS.md), and no step reads them."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
@@ -176,4 +179,4 @@ class GPT(nn.Module):
         h = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(h)[..., :self.config.vocab_size], None
-        return self.loss(h, self.lm_head.weight, targets)
+        return None, self.loss(h, self.lm_head.weight, targets)

@@ -57,16 +57,15 @@ class PackedAttention(nn.Module):
 
 
 class ChunkedLoss(OutputLoss):
-    """The output layer's cross-entropy without the whole logits (kernels.chunked_loss); no logits returned."""
+    """The output layer's cross-entropy without the whole logits (kernels.chunked_loss)."""
 
     def __init__(self, vocab_size: int, kernel: bool):
         super().__init__(vocab_size)
         self.kernel = kernel
 
-    def forward(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
-        loss = chunked_loss.chunked_cross_entropy(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1),
+    def forward(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return chunked_loss.chunked_cross_entropy(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1),
                                                   self.vocab_size, kernel=self.kernel)
-        return None, loss
 
 
 def swap_linear(parent: nn.Module, name: str, cls: type) -> None:

@@ -180,6 +180,11 @@ def profile_steps(step, clock, cfg, device, run, flops_per_step, peak):
                  on_trace_ready=export) as prof:
         for key in ("run_id", "git_commit", "started_at", "torch_version"):   # the breakdown chart's provenance
             prof.add_metadata(key, str(run.get(key) or ""))
+        # While a profiler runs, Inductor wraps each Triton launch in a host-side range of its own (its runtime
+        # reads this flag, which the profiler has just set). The breakdown reads the kernels, which CUPTI traces
+        # either way; that host work made the compiled rungs without CUDA graphs 13-21% slower under the
+        # profiler than their median (BENCHMARKS.md, "Profiled steps against the median").
+        torch.autograd.profiler._is_profiler_enabled = False
         for _ in range(1 + PROFILE_STEPS):
             end, _ = step()
             clock.wait(end)   # waits for the step, so that each profiler window holds one whole step

@@ -304,4 +304,7 @@ def test_folders_over_different_process_counts_are_named_and_warned(tmp_path):
     assert rc == 0, err
     differs = section(stdout, "What differs")
     assert "| nproc " in differs and "| parallel " in differs
+    # A blank parallel is a single process: named as none, never as unknown.
+    row = [ln for ln in differs.splitlines() if ln.startswith("| parallel ")]
+    assert [c.strip() for c in row[0].split("|")[2:4]] == ["none", "ddp"] and "parallel none in h200" in stdout
     assert "warning: the folders ran different work (" in stdout and "nproc 1 in h200, 2 in h100" in stdout

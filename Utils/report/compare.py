@@ -116,6 +116,9 @@ def _text_value(runs: pd.DataFrame, key: str) -> str:
     if key == "step_timing":
         versions = runs["schema_version"] if "schema_version" in runs.columns else [None] * len(runs)
         return ", ".join(distinct(step_timing(v) for v in versions)) or UNKNOWN
+    if key == "parallel":   # blank, or a file from before torchrun runs: one process, no wrapper
+        values = runs[key] if key in runs.columns else [None] * len(runs)
+        return ", ".join(distinct(v if isinstance(v, str) and v else "none" for v in values))
     if key not in runs.columns:
         return RUN_DEFAULTS.get(key) or UNKNOWN
     values = runs[key]

@@ -59,10 +59,13 @@ class Build:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
 
-def build(additions, device: torch.device, config: GPTConfig, seed: int, loader, parallel: str = "") -> Build:
+def build(additions, device: torch.device, config: GPTConfig, seed: int, loader, parallel: str = "",
+          make_model: Callable[[GPTConfig], nn.Module] = GPT) -> Build:
     """Apply `additions` (names; checked by registry.resolve) to a plain GPT-2 of `config` trained with AdamW as
     torch ships it, fed by `loader`, spread over the processes as `parallel` says (ddp, fsdp; '' for one).
-    Raises Unavailable where a change cannot run here at all."""
+    make_model makes the model (a peer's GPT-2 instead of the suite's: Utils.peers), which takes the step's
+    forward(idx, targets) -> (logits or None, loss) and num_params(). Raises Unavailable where a change cannot
+    run here at all."""
     additions = resolve(additions)
     check_parallel(additions, parallel)
     b = Build(device=device, config=config, additions=additions, parallel=parallel)
@@ -78,7 +81,7 @@ def build(additions, device: torch.device, config: GPTConfig, seed: int, loader,
     stage("settings")
     torch.manual_seed(seed)
     with device:   # initialized where it trains: no 124M-parameter init on the host, no copy
-        b.model = GPT(b.config)
+        b.model = make_model(b.config)
     stage("model")
     b.module = wrap(b.model, parallel, device) if parallel else b.model   # before compile, as torchtitan does
     b.step_model = b.module

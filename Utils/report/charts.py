@@ -13,6 +13,7 @@ from Utils.ladder.registry import LADDER
 from Utils.report.figures import add_footnote, new_figure
 from Utils.report.selection import BASELINE, measured
 from Utils.report.stats import BOOTSTRAP_RESAMPLES, NO_BASELINE_NOTE, Report
+from Utils.results.schema import PEER_PREFIX, is_peer
 
 LOG_SCALE_SPAN = 10.0
 # A run named by its additions (fused+gelu_epilogue+packed_attention+...) is broken after a "+" past this many
@@ -65,8 +66,17 @@ def _no_bar_label(ax, y, row):
             fontsize=9, color="#777777", style="italic")
 
 
+def _peer_style(rung) -> dict:
+    """A peer's bars are outlined in dashes, so that they read as another trainer beside the ladder."""
+    return {"edgecolor": "black", "linestyle": "--", "linewidth": 1.0} if is_peer(rung) else {}
+
+
 def _rung_axis(ax, rungs):
-    ax.set_yticks(range(len(rungs)), [rung_label(r) for r in rungs])
+    ax.set_yticks(range(len(rungs)), [f"{r.removeprefix(PEER_PREFIX)} (peer)" if is_peer(r) else rung_label(r)
+                                      for r in rungs])
+    for tick, rung in zip(ax.get_yticklabels(), rungs):
+        if is_peer(rung):
+            tick.set_fontstyle("italic")
     ax.set_ylim(len(rungs) - 0.5, -0.5)
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)
@@ -91,7 +101,7 @@ def plot_speedup(report: Report) -> Figure:
             _no_bar_label(ax, y, r)
             continue
         s, lo, hi = r["speedup"], r["speedup_lo"], r["speedup_hi"]
-        ax.barh(y, s, color=colors[rung], height=0.62,
+        ax.barh(y, s, color=colors[rung], height=0.62, **_peer_style(rung),
                 xerr=[[max(s - lo, 0)], [max(hi - s, 0)]], error_kw={"capsize": 3, "lw": 1})
         ax.text(max(hi, s), y, f"  {s:.2f}x", va="center", fontsize=9, fontweight="bold")
         x_max = max(x_max, hi, s)
@@ -189,7 +199,7 @@ def plot_throughput(report: Report) -> Figure:
             if not np.isfinite(v):
                 _no_bar_label(ax, y, t.loc[rung])
                 continue
-            ax.barh(y, v * scale, color=colors[rung], height=0.62)
+            ax.barh(y, v * scale, color=colors[rung], height=0.62, **_peer_style(rung))
             ax.text(v * scale, y, fmt(v), va="center", fontsize=9)
         ax.set_xlim(0, np.nanmax(values) * scale * 1.25)
         if col == "tokens_per_s":
@@ -215,7 +225,7 @@ def plot_memory(report: Report) -> Figure:
         if not (np.isfinite(a) or np.isfinite(r)):
             _no_bar_label(ax, y, t.loc[rung])
             continue
-        for value, dy, style in ((a, -h / 2, {"alpha": 1.0}),
+        for value, dy, style in ((a, -h / 2, {"alpha": 1.0, **_peer_style(rung)}),
                                  (r, h / 2, {"alpha": 0.4, "hatch": "///", "edgecolor": colors[rung]})):
             if np.isfinite(value):
                 ax.barh(y + dy, value, height=h, color=colors[rung], **style)

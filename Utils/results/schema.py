@@ -28,7 +28,7 @@ class Column(NamedTuple):
 
 STEP_SCHEMA = (
     Column("run_id", False, "the run the step belongs to (runs.csv's run_id)"),
-    Column("optimization", False, "the run's name: a rung (fused) or a combination of additions (fused+loss)"),
+    Column("optimization", False, "the run's name: a rung (fused), a combination of additions (fused+loss), or a peer (peer-llmc)"),
     Column("step", True, "step number, from 0"),
     Column("warmup", True, "1 for a warm-up step (left out of every summary), else 0"),
     Column("step_ms", True, "step time in milliseconds: from the previous step's end to this step's end, both marked on the device (a CUDA event on the stream; perf_counter on a CPU), so host time between steps counts. Before version 2: CUDA events around the step alone"),
@@ -40,7 +40,7 @@ STEP_SCHEMA = (
 
 RUN_SCHEMA = (
     Column("run_id", False, "unique id of the run"),
-    Column("optimization", False, "the run's name: a rung (fused) or a combination of additions (fused+loss)"),
+    Column("optimization", False, "the run's name: a rung (fused), a combination of additions (fused+loss), or a peer (peer-llmc)"),
     Column("status", False, "one of STATUSES"),
     Column("message", False, "why a run that is not ok ended, one line"),
     Column("started_at", False, "UTC start time, ISO 8601"),
@@ -161,6 +161,11 @@ def known_headers(columns: list[str]) -> dict[int, list[str]]:
 # ok: every step ran; oom: the batch did not fit; skipped: the run's change cannot run on this machine;
 # failed: an unexpected error; interrupted: Ctrl-C or SIGTERM. The steps measured before the end are kept.
 STATUSES = ("ok", "oom", "skipped", "failed", "interrupted")
+PEER_PREFIX = "peer-"   # the run name of a peer, a trainer other than the suite's (Utils.peers): peer-llmc
+
+
+def is_peer(name: str) -> bool:
+    return str(name).startswith(PEER_PREFIX)
 
 # Two runs are compared (a speedup) only when these run columns are equal: the same work on the same kind
 # of device, spread over the same processes in the same way. A scaling figure compares across nproc.

@@ -69,7 +69,7 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list):
         window = source.next_batch().to(device, non_blocking=True)
         x, y = inputs_targets(window, cfg.batch_size, cfg.seq_len)
         with b.autocast():
-            _, loss = step_model(x, y)
+            loss = step_model(x, y)[1]   # logits a model returns (a peer's) are dropped at once, as a user would
         loss.backward()
         update()
         optimizer.zero_grad(set_to_none=True)

@@ -12,12 +12,14 @@ import tempfile
 import traceback
 import uuid
 from datetime import datetime, timezone
+from typing import Callable, NamedTuple
 
 import torch
+from torch.nn import Module
 
 from Utils.ladder.apply import Unavailable, build
 from Utils.ladder.registry import RUNGS, RegistryError, check_parallel, resolve, run_name
-from Utils.model import PRESETS
+from Utils.model import PRESETS, GPTConfig
 from Utils.results import metrics
 from Utils.results.store import ResultsError, append_run, check_prefix
 from Utils.train.cli import RunConfig, UsageError, parse_args
@@ -31,9 +33,9 @@ from Utils.train.usage import fail
 EXIT_FAILED, EXIT_OOM, EXIT_SKIPPED = 1, 3, 4   # 2: bad input, or results that cannot be written (fail)
 
 
-def main(additions, argv=None, command=None) -> int:
-    """Entry point of every rung script and of `make custom`: `additions` is a rung's name or a list of
-    addition names; `command` is what the record says repeats the run (the script and argv by default).
+def main(additions, argv=None, command=None, peer: "Peer | None" = None) -> int:
+    """Entry point of every rung script, of `make custom` and of a peer: `additions` is a rung's name or a list
+    of addition names; `command` is what the record says repeats the run (the script and argv by default).
     Parse, check PREFIX, run, record; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -45,7 +47,7 @@ def main(additions, argv=None, command=None) -> int:
         return fail(str(e))
     if command is None:
         command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.argv[0])] + argv)
-    return run(additions, cfg, command)
+    return run(additions, cfg, command, peer)
 
 
 def compile_counts() -> tuple[int, int]:
@@ -181,8 +183,17 @@ def peak_memory_gib(device):
     return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
 
 
-def run(additions: tuple, cfg: RunConfig, command: str) -> int:
-    name = run_name(additions)
+class Peer(NamedTuple):
+    """A model other than the suite's, trained by the same loop (Utils.peers)."""
+    name: str                                  # its run name: peer-<name>
+    make_model: Callable[[GPTConfig], Module]  # its model, of the preset's shape
+    about: Callable[[], str]                   # what it is, with its version, for the run's notes
+
+
+def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None) -> int:
+    """Run and record `additions`; a peer trains its own model under the same additions and loop. Returns the
+    exit status."""
+    name = peer.name if peer else run_name(additions)
     dist = distributed.from_env(cfg.parallel)
     device = torch.device(cfg.device)
     try:
@@ -225,10 +236,11 @@ def run(additions: tuple, cfg: RunConfig, command: str) -> int:
                 interrupts.arm()
                 loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda",
                                      rank=dist.rank, world=world)
-                held["build"] = build(additions, device, PRESETS[cfg.model], cfg.seed, loader, cfg.parallel)
+                held["build"] = build(additions, device, PRESETS[cfg.model], cfg.seed, loader, cfg.parallel,
+                                      **({"make_model": peer.make_model} if peer else {}))
                 distributed.barrier()   # every rank built: the first step's collectives wait for no set-up
                 run["n_params"] = held["build"].model.num_params(exclude_position_embedding=False)
-                run["notes"] = "; ".join(held["build"].notes)
+                run["notes"] = "; ".join(([peer.about()] if peer else []) + held["build"].notes)
                 for note in held["build"].notes if dist.main else ():
                     print(f"note: {note}")
                 profiled = train(held["build"], cfg, run, rows)

@@ -24,7 +24,7 @@ RUN_ARGS = --steps $(call q,STEPS) --batch-size $(call q,BATCH_SIZE) --prefix $(
 
 need = @if [ -z '$(subst ','\'',$(strip $(value $(1))))' ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
 
-.PHONY: help install all scaling ablation additions custom profile plots compare peak test gpu-test init_results reset clean notebook $(RUNGS) require-run require-prefix
+.PHONY: help install all scaling ablation additions custom peers profile plots compare peak test gpu-test init_results reset clean notebook $(RUNGS) require-run require-prefix
 .DEFAULT_GOAL := help
 
 help:
@@ -37,6 +37,7 @@ help:
 	@echo "  make scaling RUNG=r NPROC=\"1 2 4 8\" STEPS=n BATCH_SIZE=b PREFIX=dir   a rung at each GPU count, then scaling.png"
 	@echo "  make additions                                the registry: every addition, its pillar and needs"
 	@echo "  make ablation STEPS=n BATCH_SIZE=b PREFIX=dir each addition tried for max, alone on the fused rung"
+	@echo "  make peers STEPS=n BATCH_SIZE=b PREFIX=dir    the trainers a user would pick instead ($(PEER_NAMES)), beside the rungs"
 	@echo "  make plots PREFIX=dir                         charts and summary.md from PREFIX/results.csv"
 	@echo "  make compare PREFIXES=\"a b ...\" [OUT=dir]     one table and chart across results folders (compare.md/.png)"
 	@echo "  make profile STEPS=n BATCH_SIZE=b PREFIX=dir  compute / memory / overhead split of every rung"
@@ -56,6 +57,7 @@ help:
 	@echo "          COLD=1 (compile with an empty Inductor cache, as on a fresh machine)"
 	@echo "          NPROC=n (runs, all, custom, ablation: n processes through torchrun, one GPU each; BATCH_SIZE stays per GPU)"
 	@echo "          PARALLEL=ddp|fsdp (with NPROC: DistributedDataParallel, the default, or FSDP2's fully_shard)"
+	@echo "          PEERS=\"llmc hf\" (make peers: only these)  LLMC_SOURCE=dir|file.tar.gz (llm.c's source, offline)"
 
 require-run:
 	$(call need,STEPS)
@@ -138,6 +140,15 @@ ablation: require-run
 	@for x in $(ADDITIONS); do case " $(ABLATION) " in *" $$x "*) ;; *) echo "error: ADDITIONS names $$x, which make ablation does not try: use some of $(ABLATION)" >&2; exit 2;; esac; done
 	$(call check_parallel,fused)
 	$(call each,ablation,$(if $(ADDITIONS),$(ADDITIONS),$(ABLATION)),$(call launch,ablation.py) --add $$x $(RUN_ARGS) $${data:+--data $$data})
+
+# The peers (Utils/peers): llm.c built from source, and Hugging Face's GPT-2, recorded as peer-<name>.
+PEER_NAMES := $(shell $(PYTHON) -c "from Utils.peers import PEERS; print(*PEERS)")
+PEERS ?= $(PEER_NAMES)
+export LLMC_SOURCE
+peers: require-run
+	@if [ -z "$(strip $(PEERS))" ]; then echo "error: PEERS is empty: name some of $(PEER_NAMES)" >&2; exit 2; fi
+	@for x in $(PEERS); do case " $(PEER_NAMES) " in *" $$x "*) ;; *) echo "error: PEERS names $$x: use some of $(PEER_NAMES)" >&2; exit 2;; esac; done
+	$(call each,peers,$(PEERS),$(PYTHON) -m Utils.peers $$x $(RUN_ARGS) $${data:+--data $$data},$(MAKE) --no-print-directory plots || failed="$$failed plots";)
 
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
 # breakdown files and a trace per rung, and leaves results.csv alone.

@@ -1,0 +1,103 @@
+"""Recording a peer that trains in its own program (llm.c) as the rungs are recorded: the same arguments and
+checks, the same runs.csv and results.csv rows, the same summary line; its steps are the times it reports."""
+import json
+import os
+import sys
+import uuid
+from datetime import datetime, timezone
+from typing import Callable
+
+import torch
+
+from Utils.ladder.apply import Unavailable
+from Utils.model import GPT, PRESETS
+from Utils.results import metrics
+from Utils.results.gpus import peak_bf16_flops
+from Utils.results.store import ResultsError, append_run, check_prefix
+from Utils.train import nvml
+from Utils.train.cli import UsageError, parse_args
+from Utils.train.data import DataError, load_tokens
+from Utils.train.provenance import environment
+from Utils.train.run import EXIT_FAILED, EXIT_SKIPPED, summarize, summary_line
+from Utils.train.usage import fail
+
+# train(cfg, tokens, run, log path) -> ([(step from 0, loss, ms)], peak memory GiB or None); raises
+# Unavailable where the peer cannot run here, any other exception where it failed.
+Trainer = Callable[..., tuple[list[tuple[int, float, float]], "float | None"]]
+
+
+def run_external(name: str, argv: list[str], command: str, train: Trainer) -> int:
+    """Parse the rung scripts' arguments, run `train`, and record it as `name`; the exit status."""
+    try:
+        cfg = parse_args(argv, prog=f"python -m Utils.peers {name.split('-', 1)[1]}")
+        if cfg.parallel:
+            raise UsageError(f"{name} runs as one process: leave out PARALLEL and NPROC")
+        check_prefix(cfg.prefix)
+        tokens, data_name = load_tokens(cfg.data, PRESETS[cfg.model].vocab_size, cfg.seed, cfg.data_dir)
+    except (UsageError, ResultsError, DataError) as e:
+        return fail(str(e))
+    run_id = f"{datetime.now():%Y%m%d-%H%M%S}-{name}-{uuid.uuid4().hex[:6]}"
+    run = {"run_id": run_id, "optimization": name, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "steps": cfg.steps, "warmup_steps": cfg.warmup, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
+           "model": cfg.model, "data": data_name, "command": command, "nproc": 1, "parallel": "",
+           "config": json.dumps({"run": cfg.as_dict(), "peer": name}, sort_keys=True)}
+    print(f"{name} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {data_name} | {cfg.device} | "
+          f"steps {cfg.steps} (warm-up {cfg.warmup})", flush=True)
+    device = torch.device(cfg.device)
+    # The GPU is sampled over the peer's whole run (its start-up too): its steps are not visible from here.
+    sampler = nvml.Sampler(_uuid(device)) if device.type == "cuda" else None
+    rows, status, message, code, memory = [], "ok", "", 0, None
+    log = os.path.join(cfg.prefix, f"{run_id}.log")
+    try:
+        if sampler:
+            sampler.start()
+        steps, memory = train(cfg, tokens, run, log)
+        rows = _rows(name, run_id, cfg, steps)
+    except Unavailable as e:
+        status, message, code = "skipped", str(e), EXIT_SKIPPED
+    except Exception as e:   # the peer's own failure: recorded, with where its whole output is
+        status, message, code = "failed", str(e).splitlines()[0][:400] if str(e) else type(e).__name__, EXIT_FAILED
+    finally:
+        if sampler:
+            run.update(sampler.stop())
+    run.update(environment(device))   # after the peer: no CUDA context of ours beside it while it ran
+    n_params = _num_params(cfg.model)
+    run.update(status=status, message=message, n_params=n_params, peak_mem_reserved_gib=memory,
+               flops_per_token=_flops_per_token(cfg.model, cfg.seq_len))
+    summarize((), cfg, run, rows)
+    try:
+        append_run(cfg.prefix, run, rows)
+    except (ResultsError, OSError) as e:
+        return fail(f"results not written: {e}")
+    print(summary_line(run))
+    if status != "ok":
+        print(f"error: {name} {status}: {message}", file=sys.stderr)
+    return code
+
+
+def _uuid(device: torch.device) -> str:
+    from Utils.train.provenance import gpu_uuid
+    return gpu_uuid(device)
+
+
+def _num_params(model: str) -> int:
+    with torch.device("meta"):
+        return GPT(PRESETS[model]).num_params(exclude_position_embedding=False)
+
+
+def _flops_per_token(model: str, seq_len: int) -> int:
+    c = PRESETS[model]
+    with torch.device("meta"):
+        n = GPT(c).num_params()
+    return metrics.flops_per_token(n, c.n_layer, c.n_head, c.n_embd // c.n_head, seq_len)
+
+
+def _rows(name, run_id, cfg, steps) -> list[dict]:
+    peak = peak_bf16_flops(torch.cuda.get_device_name()) if cfg.device == "cuda" else None
+    flops = _flops_per_token(cfg.model, cfg.seq_len)
+    rows = []
+    for step, loss, ms in steps:
+        tps = cfg.batch_size * cfg.seq_len / (ms / 1e3)
+        rows.append({"run_id": run_id, "optimization": name, "step": step, "warmup": int(step < cfg.warmup),
+                     "step_ms": ms, "tokens_per_s": tps, "loss": loss, "mfu": metrics.mfu(flops, tps, peak)})
+    return rows

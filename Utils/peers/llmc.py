@@ -11,6 +11,8 @@ frontend's objects call. The build goes to the cache folder, once per commit and
 Step times are llm.c's own: CUDA events around each step's work, after which it synchronizes and prints,
 so the host's work between steps is left out (the rungs count it: a step runs from one end to the next).
 """
+import glob
+import importlib
 import os
 import re
 import shutil
@@ -100,31 +102,62 @@ def unpack(source: str, into: str) -> str:
 
 
 def toolchain() -> dict:
-    """nvcc and the cuDNN and cuDNN-frontend headers and libraries to build with. Raises Unavailable naming
-    what is missing and how to provide it."""
-    nvcc = os.environ.get("NVCC") or shutil.which("nvcc") or next(
-        (p for p in (os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"),) if os.path.isfile(p)),
-        None)
+    """nvcc, and the headers and libraries of cuBLAS, NVRTC, cuDNN and the cuDNN frontend to build with: the CUDA
+    toolkit's where it has them, else those of the pip wheels a CUDA build of torch brings. Raises Unavailable
+    naming what is missing and how to provide it."""
+    nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
+    roots = [r for r in dict.fromkeys([os.environ.get("CUDA_HOME"), "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"))])
+             if r and os.path.isdir(r)]
+    nvcc = nvcc or next((os.path.join(r, "bin", "nvcc") for r in roots if os.path.isfile(os.path.join(r, "bin", "nvcc"))), None)
     if not nvcc:
         raise Unavailable("no CUDA compiler: install the CUDA toolkit (nvcc), or set NVCC to its path")
-    cudnn = _package_dir("nvidia.cudnn")   # the cuDNN that CUDA builds of torch install
-    if not (cudnn and os.path.isfile(os.path.join(cudnn, "include", "cudnn.h"))):
-        raise Unavailable("no cuDNN headers: pip install a CUDA build of torch (it brings nvidia-cudnn)")
+    wheels = [d for m in ("nvidia.cu13", "nvidia.cublas", "nvidia.cuda_nvrtc", "nvidia.cudnn") for d in _package_dirs(m)]
+    lib_dirs = [os.path.join(r, "lib64") for r in roots] + [os.path.join(d, "lib") for d in wheels]
+    include_dirs = [os.path.join(r, "include") for r in roots] + [os.path.join(d, "include") for d in wheels]
+    libraries, missing = [], []
+    for name, provider in (("cublas", "the CUDA toolkit, or pip install nvidia-cublas"),
+                           ("cublasLt", "the CUDA toolkit, or pip install nvidia-cublas"),
+                           ("nvrtc", "the CUDA toolkit, or pip install nvidia-cuda-nvrtc"),
+                           ("cudnn", "pip install a CUDA build of torch (it brings nvidia-cudnn)")):
+        found = _find_library(name, lib_dirs)
+        if found:
+            libraries.append(found)
+        else:
+            missing.append(f"lib{name} ({provider})")
+    headers = [h for h in ("cublas_v2.h", "nvrtc.h", "cudnn.h") if not _find_file(h, include_dirs)]
+    if missing or headers:
+        raise Unavailable(f"llm.c cannot be built here: no {', '.join(missing + headers)}")
     frontend = os.environ.get("CUDNN_FRONTEND_PATH") or _frontend_include()
     if not frontend:
         raise Unavailable("no cuDNN frontend headers: pip install nvidia-cudnn-frontend (requirements.txt), or set "
                           "CUDNN_FRONTEND_PATH to a cudnn-frontend/include folder")
-    return {"nvcc": nvcc, "cudnn": cudnn, "frontend": frontend,
-            "toolkit": os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))}
+    stubs = next((os.path.join(r, "lib64", "stubs") for r in roots
+                  if os.path.isfile(os.path.join(r, "lib64", "stubs", "libcuda.so"))), None)
+    return {"nvcc": nvcc, "libraries": libraries, "stubs": stubs,
+            "includes": [frontend] + [d for d in include_dirs if os.path.isdir(d)]}
 
 
-def _package_dir(name: str) -> str | None:
+def _find_library(name: str, dirs: list[str]) -> str | None:
+    """lib<name>.so, or a versioned lib<name>.so.N where a wheel ships only that, in the first folder with one."""
+    for d in dirs:
+        exact = os.path.join(d, f"lib{name}.so")
+        versioned = sorted(glob.glob(os.path.join(d, f"lib{name}.so.[0-9]*")), key=len)
+        if os.path.isfile(exact) or versioned:
+            return exact if os.path.isfile(exact) else versioned[0]
+    return None
+
+
+def _find_file(name: str, dirs: list[str]) -> str | None:
+    return next((os.path.join(d, name) for d in dirs if os.path.isfile(os.path.join(d, name))), None)
+
+
+def _package_dirs(name: str) -> list[str]:
+    """The folders of a package (a namespace package, as nvidia.* are, may span several), or none."""
     try:
-        import importlib
         module = importlib.import_module(name)
     except ImportError:
-        return None
-    return next(iter(getattr(module, "__path__", [])), None)
+        return []
+    return list(getattr(module, "__path__", []))
 
 
 def _frontend_include() -> str | None:
@@ -142,15 +175,16 @@ def build(tree: str, tools: dict, arch: str, out: str) -> str:
     if os.path.isfile(binary):
         return binary
     os.makedirs(out, exist_ok=True)
-    cudnn_lib = os.path.join(tools["cudnn"], "lib")
     # llm.c's Makefile flags for a cuDNN build in bf16, for this GPU's architecture.
     flags = ["-O3", "-t=0", "--use_fast_math", "-std=c++17", "-DENABLE_BF16", "-DENABLE_CUDNN",
              f"-gencode=arch=compute_{arch},code=[compute_{arch},sm_{arch}]"]
-    includes = [f"-I{tools['frontend']}", f"-I{os.path.join(tools['cudnn'], 'include')}", f"-I{tree}"]
+    includes = [f"-I{d}" for d in tools["includes"]]
     obj = os.path.join(out, "cudnn_att.o")
-    stubs = os.path.join(tools["toolkit"], "lib64", "stubs")   # the driver's library to link against
-    libs = ["-lcublas", "-lcublasLt", "-lnvrtc", *([f"-L{stubs}", "-lcuda"] if os.path.isdir(stubs) else []),
-            f"-L{cudnn_lib}", "-l:libcudnn.so.9", f"-Xlinker=-rpath,{cudnn_lib}"]
+    rpath = ":".join(dict.fromkeys(os.path.dirname(lib) for lib in tools["libraries"]))
+    # The driver's library (cuDNN's frontend calls it) from the toolkit's stubs, where there are any.
+    driver = [f"-L{tools['stubs']}", "-lcuda"] if tools["stubs"] else []
+    libs = [f for lib in tools["libraries"] for f in (f"-L{os.path.dirname(lib)}", f"-l:{os.path.basename(lib)}")]
+    libs += [*driver, f"-Xlinker=-rpath,{rpath}"]
     for cmd in ([tools["nvcc"], *flags, "-c", os.path.join(tree, "llmc", "cudnn_att.cpp"), *includes, "-o", obj],
                 [tools["nvcc"], *flags, os.path.join(tree, "train_gpt2.cu"), obj, *includes, *libs,
                  "-o", binary + ".part"]):
@@ -218,10 +252,10 @@ def train(cfg, tokens: np.ndarray, run: dict, log: str) -> tuple[list[tuple[int,
     tools = toolchain()
     cache = cache_dir()
     source, what = source_archive(cache)
+    commit = LLMC_COMMIT if source.startswith(cache) else archive_commit(source) if os.path.isfile(source) else ""
     with tempfile.TemporaryDirectory(prefix="llmc-") as work:
-        out = os.path.join(cache, f"build-{what.split()[-1].replace('/', '_')}-sm{major}{minor}")
-        if os.environ.get("LLMC_SOURCE"):   # a given tree may change between runs: build it every time
-            out = os.path.join(work, "build")
+        # Built once per commit and architecture; a source of unknown commit (a folder) every time.
+        out = os.path.join(cache, f"build-{commit}-sm{major}{minor}") if commit else os.path.join(work, "build")
         try:
             binary = build(unpack(source, work), tools, f"{major}{minor}", out)
         except BuildError as e:

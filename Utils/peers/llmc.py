@@ -181,8 +181,11 @@ def build(tree: str, tools: dict, arch: str, out: str) -> str:
     includes = [f"-I{d}" for d in tools["includes"]]
     obj = os.path.join(out, "cudnn_att.o")
     rpath = ":".join(dict.fromkeys(os.path.dirname(lib) for lib in tools["libraries"]))
-    # The driver's library (cuDNN's frontend calls it) from the toolkit's stubs, where there are any.
-    driver = [f"-L{tools['stubs']}", "-lcuda"] if tools["stubs"] else []
+    # The driver's libraries from the toolkit's stubs, where there are any: libcuda (cuDNN's frontend calls it),
+    # and NVML, which llm.c uses wherever the toolkit has nvml.h (llmc/mfu.h).
+    stubs = tools["stubs"]
+    driver = [f"-L{stubs}", "-lcuda"] + (["-lnvidia-ml"] if os.path.isfile(os.path.join(stubs, "libnvidia-ml.so")) else []) \
+        if stubs else []
     libs = [f for lib in tools["libraries"] for f in (f"-L{os.path.dirname(lib)}", f"-l:{os.path.basename(lib)}")]
     libs += [*driver, f"-Xlinker=-rpath,{rpath}"]
     for cmd in ([tools["nvcc"], *flags, "-c", os.path.join(tree, "llmc", "cudnn_att.cpp"), *includes, "-o", obj],

@@ -1,6 +1,7 @@
 """The layers of Utils/, kept by reading every module's imports (nothing is imported or run).
 
-Data flows one way: rung script -> ladder -> train (model, data, kernels) -> results -> report. Each layer
+Data flows one way: rung script -> ladder -> train (model, data, kernels) -> results -> report; a peer (another
+trainer, Utils.peers) runs through train or beside it and records through results. Each layer
 may import the layers its row names, and nothing above it; results and report import no torch, so that
 `make plots` works where torch cannot be imported; the model knows no kernel; no import cycle.
 """
@@ -19,6 +20,7 @@ ALLOWED = {
     "model": {"model"},
     "ladder": {"ladder", "model", "kernels"},
     "train": {"train", "ladder", "model", "results", "report"},
+    "peers": {"peers", "train", "ladder", "model", "results"},
     "results": {"results"},
     "report": {"report", "results", "ladder.registry"},
 }

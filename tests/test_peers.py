@@ -98,7 +98,8 @@ def test_make_peers_goes_on_past_a_skipped_peer_and_names_it(both):
         assert (prefix / name).stat().st_size > 0, name
 
 
-@pytest.mark.parametrize("args", [["PEERS=foo"], ["PEERS=hf", "STEPS=abc"], ["PEERS=hf", "STEPS=0"]])
+@pytest.mark.parametrize("args", [["PEERS=foo"], ["PEERS=hf", "STEPS=abc"], ["PEERS=hf", "STEPS=0"],
+                                  ["PEERS=hf", "NPROC=2"], ["PEERS=hf", "PROFILE=1"]])
 def test_make_peers_refuses_bad_input_before_writing(tmp_path, args):
     prefix = tmp_path / "out"
     done = make(["peers", f"PREFIX={prefix}", *RUN, *args], clean_env(), timeout=300)

@@ -22,6 +22,7 @@ import tarfile
 import tempfile
 import urllib.request
 from importlib import metadata
+from typing import Callable
 
 import numpy as np
 
@@ -243,9 +244,11 @@ def main(argv: list[str], command_line: str) -> int:
     return record.run_external(NAME, argv, command_line, train)
 
 
-def train(cfg, tokens: np.ndarray, run: dict, log: str) -> tuple[list[tuple[int, float, float]], float | None]:
-    """Build llm.c and train cfg.steps steps on `tokens`; ([(step, loss, ms)], memory GiB). Raises
-    Unavailable where it cannot be built or run here, RuntimeError where it fails."""
+def train(cfg, tokens: np.ndarray, run: dict, log: str, start_sampling: Callable[[], None]
+          ) -> tuple[list[tuple[int, float, float]], float | None]:
+    """Build llm.c and train cfg.steps steps on `tokens`, calling start_sampling() as train_gpt2cu starts;
+    ([(step, loss, ms)], memory GiB). Raises Unavailable where it cannot be built or run here, RuntimeError
+    where it fails."""
     if cfg.device != "cuda":
         raise Unavailable("llm.c trains on a CUDA GPU only")
     if cfg.model not in DESCRIPTORS:
@@ -258,7 +261,9 @@ def train(cfg, tokens: np.ndarray, run: dict, log: str) -> tuple[list[tuple[int,
     commit = LLMC_COMMIT if source.startswith(cache) else archive_commit(source) if os.path.isfile(source) else ""
     with tempfile.TemporaryDirectory(prefix="llmc-") as work:
         # Built once per commit and architecture; a source of unknown commit (a folder) every time.
-        out = os.path.join(cache, f"build-{commit}-sm{major}{minor}") if commit else os.path.join(work, "build")
+        nvcc = _nvcc_version(tools["nvcc"])
+        out = os.path.join(cache, f"build-{commit}-sm{major}{minor}-{nvcc.replace(' ', '')}") if commit \
+            else os.path.join(work, "build")
         try:
             binary = build(unpack(source, work), tools, f"{major}{minor}", out)
         except BuildError as e:
@@ -269,8 +274,9 @@ def train(cfg, tokens: np.ndarray, run: dict, log: str) -> tuple[list[tuple[int,
         write_tokens(tokens, data)
         args = command(binary, data, DESCRIPTORS[cfg.model], cfg.batch_size, cfg.seq_len, cfg.steps)
         shown = " ".join(["train_gpt2cu"] + [a if a != data else "tokens.bin" for a in args[1:]])
-        run["notes"] = (f"{what}, built with {_nvcc_version(tools['nvcc'])}; {shown}; step times are llm.c's own "
+        run["notes"] = (f"{what}, built with {nvcc}; {shown}; step times are llm.c's own "
                         f"(CUDA events around each step's work)")
+        start_sampling()
         done = subprocess.run(args, cwd=work, capture_output=True, text=True)
     with open(log, "w", encoding="utf-8") as f:
         f.write(done.stdout + done.stderr)

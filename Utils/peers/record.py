@@ -21,8 +21,9 @@ from Utils.train.provenance import environment
 from Utils.train.run import EXIT_FAILED, EXIT_SKIPPED, summarize, summary_line
 from Utils.train.usage import fail
 
-# train(cfg, tokens, run, log path) -> ([(step from 0, loss, ms)], peak memory GiB or None); raises
-# Unavailable where the peer cannot run here, any other exception where it failed.
+# train(cfg, tokens, run, log path, start_sampling) -> ([(step from 0, loss, ms)], peak memory GiB or None), calling
+# start_sampling() as its program starts; raises Unavailable where the peer cannot run here, any other exception
+# where it failed.
 Trainer = Callable[..., tuple[list[tuple[int, float, float]], "float | None"]]
 
 
@@ -34,6 +35,9 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
             raise UsageError(f"{name} runs as one process: leave out PARALLEL and NPROC")
         check_prefix(cfg.prefix)
         tokens, data_name = load_tokens(cfg.data, PRESETS[cfg.model].vocab_size, cfg.seed, cfg.data_dir)
+        if len(tokens) < cfg.batch_size * cfg.seq_len + 1:
+            raise UsageError(f"DATA={data_name} has {len(tokens):,} tokens, fewer than one batch needs (BATCH_SIZE="
+                             f"{cfg.batch_size} x SEQ_LEN={cfg.seq_len} + 1): use a smaller BATCH_SIZE or SEQ_LEN")
     except (UsageError, ResultsError, DataError) as e:
         return fail(str(e))
     run_id = f"{datetime.now():%Y%m%d-%H%M%S}-{name}-{uuid.uuid4().hex[:6]}"
@@ -44,14 +48,13 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
     print(f"{name} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {data_name} | {cfg.device} | "
           f"steps {cfg.steps} (warm-up {cfg.warmup})", flush=True)
     device = torch.device(cfg.device)
-    # The GPU is sampled over the peer's whole run (its start-up too): its steps are not visible from here.
+    # The GPU is sampled from the moment the peer's program starts (its own start-up too: its steps are not
+    # visible from here), never over its build.
     sampler = nvml.Sampler(_uuid(device)) if device.type == "cuda" else None
     rows, status, message, code, memory = [], "ok", "", 0, None
     log = os.path.join(cfg.prefix, f"{run_id}.log")
     try:
-        if sampler:
-            sampler.start()
-        steps, memory = train(cfg, tokens, run, log)
+        steps, memory = train(cfg, tokens, run, log, sampler.start if sampler else lambda: None)
         rows = _rows(name, run_id, cfg, steps)
     except Unavailable as e:
         status, message, code = "skipped", str(e), EXIT_SKIPPED

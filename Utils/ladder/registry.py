@@ -69,6 +69,9 @@ _ADDITIONS = [
              needs="Triton on a GPU, a C++ compiler on a CPU"),
     Addition("cudagraphs", "compile", "overhead", "torch.compile with CUDA graphs: a step's launches replayed as one",
              needs="a GPU", requires=("torch_compile",)),
+    Addition("autotune", "compile", "compute",
+             "torch.compile's max-autotune: Inductor times its Triton GEMM templates against cuBLAS, shape by shape",
+             needs="Triton on a GPU", requires=("torch_compile",)),
     # optimizer
     Addition("fused", "optimizer", "overhead", "AdamW(fused=True): one kernel over all parameters per step",
              excludes=("8bit",)),

@@ -88,7 +88,8 @@ def unpack(source: str, into: str) -> str:
         shutil.copytree(source, tree, ignore=shutil.ignore_patterns(".git", "dev"))
     else:
         with tarfile.open(source) as t:
-            t.extractall(into, filter="data")
+            # The "data" filter refuses links and paths out of `into` (Python 3.10.12+ and 3.11.4+ have it).
+            t.extractall(into, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         tops = [d for d in os.listdir(into) if os.path.isdir(os.path.join(into, d))]
         if len(tops) != 1:
             raise Unavailable(f"{source} does not hold one llm.c folder: give a tar.gz of an llm.c checkout")

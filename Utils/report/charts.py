@@ -229,7 +229,9 @@ def plot_memory(report: Report) -> Figure:
                                  (r, h / 2, {"alpha": 0.4, "hatch": "///", "edgecolor": colors[rung]})):
             if np.isfinite(value):
                 ax.barh(y + dy, value, height=h, color=colors[rung], **style)
-                ax.text(value, y + dy, f" {value:.1f}", va="center", fontsize=8)
+                # A peer's own program reports the GPU's memory in use, not a caching allocator's reserve.
+                in_use = " in use on the GPU" if is_peer(rung) and not np.isfinite(a) else ""
+                ax.text(value, y + dy, f" {value:.1f}{in_use}", va="center", fontsize=8)
     ax.set_xlim(0, np.nanmax(np.concatenate([alloc.to_numpy(), reserved.to_numpy()])) * 1.15)
     _rung_axis(ax, rungs)
     ax.set_xlabel("peak memory (GiB), as recorded in runs.csv", fontsize=9)

@@ -57,7 +57,7 @@ RUN_SCHEMA = (
     Column("cuda_version", False, "torch.version.cuda"),
     Column("compile_s", True, "what the first step took beyond a normal one, in seconds"),
     Column("peak_mem_allocated_gib", True, "max memory allocated by tensors, GiB"),
-    Column("peak_mem_reserved_gib", True, "max memory reserved by the caching allocator, GiB"),
+    Column("peak_mem_reserved_gib", True, "max memory reserved by the caching allocator, GiB; for a peer in a program of its own (peer-llmc, no allocated figure): the GPU's memory in use after it allocated its state, as it reports it"),
     Column("median_step_ms", True, "median step time of the measured steps, ms"),
     Column("iqr_step_ms", True, "interquartile range of the measured step times, ms"),
     Column("median_tokens_per_s", True, "tokens/s at the median step time"),

@@ -6,7 +6,8 @@ Its source comes from LLMC_SOURCE (an llm.c checkout, or a tar.gz of one: what a
 needs), else GitHub's archive of LLMC_COMMIT, kept under the cache folder. Two changes let that commit build
 with CUDA 13 and a current cuDNN frontend: cudaMemAdvise names the host with a cudaMemLocation (CUDA 13
 dropped the int cudaCpuDeviceId form), and the link adds NVRTC and the driver (-lnvrtc -lcuda), which the
-frontend's objects call. The build goes to the cache folder, once per commit and GPU architecture.
+frontend's objects call, and NVML where the toolkit has nvml.h. The build goes to the cache folder, once per
+commit, GPU architecture and nvcc version.
 
 Step times are llm.c's own: CUDA events around each step's work, after which it synchronizes and prints,
 so the host's work between steps is left out (the rungs count it: a step runs from one end to the next).
@@ -17,7 +18,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 import urllib.request
@@ -293,7 +293,3 @@ def _nvcc_version(nvcc: str) -> str:
     done = subprocess.run([nvcc, "--version"], capture_output=True, text=True)
     m = re.search(r"release ([\d.]+)", done.stdout)
     return f"nvcc {m.group(1)}" if m else "nvcc"
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], " ".join(sys.argv)))

@@ -74,6 +74,23 @@ def shakespeare_path(request):
                     f"to a local copy to run this offline")
 
 
+def summary_text(prefix):
+    with open(os.path.join(prefix, "summary.md")) as f:
+        return f.read()
+
+
+def run_main(prefix):
+    """plot_results.py's main on PREFIX in this process: (exit status, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from Utils.report.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["--prefix", str(prefix)])
+    return rc, out.getvalue(), err.getvalue()
+
+
 def summary_table(prefix):
     """summary.md's first table (the ladder's) as {rung: {column header: cell text}}, in table order."""
     with open(os.path.join(prefix, "summary.md")) as f:

@@ -1,7 +1,5 @@
 """plot_results.py and Utils/report on small results files written here: the numbers, the files, run matching,
 bad input, and charts whose every text fits on them."""
-import contextlib
-import io
 import os
 import subprocess
 import sys
@@ -15,7 +13,7 @@ if REPO not in sys.path:
 
 from matplotlib.figure import Figure  # noqa: E402
 
-from conftest import sticks_out, summary_table  # noqa: E402
+from conftest import run_main, sticks_out, summary_table, summary_text  # noqa: E402
 from Utils.ladder.registry import rung_order  # noqa: E402
 from Utils.report.charts import CHARTS as CHART_PLOTS, plot_step_time  # noqa: E402
 from Utils.report.cli import main  # noqa: E402
@@ -48,18 +46,6 @@ def add_run(prefix, rung, step_ms=(), warmup=1, status="ok", run_id=None, mfu=No
                median_step_ms=1.0, iqr_step_ms=99.0, notes=notes, git_commit=git_commit, **cfg)
     append_run(prefix, run, steps)
     return run_id
-
-
-def run_main(prefix):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(["--prefix", str(prefix)])
-    return rc, out.getvalue(), err.getvalue()
-
-
-def summary_text(prefix):
-    with open(os.path.join(prefix, "summary.md")) as f:
-        return f.read()
 
 
 # Step times with warm-up steps far off the measured ones, so that a warm-up step counted by mistake

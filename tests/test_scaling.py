@@ -1,15 +1,12 @@
 """Scaling across GPUs in the report: scaling_table's numbers and run matching, scaling.png, and summary.md's
 scaling section, from small results folders written through the real writer."""
-import contextlib
 import csv
-import io
 import os
 
 import numpy as np
 import pytest
 
-from conftest import sticks_out
-from Utils.report.cli import main
+from conftest import run_main, sticks_out, summary_text
 from Utils.report.scaling import GOALS, build_scaling, plot_scaling, scaling_table
 from Utils.results.read import load
 from Utils.results.schema import RUN_SCHEMA, STEP_SCHEMA, headers
@@ -39,18 +36,6 @@ def add_run(prefix, rung, nproc, step_ms, run_id, parallel=None, status="ok", gi
                tokens_per_s_per_gpu=tokens / nproc / (median / 1000) if median else None, **cfg)
     append_run(prefix, run, steps)
     return run_id
-
-
-def run_main(prefix):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(["--prefix", str(prefix)])
-    return rc, out.getvalue(), err.getvalue()
-
-
-def summary_text(prefix):
-    with open(os.path.join(prefix, "summary.md")) as f:
-        return f.read()
 
 
 def scaling_section(prefix):

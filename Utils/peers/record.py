@@ -2,7 +2,6 @@
 checks, the same runs.csv and results.csv rows, the same summary line; its steps are the times it reports."""
 import json
 import os
-import sys
 import uuid
 from datetime import datetime, timezone
 from typing import Callable
@@ -13,12 +12,12 @@ from Utils.ladder.apply import Unavailable
 from Utils.model import GPT, PRESETS
 from Utils.results import metrics
 from Utils.results.gpus import peak_bf16_flops
-from Utils.results.store import ResultsError, append_run, check_prefix
+from Utils.results.store import ResultsError, check_prefix
 from Utils.train import nvml
 from Utils.train.cli import UsageError, parse_args
 from Utils.train.data import DataError, load_tokens
-from Utils.train.provenance import environment
-from Utils.train.run import EXIT_FAILED, EXIT_SKIPPED, summarize, summary_line
+from Utils.train.provenance import environment, gpu_uuid
+from Utils.train.run import EXIT_FAILED, EXIT_SKIPPED, record, summarize
 from Utils.train.usage import fail
 
 # train(cfg, tokens, run, log path, start_sampling) -> ([(step from 0, loss, ms)], peak memory GiB or None), calling
@@ -31,8 +30,8 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
     """Parse the rung scripts' arguments, run `train`, and record it as `name`; the exit status."""
     try:
         cfg = parse_args(argv, prog=f"python -m Utils.peers {name.split('-', 1)[1]}")
-        if cfg.parallel:
-            raise UsageError(f"{name} runs as one process: leave out PARALLEL and NPROC")
+        if cfg.parallel or cfg.profile:
+            raise UsageError(f"{name} runs as one process, unprofiled: leave out PARALLEL, NPROC and PROFILE")
         check_prefix(cfg.prefix)
         tokens, data_name = load_tokens(cfg.data, PRESETS[cfg.model].vocab_size, cfg.seed, cfg.data_dir)
         if len(tokens) < cfg.batch_size * cfg.seq_len + 1:
@@ -50,12 +49,11 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
     device = torch.device(cfg.device)
     # The GPU is sampled from the moment the peer's program starts (its own start-up too: its steps are not
     # visible from here), never over its build.
-    sampler = nvml.Sampler(_uuid(device)) if device.type == "cuda" else None
-    rows, status, message, code, memory = [], "ok", "", 0, None
+    sampler = nvml.Sampler(gpu_uuid(device)) if device.type == "cuda" else None
+    steps, status, message, code, memory = [], "ok", "", 0, None
     log = os.path.join(cfg.prefix, f"{run_id}.log")
     try:
         steps, memory = train(cfg, tokens, run, log, sampler.start if sampler else lambda: None)
-        rows = _rows(name, run_id, cfg, steps)
     except Unavailable as e:
         status, message, code = "skipped", str(e), EXIT_SKIPPED
     except Exception as e:   # the peer's own failure: recorded, with where its whole output is
@@ -64,40 +62,27 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
         if sampler:
             run.update(sampler.stop())
     run.update(environment(device))   # after the peer: no CUDA context of ours beside it while it ran
-    n_params = _num_params(cfg.model)
+    n_params, flops = _counts(cfg.model, cfg.seq_len)
     run.update(status=status, message=message, n_params=n_params, peak_mem_reserved_gib=memory,
-               flops_per_token=_flops_per_token(cfg.model, cfg.seq_len))
+               flops_per_token=flops)
+    peak = peak_bf16_flops(run["gpu_name"]) if device.type == "cuda" else None
+    rows = _rows(name, run_id, cfg, steps, flops, peak)
     summarize((), cfg, run, rows)
-    try:
-        append_run(cfg.prefix, run, rows)
-    except (ResultsError, OSError) as e:
-        return fail(f"results not written: {e}")
-    print(summary_line(run))
-    if status != "ok":
-        print(f"error: {name} {status}: {message}", file=sys.stderr)
-    return code
+    return record(cfg, run, rows, code)
 
 
-def _uuid(device: torch.device) -> str:
-    from Utils.train.provenance import gpu_uuid
-    return gpu_uuid(device)
-
-
-def _num_params(model: str) -> int:
-    with torch.device("meta"):
-        return GPT(PRESETS[model]).num_params(exclude_position_embedding=False)
-
-
-def _flops_per_token(model: str, seq_len: int) -> int:
+def _counts(model: str, seq_len: int) -> tuple[int, int]:
+    """(parameters, FLOPs per token) of the suite's GPT of this preset: the same shape the peer trains."""
     c = PRESETS[model]
     with torch.device("meta"):
-        n = GPT(c).num_params()
-    return metrics.flops_per_token(n, c.n_layer, c.n_head, c.n_embd // c.n_head, seq_len)
+        gpt = GPT(c)
+    return (gpt.num_params(exclude_position_embedding=False),
+            metrics.flops_per_token(gpt.num_params(), c.n_layer, c.n_head, c.n_embd // c.n_head, seq_len))
 
 
-def _rows(name, run_id, cfg, steps) -> list[dict]:
-    peak = peak_bf16_flops(torch.cuda.get_device_name()) if cfg.device == "cuda" else None
-    flops = _flops_per_token(cfg.model, cfg.seq_len)
+def _rows(name, run_id, cfg, steps, flops, peak) -> list[dict]:
+    """results.csv's rows of the peer's steps [(step from 0, loss, ms)], MFU from `flops` per token against
+    `peak` FLOP/s."""
     rows = []
     for step, loss, ms in steps:
         tps = cfg.batch_size * cfg.seq_len / (ms / 1e3)

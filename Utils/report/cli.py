@@ -55,6 +55,14 @@ class Parser(argparse.ArgumentParser):
         usage = self.format_usage().strip().removeprefix("usage: ")
         self.exit(2, f"error: {message} (usage: {usage})\n")
 
+    def parse_or_status(self, argv: "Sequence[str] | None") -> "argparse.Namespace | int":
+        """The parsed arguments, or the exit status where parsing ended the command (2 on an error, 0 for
+        --help), so that main returns it instead of exiting."""
+        try:
+            return self.parse_args(argv)
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else 2
+
 
 def _parser():
     p = Parser(prog="plot_results.py",
@@ -65,10 +73,9 @@ def _parser():
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; returns the exit code (0 written, 2 bad arguments or input)."""
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 2
+    args = _parser().parse_or_status(argv)
+    if isinstance(args, int):
+        return args
     prefix = args.prefix
     try:
         steps, runs = load(prefix)

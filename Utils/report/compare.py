@@ -452,10 +452,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; returns the exit code (0 written, 2 bad arguments, input or OUT)."""
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 2
+    args = _parser().parse_or_status(argv)
+    if isinstance(args, int):
+        return args
     out = args.prefixes[0] if args.out is None else args.out
     try:
         if not out.strip():

@@ -290,13 +290,14 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
                 print(f"error: rank {dist.rank}: {run['optimization']} {status}: {message}", file=sys.stderr)
             distributed.close()
             return code
-        code = _record(cfg, run, rows, profiled, code)
+        code = record(cfg, run, rows, code, profiled)
         distributed.close()
         return code
 
 
-def _record(cfg, run, rows, profiled, code):
-    """Append the run (signals are held off meanwhile: Utils.results.store) and say how it ended."""
+def record(cfg: RunConfig, run: dict, rows: list, code: int, profiled=None) -> int:
+    """Append the run (signals are held off meanwhile: Utils.results.store) and say how it ended; the exit
+    status: `code`, or fail's where the results cannot be written."""
     status, message = run["status"], run["message"]
     try:
         if profiled is not None:

@@ -594,3 +594,28 @@ def test_a_damaged_number_in_breakdown_csv_is_named(profiled):
         f.write(text.replace(",0.75,", ",abc,", 1))
     with pytest.raises(ResultsError, match=r"line 2: profiled_step_ms='abc' is not a number"):
         load_breakdown(profiled)
+
+
+def test_on_a_gpu_the_profiler_records_only_user_ranges_on_the_host(tmp_path):
+    # What _host_scopes gives the profiler on a GPU, tried on a CPU's operators: the ProfilerStep#N windows
+    # the breakdown splits steps by remain, the operators (hundreds per step where the host bounds a step)
+    # are not recorded. Outside the context the profiler is as torch ships it.
+    import torch.autograd.profiler as autograd_profiler
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from Utils.train.loop import _host_scopes
+    shipped = autograd_profiler._enable_profiler
+    names = {}
+    for device in ("cpu", "cuda"):
+        path = tmp_path / f"{device}.json"
+        x = torch.ones(8, 8)
+        with _host_scopes(torch.device(device)), \
+                profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=2, repeat=1),
+                        on_trace_ready=lambda p: p.export_chrome_trace(str(path))) as prof:
+            for _ in range(3):
+                x = (x @ x).tanh()
+                prof.step()
+        names[device] = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+        assert autograd_profiler._enable_profiler is shipped
+    assert {"ProfilerStep#1", "ProfilerStep#2"} <= names["cuda"] and "aten::tanh" not in names["cuda"]
+    assert "aten::tanh" in names["cpu"]

@@ -70,7 +70,7 @@ def test_max_is_the_fused_rung_and_what_measured_faster_on_the_h200():
     # What the ablation tried and max left out (BENCHMARKS.md says why), and autotune, not yet measured. "loss"
     # (the chunked loss as Inductor compiles it) is superseded by "loss_kernel", which cannot run with it.
     assert set(ABLATION) - set(MAX_ADDITIONS) == {"loss", "cudnn_attention", "fp8", "compiled_update", "fold_clip",
-                                                  "autotune"}
+                                                  "autotune", "fp8_head"}
 
 
 def test_ablation_is_every_addition_beyond_the_seven_rungs_in_registry_order():
@@ -391,6 +391,12 @@ def _chunked_loss(b, base):
     assert type(b.model.loss) is modules.ChunkedLoss and not b.model.loss.kernel
 
 
+def _fp8_head(b, base):
+    # torch._scaled_mm runs on a CPU too: the FP8 loss is what runs.
+    assert type(base.model.loss) is OutputLoss
+    assert type(b.model.loss) is modules.ChunkedLoss and b.model.loss.fp8 and not b.model.loss.kernel
+
+
 def _torch_compile(b, base):
     assert base.step_model is base.model and b.step_model._orig_mod is b.model and not b.cudagraphs
 
@@ -448,6 +454,7 @@ CPU_EFFECTS = {
     "packed_attention": (r".+: plain SDPA instead", _plain_sdpa),
     "loss": (None, _chunked_loss),
     "loss_kernel": (r".+: the plain chunked loss instead", _chunked_loss),
+    "fp8_head": (None, _fp8_head),
     "fp8": (None, None),   # refused on a CPU: test_fp8_is_refused_where_it_cannot_run
     "torch_compile": (None, _torch_compile),
     "cudagraphs": (r"CUDA graphs need a GPU: compiled in the default mode", _cudagraphs),

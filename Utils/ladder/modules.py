@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from Utils.kernels import chunked_loss, gelu_epilogue, gemm_bias_grad, packed_attention
+from Utils.kernels import chunked_loss, fp8_loss, gelu_epilogue, gemm_bias_grad, packed_attention
 from Utils.model import GPT, CausalSelfAttention, OutputLoss
 
 
@@ -57,15 +57,18 @@ class PackedAttention(nn.Module):
 
 
 class ChunkedLoss(OutputLoss):
-    """The output layer's cross-entropy without the whole logits (kernels.chunked_loss)."""
+    """The output layer's cross-entropy without the whole logits (kernels.chunked_loss), its GEMMs in FP8
+    with `fp8` (kernels.fp8_loss)."""
 
-    def __init__(self, vocab_size: int, kernel: bool):
+    def __init__(self, vocab_size: int, kernel: bool, fp8: bool = False):
         super().__init__(vocab_size)
-        self.kernel = kernel
+        self.kernel, self.fp8 = kernel, fp8
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return chunked_loss.chunked_cross_entropy(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1),
-                                                  self.vocab_size, kernel=self.kernel)
+        h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
+        if self.fp8:
+            return fp8_loss.fp8_cross_entropy(h, weight, targets, self.vocab_size)
+        return chunked_loss.chunked_cross_entropy(h, weight, targets, self.vocab_size, kernel=self.kernel)
 
 
 def swap_linear(parent: nn.Module, name: str, cls: type) -> None:

@@ -61,6 +61,9 @@ _ADDITIONS = [
     Addition("loss_kernel", "model", "memory",
              "the chunked loss with each chunk's softmax and gradient as one hand-written kernel",
              needs="NVRTC or Triton on a GPU"),
+    Addition("fp8_head", "model", "compute",
+             "the output layer's three GEMMs in FP8 inside the chunked loss (e4m3 inputs, e5m2 gradient)",
+             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("loss", "loss_kernel")),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
              needs="torchao and an Ada or Hopper GPU", requires=("bf16",)),
     # compile

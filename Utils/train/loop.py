@@ -8,6 +8,8 @@ the host's reading back of a loss included, belongs to a step. The measured step
 window's wall clock (window_wall_s), which the host takes with perf_counter after synchronizing on the last
 warm-up step's end and on the last step's end.
 """
+import contextlib
+import functools
 import os
 import time
 
@@ -157,6 +159,24 @@ def _slowest_rank(rows, run, device):
         run["window_wall_s"] = window
 
 
+@contextlib.contextmanager
+def _host_scopes(device: torch.device):
+    """On a GPU, the profiler records on the host only the ranges user code opens (ProfilerStep#N among
+    them), not every operator: the breakdown reads the kernels, and recording the operators of a step that
+    the host bounds (the flash rung's AdamW makes hundreds of small calls) made it 19% slower than its
+    median. torch.profiler has no switch for this; the function it enables the profiler with takes the
+    scopes to record, so it is given them here. On a CPU the operators are the breakdown: all are kept."""
+    import torch.autograd.profiler as autograd_profiler
+    from torch._C._profiler import RecordScope
+    enable = autograd_profiler._enable_profiler
+    if device.type == "cuda":
+        autograd_profiler._enable_profiler = functools.partial(enable, scopes={RecordScope.USER_SCOPE})
+    try:
+        yield
+    finally:
+        autograd_profiler._enable_profiler = enable
+
+
 def profile_steps(step, clock, cfg, device, run, flops_per_step, peak):
     """PROFILE_STEPS more steps under torch.profiler (one more before them that the schedule discards),
     exported as a gzipped Chrome trace and split into compute, memory and overhead."""
@@ -176,8 +196,8 @@ def profile_steps(step, clock, cfg, device, run, flops_per_step, peak):
         os.replace(tmp, path)
 
     # ProfilerStep#N windows exist only under a schedule; run_id metadata must be added inside the context.
-    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=PROFILE_STEPS, repeat=1),
-                 on_trace_ready=export) as prof:
+    with _host_scopes(device), profile(activities=activities, on_trace_ready=export,
+                                       schedule=schedule(wait=0, warmup=1, active=PROFILE_STEPS, repeat=1)) as prof:
         for key in ("run_id", "git_commit", "started_at", "torch_version"):   # the breakdown chart's provenance
             prof.add_metadata(key, str(run.get(key) or ""))
         # While a profiler runs, Inductor wraps each Triton launch in a host-side range of its own (its runtime

@@ -1,0 +1,75 @@
+"""Checks and times Utils.kernels.fp8_loss on a GPU against the chunked loss the max rung runs in bf16 (with
+its loss kernel), on GPT-2's output layer (768 wide, 50,304 padded rows) at batch 16 and 64 x 1024 tokens:
+the loss and both gradients against the fp32 reference, then the time of forward and backward, each
+compiled by torch.compile as the model is. Exits non-zero if a check fails.
+
+    python3 bench/fp8_loss.py
+"""
+import os
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from Utils.kernels import chunked_loss, fp8_loss, loss_kernel  # noqa: E402
+
+VOCAB, PADDED, WIDTH, SEQ = 50257, 50304, 768, 1024
+
+
+def inputs(batch: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # h as the final LayerNorm leaves it; the weight as GPT-2 initializes its embedding (std 0.02), then
+    # scaled so that the logits spread as a trained model's do (a loss near 4, not 10.8).
+    h = torch.randn(batch * SEQ, WIDTH, device="cuda", generator=g).bfloat16()
+    w = torch.randn(PADDED, WIDTH, device="cuda", generator=g) * 0.2
+    y = torch.randint(0, VOCAB, (batch * SEQ,), device="cuda", generator=g)
+    return h, w, y
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main():
+    if not torch.cuda.is_available() or fp8_loss.unavailable(torch.device("cuda")):
+        sys.exit("error: this benchmark needs an Ada or Hopper GPU")
+    print(torch.__version__, torch.cuda.get_device_name())
+    loss_kernel.prepare(torch.device("cuda"), PADDED)
+    ways = {
+        "bf16, loss kernel": torch.compile(lambda h, w, y: chunked_loss.chunked_cross_entropy(h, w, y, VOCAB, True)),
+        "fp8": torch.compile(lambda h, w, y: fp8_loss.fp8_cross_entropy(h, w, y, VOCAB)),
+    }
+    failed = False
+    for batch in (16, 64):
+        h, w, y = inputs(batch)
+        ref_h, ref_w = h.float().requires_grad_(), w.clone().requires_grad_()
+        ref = chunked_loss.reference(ref_h, ref_w, y, VOCAB)
+        ref.backward()
+        print(f"batch {batch}: reference loss {ref.item():.4f}")
+        for name, f in ways.items():
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = f(hh, ww, y)
+            loss.backward()
+            errors = (abs(loss.item() - ref.item()), rel(hh.grad, ref_h.grad), rel(ww.grad, ref_w.grad))
+            # FP8's rounding: e4m3 keeps 3 mantissa bits (a relative step of 1/16), e5m2 2 bits (1/8); over
+            # sums of hundreds of terms the errors mostly cancel. Bounds: 0.01 nats, 10% of a gradient's norm.
+            ok = errors[0] < 0.01 and errors[1] < 0.1 and errors[2] < 0.1
+            failed |= not ok
+
+            def step():
+                hh.grad = ww.grad = None
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    f(hh, ww, y).backward()
+
+            torch.cuda.reset_peak_memory_stats()
+            ms = do_bench(step, warmup=5, rep=40)
+            peak = torch.cuda.max_memory_allocated() / 2 ** 30
+            print(f"  {name:18s} {ms:7.2f} ms  peak {peak:5.1f} GiB  |loss error| {errors[0]:.1e}  "
+                  f"|grad h error| {errors[1]:.3f}  |grad w error| {errors[2]:.3f}  {'ok' if ok else 'FAILED'}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -19,10 +19,10 @@ VOCAB, PADDED, WIDTH, SEQ = 50257, 50304, 768, 1024
 
 def inputs(batch: int):
     g = torch.Generator(device="cuda").manual_seed(0)
-    # h as the final LayerNorm leaves it; the weight as GPT-2 initializes its embedding (std 0.02), then
-    # scaled so that the logits spread as a trained model's do (a loss near 4, not 10.8).
+    # h as the final LayerNorm leaves it; the weight 5x GPT-2's initial std of 0.02, so that the logits
+    # spread (std 2.8) as a model's do after some training rather than all near zero.
     h = torch.randn(batch * SEQ, WIDTH, device="cuda", generator=g).bfloat16()
-    w = torch.randn(PADDED, WIDTH, device="cuda", generator=g) * 0.2
+    w = torch.randn(PADDED, WIDTH, device="cuda", generator=g) * 0.1
     y = torch.randint(0, VOCAB, (batch * SEQ,), device="cuda", generator=g)
     return h, w, y
 
@@ -54,8 +54,9 @@ def main():
             loss.backward()
             errors = (abs(loss.item() - ref.item()), rel(hh.grad, ref_h.grad), rel(ww.grad, ref_w.grad))
             # FP8's rounding: e4m3 keeps 3 mantissa bits (a relative step of 1/16), e5m2 2 bits (1/8); over
-            # sums of hundreds of terms the errors mostly cancel. Bounds: 0.01 nats, 10% of a gradient's norm.
-            ok = errors[0] < 0.01 and errors[1] < 0.1 and errors[2] < 0.1
+            # sums of hundreds of terms the errors mostly cancel. Bounds: 0.1% of the loss, 10% of a gradient's
+            # norm (the 300-step loss in BENCHMARKS.md is the test that matters).
+            ok = errors[0] < 1e-3 * ref.item() and errors[1] < 0.1 and errors[2] < 0.1
             failed |= not ok
 
             def step():

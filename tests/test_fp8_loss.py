@@ -4,6 +4,7 @@ compiled; and where it refuses to run."""
 import pytest
 import torch
 
+from conftest import run_interpreted
 from Utils.kernels import chunked_loss, fp8_loss
 
 V, ROWS, C, N = 90, 128, 32, 96   # vocabulary, padded rows, width, tokens: 96 tokens in chunks of 40
@@ -26,10 +27,10 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(chunked_loss, "CHUNK_ROWS", 40)   # three chunks, the last one short
 
 
-def _grads(f, h, w, y, dtype, autocast):
+def _grads(f, h, w, y, dtype, autocast, vocab=V):
     h, w = h.detach().to(dtype).requires_grad_(), w.detach().to(dtype).requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss = f(h, w, y, V)
+        loss = f(h, w, y, vocab)
     loss.backward()
     return loss, h.grad, w.grad
 
@@ -86,3 +87,78 @@ def test_it_needs_an_ada_or_hopper_gpu(monkeypatch):
     assert "Ada or Hopper" in fp8_loss.unavailable(torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert fp8_loss.unavailable(torch.device("cuda")) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton kernels under the interpreter. Its float-to-FP8 cast rounds wrongly where rounding carries
+# into the exponent (1.99 becomes 1.0, not 2.0; a GPU's cast is right), so the expected gradient is cast by
+# the interpreter too: what is checked is the kernels' softmax, one-hot, scale, masks and both layouts.
+
+KERNEL_CHECKS = """
+    import json
+    import torch
+    import triton
+    import triton.language as tl
+    from Utils.kernels import fp8_loss, loss_kernel
+
+    @triton.jit
+    def cast(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + o, tl.load(x_ptr + o, mask=o < n).to(y_ptr.dtype.element_ty), mask=o < n)
+
+    g = torch.Generator().manual_seed(0)
+    rows, cols, vocab, before = 150, 200, 190, 7       # neither a multiple of the 128-wide tile
+    logits = (torch.randn(rows, cols, generator=g) * 3).bfloat16()
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    grad = torch.zeros(rows, cols, dtype=fp8_loss.E5M2)
+    # the transposed gradient lands in columns [before, before + rows) of a wider buffer, as a chunk's does
+    wide = torch.full((cols, before + rows + 5), 1.0).to(fp8_loss.E5M2)
+    row_loss = fp8_loss._softmax_grad_fp8(logits, targets, vocab, grad, wide[:, before:before + rows])
+    want_loss, want = loss_kernel.reference(logits.double(), targets, vocab, torch.float64)
+    scaled = (want * fp8_loss.GRAD_SCALE).float().contiguous()
+    expected = torch.empty(rows, cols, dtype=fp8_loss.E5M2)
+    cast[(triton.cdiv(scaled.numel(), 1024),)](scaled, expected, scaled.numel(), BLOCK=1024)
+    step = (grad.float() - expected.float()).abs() / expected.float().abs().clamp(min=2.0 ** -16)
+    print(json.dumps(dict(
+        kernels=fp8_loss._kernels is not None and fp8_loss.INTERPRETED,
+        loss_err=(row_loss.double() - want_loss).abs().max().item(),
+        same=(grad.view(torch.uint8) == expected.view(torch.uint8)).float().mean().item(),
+        largest_step=step.max().item(),
+        transposed=torch.equal(wide[:, before:before + rows].view(torch.uint8), grad.t().view(torch.uint8)),
+        untouched=bool((wide[:, :before].float() == 1).all() and (wide[:, before + rows:].float() == 1).all()),
+        padded=grad[:, vocab:].float().abs().max().item(),
+        target=grad.float()[torch.arange(rows), targets].max().item())))
+"""
+
+
+def test_the_triton_kernels_write_the_scaled_gradient_in_both_layouts(repo_root):
+    r = run_interpreted(KERNEL_CHECKS, repo_root)
+    assert r["kernels"], "the kernels did not run under the interpreter"
+    assert r["loss_err"] < 1e-4
+    # exp in fp32 against float64: a few values land one FP8 step apart (e5m2's step is 1/4 to 1/8 of a value)
+    assert r["same"] > 0.99 and r["largest_step"] <= 0.25
+    assert r["transposed"] and r["untouched"] and r["padded"] == 0
+    assert r["target"] < 0   # the one-hot: the target's gradient is p - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU: the kernels' cast is the hardware's, and the whole loss runs through cuBLASLt's FP8 GEMMs.
+
+@pytest.mark.gpu
+def test_on_a_gpu_it_is_the_reference_within_fp8_rounding(monkeypatch):
+    if not torch.cuda.is_available() or fp8_loss.unavailable(torch.device("cuda")):
+        pytest.skip("needs an Ada or Hopper GPU")
+    monkeypatch.setattr(chunked_loss, "CHUNK_ROWS", 256)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.nn.functional.layer_norm(torch.randn(1024, 256, device="cuda", generator=g), (256,))
+    w = torch.randn(1000, 256, device="cuda", generator=g) * 0.1
+    y = torch.randint(0, 990, (1024,), device="cuda", generator=g)
+    want, want_h, want_w = _grads(chunked_loss.reference, h.cpu().double(), w.cpu().double(), y.cpu(),
+                                  torch.float64, False, vocab=990)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = fp8_loss.fp8_cross_entropy(hh, ww, y, 990)
+    loss.backward()
+    assert abs(loss.item() - want.item()) < 0.01
+    assert _rel(hh.grad.cpu(), want_h) < 0.08 and _rel(ww.grad[:990].cpu(), want_w[:990]) < 0.08
+    assert torch.count_nonzero(ww.grad[990:]) == 0

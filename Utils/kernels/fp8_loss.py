@@ -1,33 +1,49 @@
 """The chunked loss (Utils.kernels.chunked_loss) with the output layer's three GEMMs in FP8.
 
-GPT-2's output layer is a third of its matmul FLOPs: at batch 64 its forward GEMM and the two of its
-backward take about 26 of the max rung's 107 ms (issue 25's profile). Hopper's and Ada's tensor cores
-multiply FP8 at twice the bf16 rate. Here the layer's input h and weight go to e4m3 (3 mantissa bits)
-with one scale per tensor, its amax, and the logits' gradient, softmax minus one-hot, goes to e5m2
-(2 mantissa bits, 5 exponent bits): the split Transformer Engine's "hybrid" recipe makes, precision
-for values and range for gradients. The gradient needs no amax: it lies in [-1, 1], so a fixed scale of
-2^15 fits it under e5m2's largest value (57,344) and keeps probabilities down to 2^-31.
+GPT-2's output layer is a third of its matmul FLOPs: at batch 16 its forward GEMM and the two of its
+backward take 4.9 ms of the max rung's 29 ms (bench/fp8_loss.py's profile, BENCHMARKS.md). Hopper's and
+Ada's tensor cores multiply FP8 at twice the bf16 rate. Here the layer's input h and weight go to e4m3
+(3 mantissa bits) with one scale per tensor, from its amax, and the logits' gradient, softmax minus
+one-hot, goes to e5m2 (2 mantissa bits, 5 exponent bits): the split Transformer Engine's "hybrid" recipe
+makes, precision for values and range for gradients. The gradient needs no amax: it lies in [-1, 1], so
+a fixed scale of 2^15 fits it under e5m2's largest value (57,344) and keeps probabilities down to 2^-31.
 
-Hopper's FP8 GEMMs take both operands with the reduced dimension contiguous, so each operand is cast
-in the layout its GEMM reads: the weight twice (vocabulary-major for the logits, width-major for h's
-gradient), the gradient twice (row-major for h's gradient, transposed for the weight's). The weight's
-gradient is one GEMM over all the tokens at the end, which reads the transposed FP8 gradients of every
-chunk (1 byte per logit: 3.3 GB at batch 64) rather than adding one fp32 product per chunk into it.
+Hopper's FP8 GEMMs read both operands along the summed dimension, so each operand is cast in the layout
+its GEMM reads: the weight twice (vocabulary-major for the logits, width-major for h's gradient), the
+gradient twice (row-major for h's gradient, transposed for the weight's). Two Triton kernels make the
+gradient from each chunk's bf16 logits: one finds each row's log-sum-exp and loss, the other writes the
+FP8 gradient in both layouts, the transposed one straight into the columns of a buffer for all tokens
+(1 byte per logit: 3.3 GB at batch 64), which the weight's gradient then reads in one GEMM. Inductor's
+fusion of the same expressions took 1.0 ms per 4,096-row chunk on an H200, for the transposed writes.
 
-The logits and the loss stay bf16 and fp32, as in the bf16 chunked loss. Under torch.compile, Inductor
-fuses each chunk's softmax, its gradient and both FP8 casts into one pass over the logits.
+The whole forward pass is one operator, so that torch.compile and CUDA graphs see one opaque call; the
+casts around it are Inductor's. On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1),
+or as PyTorch operations without it.
 
 Reference: chunked_loss.reference, which this matches within FP8's rounding (tests/test_fp8_loss.py).
 """
+import os
+
 import torch
 from torch import Tensor
 
 from Utils.kernels import chunked_loss, loss_kernel
 
+try:
+    import triton
+    import triton.language as tl
+except Exception:   # absent, or broken: PyTorch operations instead
+    triton = None
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 E4M3_MAX = torch.finfo(E4M3).max            # 448
 GRAD_SCALE = 2.0 ** 15                       # |softmax - one-hot| <= 1, and e5m2's largest value is 57,344
 ALIGN = 16                                   # FP8 GEMMs need every dimension a multiple of 16 bytes
+# The log-sum-exp pass: columns per load and warps, the loss kernel's Triton pass (Utils.kernels.loss_kernel).
+LSE_BLOCK, LSE_WARPS = loss_kernel.BLOCK, loss_kernel.NUM_WARPS
+# The gradient pass: a square tile, so that both layouts are written 128 bytes at a time.
+TILE, TILE_WARPS = 128, 8
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -53,6 +69,112 @@ def to_e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
     return (x.detach().float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale.reciprocal()
 
 
+def _define_triton():
+    # --- Each row's log-sum-exp and loss, one row per program: the running maximum and the sum of
+    # exponentials rescaled to it ("online softmax"), over the first vocab_size columns.
+    @triton.jit
+    def _row_lse_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, vocab_size, row_stride, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * row_stride
+        offsets = tl.arange(0, BLOCK)
+        m = tl.full([BLOCK], -1e30, tl.float32)   # not -inf: a lane that sees only masked columns stays finite
+        s = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, vocab_size, BLOCK):
+            cols = start + offsets
+            x = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, x)
+            s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
+            m = m_new
+        m_row = tl.max(m, 0)
+        lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), 0))
+        tl.store(lse_ptr + row, lse)
+        tl.store(loss_ptr + row, lse - tl.load(base + tl.load(targets_ptr + row)).to(tl.float32))
+
+    # --- softmax minus one-hot over a TILE x TILE block of logits, scaled and cast to e5m2, written row-major
+    # into grad and transposed into grad_t: the tile goes through shared memory (tl.trans), so that both
+    # stores write whole rows of the tile.
+    @triton.jit
+    def _grad_fp8_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, grad_t_ptr, n_rows, n_cols, vocab_size,
+                         row_stride, grad_t_stride, scale, TILE: tl.constexpr):
+        rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
+        cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
+        in_rows, in_cols = rows < n_rows, cols < n_cols
+        mask = in_rows[:, None] & in_cols[None, :]
+        rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+        x = tl.load(logits_ptr + rows64[:, None] * row_stride + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + rows, mask=in_rows, other=0.0)
+        target = tl.load(targets_ptr + rows, mask=in_rows, other=-1)
+        p = tl.where(cols[None, :] < vocab_size, tl.exp(x - lse[:, None]), 0.0)   # padded columns: zero
+        g = ((p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * scale).to(grad_ptr.dtype.element_ty)
+        tl.store(grad_ptr + rows64[:, None] * n_cols + cols64[None, :], g, mask=mask)
+        tl.store(grad_t_ptr + cols64[:, None] * grad_t_stride + rows64[None, :], tl.trans(g), mask=tl.trans(mask))
+
+    return _row_lse_kernel, _grad_fp8_kernel
+
+
+_kernels = None
+if triton is not None:
+    try:
+        _kernels = _define_triton()
+    except Exception:   # a broken Triton: as if it were absent
+        pass
+
+
+def _softmax_grad_fp8(logits: Tensor, targets: Tensor, vocab_size: int, grad: Tensor, grad_t: Tensor) -> Tensor:
+    """Write (softmax - one-hot) * GRAD_SCALE of logits [rows, cols] over the first vocab_size columns, in
+    e5m2, into grad [rows, cols] and grad_t [cols, rows] (its rows may be strided); return each row's loss."""
+    rows, cols = logits.shape
+    if _kernels is not None and (logits.is_cuda or INTERPRETED):
+        lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        row_loss = torch.empty_like(lse)
+        row_lse, grad_fp8 = _kernels
+        row_lse[(rows,)](logits, targets, lse, row_loss, vocab_size, logits.stride(0), BLOCK=LSE_BLOCK,
+                         num_warps=LSE_WARPS)
+        grid = (triton.cdiv(rows, TILE), triton.cdiv(cols, TILE))
+        grad_fp8[grid](logits, lse, targets, grad, grad_t, rows, cols, vocab_size, logits.stride(0),
+                       grad_t.stride(0), GRAD_SCALE, TILE=TILE, num_warps=TILE_WARPS)
+        return row_loss
+    row_loss, g = loss_kernel.reference(logits, targets, vocab_size)
+    grad.copy_((g.float() * GRAD_SCALE).to(E5M2))
+    grad_t.copy_(grad.t())
+    return row_loss
+
+
+# One operator, so that torch.compile and CUDA graphs see one opaque call: inside it, buffers are written in
+# place chunk by chunk, which a traced graph would have to copy.
+@torch.library.custom_op("gpt_suite::fp8_output_layer", mutates_args=())
+def _output_layer(h8: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Tensor, w_inv: Tensor, targets: Tensor,
+                  vocab_size: int, chunk_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    n, width = h8.shape
+    n_cols = w8.size(0)
+    g_inv = torch.full((), 1 / GRAD_SCALE, device=h8.device)
+    row_loss = torch.empty(n, dtype=torch.float32, device=h8.device)
+    grad_h = torch.empty(n, width, dtype=torch.bfloat16, device=h8.device)
+    grad = torch.empty(min(n, chunk_rows), n_cols, dtype=E5M2, device=h8.device)
+    grad_t = torch.empty(n_cols, n, dtype=E5M2, device=h8.device)   # every chunk's gradient, transposed
+    for i in range(0, n, chunk_rows):
+        rows = slice(i, i + chunk_rows)
+        # Fast accumulation (Hopper's, without promoting partial sums to fp32) on the logits' GEMM only,
+        # whose sums run over the 768 features; the gradients' run over the vocabulary or the tokens.
+        logits = torch._scaled_mm(h8[rows], w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=torch.bfloat16,
+                                  use_fast_accum=True)
+        g = grad[:logits.size(0)]
+        row_loss[rows] = _softmax_grad_fp8(logits, targets[rows], vocab_size, g, grad_t[:, rows])
+        grad_h[rows] = torch._scaled_mm(g, w8_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=torch.bfloat16)
+    # One GEMM over every token: the gradients (e5m2) against h (e4m3, token-major as the GEMM reads it;
+    # Hopper has no e5m2 x e5m2 GEMM), in fp32 as the optimizer's gradient is.
+    grad_w = torch._scaled_mm(grad_t, h8.t().contiguous().t(), scale_a=g_inv, scale_b=h_inv,
+                              out_dtype=torch.float32)
+    return row_loss, grad_h, grad_w
+
+
+@_output_layer.register_fake
+def _(h8, h_inv, w8, w8_t, w_inv, targets, vocab_size, chunk_rows):
+    n, width = h8.shape
+    return (h8.new_empty(n, dtype=torch.float32), h8.new_empty(n, width, dtype=torch.bfloat16),
+            h8.new_empty(w8.shape, dtype=torch.float32))
+
+
 class _Fp8CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, vocab_size):
@@ -60,37 +182,18 @@ class _Fp8CrossEntropy(torch.autograd.Function):
         if n % ALIGN or width_problem(width):
             raise ValueError(width_problem(width) or f"FP8 GEMMs need the tokens per step ({n}) to be a multiple "
                              f"of {ALIGN}: choose BATCH_SIZE x SEQ_LEN accordingly")
-        out = torch.bfloat16
         # The GEMMs' dtypes are chosen here; autocast has no rule for FP8 operands.
         with torch.autocast(h.device.type, enabled=False):
-            # Padded as the loss kernel's logits are: the reduced dimension of h's gradient GEMM is the
-            # vocabulary, which must be a multiple of 16; padded columns get zero gradient below.
-            w = torch.nn.functional.pad(weight, (0, 0, 0, chunked_loss.kernel_logits_width(weight.size(0)) - weight.size(0)))
-            w8, w_inv = to_e4m3(w)                        # [vocab, width]: read by the logits' GEMM
-            w8_t = w8.t().contiguous()                    # [width, vocab]: read by h's gradient GEMM
-            h8, h_inv = to_e4m3(h)                        # [tokens, width]
-            g_inv = torch.full((), 1 / GRAD_SCALE, device=h.device)
-            loss = torch.zeros((), dtype=torch.float32, device=h.device)
-            grad_h = torch.empty(n, width, dtype=out, device=h.device)
-            grad_t = []                                   # each chunk's FP8 gradient, transposed: [vocab, rows]
-            for i in range(0, n, chunked_loss.CHUNK_ROWS):
-                rows = slice(i, i + chunked_loss.CHUNK_ROWS)
-                # Fast accumulation (Hopper's, without promoting partial sums to fp32) on the logits' GEMM
-                # only, whose sums run over 768 terms; the gradients' run over the vocabulary or the tokens.
-                logits = torch._scaled_mm(h8[rows], w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=out,
-                                          use_fast_accum=True)
-                row_loss, grad = loss_kernel.reference(logits, targets[rows], vocab_size)
-                loss = loss + row_loss.sum()
-                g8 = (grad.float() * GRAD_SCALE).to(E5M2)
-                grad_h[rows] = torch._scaled_mm(g8, w8_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=out)
-                grad_t.append(g8.t().contiguous())
-            # One GEMM over every token: the gradients (e5m2) against h (e4m3, token-major as the GEMM reads it;
-            # Hopper has no e5m2 x e5m2 GEMM), in fp32 as the optimizer's gradient is.
-            grad_w = torch._scaled_mm(torch.cat(grad_t, dim=1), h8.t().contiguous().t(), scale_a=g_inv,
-                                      scale_b=h_inv, out_dtype=torch.float32)
-            ctx.save_for_backward(grad_h, grad_w[:weight.size(0)])
-            ctx.n, ctx.h_dtype, ctx.weight_dtype = n, h.dtype, weight.dtype
-            return loss / n
+            # Padded as the loss kernel's logits are: h's gradient GEMM sums over the vocabulary, which must
+            # be a multiple of 16; the padded columns get zero gradient.
+            pad = chunked_loss.kernel_logits_width(weight.size(0)) - weight.size(0)
+            w8, w_inv = to_e4m3(torch.nn.functional.pad(weight, (0, 0, 0, pad)))   # [vocab, width]
+            h8, h_inv = to_e4m3(h)                                                  # [tokens, width]
+            row_loss, grad_h, grad_w = _output_layer(h8, h_inv, w8, w8.t().contiguous(), w_inv,
+                                                     targets.contiguous(), vocab_size, chunked_loss.CHUNK_ROWS)
+        ctx.save_for_backward(grad_h, grad_w[:weight.size(0)])
+        ctx.n, ctx.h_dtype, ctx.weight_dtype = n, h.dtype, weight.dtype
+        return row_loss.sum() / n
 
     @staticmethod
     def backward(ctx, grad_out):

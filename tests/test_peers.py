@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 
 import numpy as np
 import pytest
@@ -150,6 +151,30 @@ def test_parse_reads_the_steps_and_memory_train_gpt2cu_prints():
     assert steps == expected
     assert memory == pytest.approx(27915 / 1024)
     assert llmc.parse("no step lines here\n") == ([], None)
+
+
+def test_sampling_starts_when_the_warm_up_steps_have_been_printed(tmp_path):
+    # A stand-in for train_gpt2cu that prints four step lines, with the time each was printed: the sampler
+    # must start after the second (the end of a 2-step warm-up) and before the third.
+    program = tmp_path / "steps.py"
+    program.write_text("import sys, time\n"
+                       "for i in range(1, 5):\n"
+                       f"    print({STEP_FORMAT!r} % (i, 4, 5.0, 0, 1.0, 0, 6e-4, 100.0, 40.0, 1000.0), time.monotonic(),"
+                       " flush=True)\n"
+                       "    time.sleep(0.2)\n"
+                       "print('oops', file=sys.stderr); sys.exit(3)\n")
+    started = []
+    status, output = llmc.run_streamed([sys.executable, str(program)], str(tmp_path), 2,
+                                       lambda: started.append(time.monotonic()))
+    printed = [float(line.split()[-1]) for line in output.splitlines() if line.startswith("step")]
+    assert status == 3 and output.rstrip().endswith("oops")   # stderr is kept, after stdout
+    assert len(started) == 1 and printed[1] <= started[0] < printed[2]
+    assert [s for s, _, _ in llmc.parse(output)[0]] == [0, 1, 2, 3]
+    started.clear()
+    _, output = llmc.run_streamed([sys.executable, str(program)], str(tmp_path), 0,
+                                  lambda: started.append(time.monotonic()))
+    first = float(output.splitlines()[0].split()[-1])
+    assert len(started) == 1 and started[0] < first   # no warm-up: sampled from the start
 
 
 def test_command_trains_from_random_weights_with_gelu_fused_and_no_recompute():

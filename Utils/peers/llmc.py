@@ -247,7 +247,7 @@ def main(argv: list[str], command_line: str) -> int:
 
 def train(cfg, tokens: np.ndarray, run: dict, log: str, start_sampling: Callable[[], None]
           ) -> tuple[list[tuple[int, float, float]], float | None]:
-    """Build llm.c and train cfg.steps steps on `tokens`, calling start_sampling() as train_gpt2cu starts;
+    """Build llm.c and train cfg.steps steps on `tokens`, calling start_sampling() as its warm-up ends;
     ([(step, loss, ms)], memory GiB). Raises Unavailable where it cannot be built or run here, RuntimeError
     where it fails."""
     if cfg.device != "cuda":
@@ -277,16 +277,36 @@ def train(cfg, tokens: np.ndarray, run: dict, log: str, start_sampling: Callable
         shown = " ".join(["train_gpt2cu"] + [a if a != data else "tokens.bin" for a in args[1:]])
         run["notes"] = (f"{what}, built with {nvcc}; {shown}; step times are llm.c's own "
                         f"(CUDA events around each step's work)")
-        start_sampling()
-        done = subprocess.run(args, cwd=work, capture_output=True, text=True)
+        returncode, output = run_streamed(args, work, cfg.warmup, start_sampling)
     with open(log, "w", encoding="utf-8") as f:
-        f.write(done.stdout + done.stderr)
-    steps, memory = parse(done.stdout)
-    if done.returncode or len(steps) != cfg.steps:
-        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(f"train_gpt2cu exited with status {done.returncode} after {len(steps)} of {cfg.steps} "
+        f.write(output)
+    steps, memory = parse(output)
+    if returncode or len(steps) != cfg.steps:
+        last = output.strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"train_gpt2cu exited with status {returncode} after {len(steps)} of {cfg.steps} "
                            f"steps ({last[0][:200]}; the whole output: {log})")
     return steps, memory
+
+
+def run_streamed(args: list[str], cwd: str, warmup: int, start_sampling: Callable[[], None]) -> tuple[int, str]:
+    """Run args, reading its output (stderr with stdout) as it comes, and call start_sampling() once the step
+    line that ends the warm-up is printed: the GPU's clocks and power are then those of the measured steps,
+    not of llm.c's start-up (model, data and cuDNN set-up take longer than 30 steps). llm.c's printf is
+    buffered when its output is a pipe; coreutils' stdbuf makes it flush each line. Without stdbuf the
+    sampling starts with the program. Returns (exit status, output)."""
+    stdbuf = shutil.which("stdbuf")
+    if warmup == 0 or not stdbuf:
+        start_sampling()
+        warmup = -1
+    lines = []
+    with subprocess.Popen(([stdbuf, "-oL"] if stdbuf else []) + args, cwd=cwd, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            lines.append(line)
+            m = STEP_LINE.match(line)
+            if m and int(m.group(1)) == warmup:   # llm.c numbers its steps from 1
+                start_sampling()
+    return proc.returncode, "".join(lines)
 
 
 def _nvcc_version(nvcc: str) -> str:

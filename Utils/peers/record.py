@@ -21,7 +21,7 @@ from Utils.train.run import EXIT_FAILED, EXIT_SKIPPED, record, summarize
 from Utils.train.usage import fail
 
 # train(cfg, tokens, run, log path, start_sampling) -> ([(step from 0, loss, ms)], peak memory GiB or None), calling
-# start_sampling() as its program starts; raises Unavailable where the peer cannot run here, any other exception
+# start_sampling() when its warm-up steps end; raises Unavailable where the peer cannot run here, any other exception
 # where it failed.
 Trainer = Callable[..., tuple[list[tuple[int, float, float]], "float | None"]]
 
@@ -47,8 +47,8 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
     print(f"{name} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {data_name} | {cfg.device} | "
           f"steps {cfg.steps} (warm-up {cfg.warmup})", flush=True)
     device = torch.device(cfg.device)
-    # The GPU is sampled from the moment the peer's program starts (its own start-up too: its steps are not
-    # visible from here), never over its build.
+    # The GPU is sampled from the end of the peer's warm-up steps (where its output shows them as they come)
+    # to the end of its program, never over its build or start-up.
     sampler = nvml.Sampler(gpu_uuid(device)) if device.type == "cuda" else None
     steps, status, message, code, memory = [], "ok", "", 0, None
     log = os.path.join(cfg.prefix, f"{run_id}.log")

@@ -53,7 +53,7 @@ def main():
                 loss = f(hh, ww, y)
             loss.backward()
             errors = (abs(loss.item() - ref.item()), rel(hh.grad, ref_h.grad), rel(ww.grad, ref_w.grad))
-            # FP8's rounding: e4m3 keeps 3 mantissa bits (a relative step of 1/16), e5m2 2 bits (1/8); over
+            # FP8's rounding: e4m3 keeps 3 mantissa bits (off by at most 1/16 of a value), e5m2 2 (1/8); over
             # sums of hundreds of terms the errors mostly cancel. Bounds: 0.1% of the loss, 10% of a gradient's
             # norm (the 300-step loss in BENCHMARKS.md is the test that matters).
             ok = errors[0] < 1e-3 * ref.item() and errors[1] < 0.1 and errors[2] < 0.1

@@ -1,7 +1,7 @@
 """The chunked loss (Utils.kernels.chunked_loss) with the output layer's three GEMMs in FP8.
 
 GPT-2's output layer is a third of its matmul FLOPs: at batch 16 its forward GEMM and the two of its
-backward take 4.9 ms of the max rung's 29 ms (bench/fp8_loss.py's profile, BENCHMARKS.md). Hopper's and
+backward take 4.9 ms of the max rung's 29 ms (results/logs/fp8-head-first-profile-ba4cc87.log). Hopper's and
 Ada's tensor cores multiply FP8 at twice the bf16 rate. Here the layer's input h and weight go to e4m3
 (3 mantissa bits) with one scale per tensor, from its amax, and the logits' gradient, softmax minus
 one-hot, goes to e5m2 (2 mantissa bits, 5 exponent bits): the split Transformer Engine's "hybrid" recipe
@@ -13,12 +13,12 @@ its GEMM reads: the weight twice (vocabulary-major for the logits, width-major f
 gradient twice (row-major for h's gradient, transposed for the weight's). Two Triton kernels make the
 gradient from each chunk's bf16 logits: one finds each row's log-sum-exp and loss, the other writes the
 FP8 gradient in both layouts, the transposed one straight into the columns of a buffer for all tokens
-(1 byte per logit: 3.3 GB at batch 64), which the weight's gradient then reads in one GEMM. Inductor's
-fusion of the same expressions took 1.0 ms per 4,096-row chunk on an H200, for the transposed writes.
+(1 byte per logit: 3.3 GB at batch 64), which the weight's gradient then reads in one GEMM.
 
 The whole forward pass is one operator, so that torch.compile and CUDA graphs see one opaque call; the
-casts around it are Inductor's. On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1),
-or as PyTorch operations without it.
+casts around it are Inductor's. On a CPU the gradient is PyTorch operations; under Triton's interpreter
+(TRITON_INTERPRET=1) the kernels run instead, for their tests only: the interpreter's cast to FP8 rounds
+wrongly where rounding carries into the exponent (1.99 becomes 1.0).
 
 Reference: chunked_loss.reference, which this matches within FP8's rounding (tests/test_fp8_loss.py).
 """
@@ -147,15 +147,16 @@ def _output_layer(h8: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Tensor, w_inv: Te
                   vocab_size: int, chunk_rows: int) -> tuple[Tensor, Tensor, Tensor]:
     n, width = h8.shape
     n_cols = w8.size(0)
-    g_inv = torch.full((), 1 / GRAD_SCALE, device=h8.device)
+    g_inv = torch.full((), 1 / GRAD_SCALE, dtype=torch.float32, device=h8.device)
     row_loss = torch.empty(n, dtype=torch.float32, device=h8.device)
     grad_h = torch.empty(n, width, dtype=torch.bfloat16, device=h8.device)
     grad = torch.empty(min(n, chunk_rows), n_cols, dtype=E5M2, device=h8.device)
     grad_t = torch.empty(n_cols, n, dtype=E5M2, device=h8.device)   # every chunk's gradient, transposed
     for i in range(0, n, chunk_rows):
         rows = slice(i, i + chunk_rows)
-        # Fast accumulation (Hopper's, without promoting partial sums to fp32) on the logits' GEMM only,
-        # whose sums run over the 768 features; the gradients' run over the vocabulary or the tokens.
+        # Fast accumulation (Hopper's, which never promotes its partial sums to fp32, losing precision as a
+        # sum grows) on the logits' GEMM only, whose sums run over the 768 features; the gradients' GEMMs sum
+        # over the 50,304 words or the tokens.
         logits = torch._scaled_mm(h8[rows], w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=torch.bfloat16,
                                   use_fast_accum=True)
         g = grad[:logits.size(0)]
@@ -205,5 +206,14 @@ class _Fp8CrossEntropy(torch.autograd.Function):
 def fp8_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, vocab_size: int) -> Tensor:
     """Mean cross-entropy of h [N, C] @ weight[:vocab_size].T against targets [N], the three GEMMs in FP8,
     without materializing the logits; weight's rows from vocab_size on get a zero gradient. N and C must
-    be multiples of 16, and unavailable(device) None."""
+    be multiples of 16, and unavailable(device) None. Targets must lie in [0, vocab_size): the kernels read
+    each row's target logit unchecked, as the loss kernel does (a check would read the targets back)."""
+    if h.dim() != 2 or weight.dim() != 2 or weight.size(1) != h.size(1):
+        raise ValueError(f"h must be [tokens, width] and weight [rows, width], got {tuple(h.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if targets.shape != (h.size(0),) or targets.device != h.device:
+        raise ValueError(f"targets must be one per row of h ({h.size(0)}) on {h.device}, got shape "
+                         f"{tuple(targets.shape)} on {targets.device}")
+    if not 0 < vocab_size <= weight.size(0):
+        raise ValueError(f"vocab_size={vocab_size} must be between 1 and the weight's rows {weight.size(0)}")
     return _Fp8CrossEntropy.apply(h, weight, targets, vocab_size)

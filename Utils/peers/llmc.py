@@ -276,7 +276,8 @@ def train(cfg, tokens: np.ndarray, run: dict, log: str, start_sampling: Callable
         args = command(binary, data, DESCRIPTORS[cfg.model], cfg.batch_size, cfg.seq_len, cfg.steps)
         shown = " ".join(["train_gpt2cu"] + [a if a != data else "tokens.bin" for a in args[1:]])
         run["notes"] = (f"{what}, built with {nvcc}; {shown}; step times are llm.c's own "
-                        f"(CUDA events around each step's work)")
+                        f"(CUDA events around each step's work)"
+                        + ("" if shutil.which("stdbuf") else "; no stdbuf: the GPU sampled from the program's start"))
         returncode, output = run_streamed(args, work, cfg.warmup, start_sampling)
     with open(log, "w", encoding="utf-8") as f:
         f.write(output)
@@ -300,7 +301,7 @@ def run_streamed(args: list[str], cwd: str, warmup: int, start_sampling: Callabl
         warmup = -1
     lines = []
     with subprocess.Popen(([stdbuf, "-oL"] if stdbuf else []) + args, cwd=cwd, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True) as proc:
+                          stderr=subprocess.STDOUT, text=True, encoding="utf-8", errors="replace") as proc:
         for line in proc.stdout:
             lines.append(line)
             m = STEP_LINE.match(line)

@@ -211,9 +211,5 @@ def fp8_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, vocab_size: in
     if h.dim() != 2 or weight.dim() != 2 or weight.size(1) != h.size(1):
         raise ValueError(f"h must be [tokens, width] and weight [rows, width], got {tuple(h.shape)} and "
                          f"{tuple(weight.shape)}")
-    if targets.shape != (h.size(0),) or targets.device != h.device:
-        raise ValueError(f"targets must be one per row of h ({h.size(0)}) on {h.device}, got shape "
-                         f"{tuple(targets.shape)} on {targets.device}")
-    if not 0 < vocab_size <= weight.size(0):
-        raise ValueError(f"vocab_size={vocab_size} must be between 1 and the weight's rows {weight.size(0)}")
+    loss_kernel.check_targets(targets, h, "h", vocab_size, weight.size(0), "the weight's rows")
     return _Fp8CrossEntropy.apply(h, weight, targets, vocab_size)

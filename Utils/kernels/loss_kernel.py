@@ -183,12 +183,19 @@ def cross_entropy_grad(logits: Tensor, targets: Tensor, vocab_size: int) -> Tens
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"the cross-entropy kernel needs 2-D logits with contiguous rows, got shape "
                          f"{tuple(logits.shape)} and strides {logits.stride()}")
-    if targets.shape != (logits.size(0),) or targets.device != logits.device:
-        raise ValueError(f"targets must be one per row of logits ({logits.size(0)}) on {logits.device}, got "
-                         f"shape {tuple(targets.shape)} on {targets.device}")
-    if not 0 < vocab_size <= logits.size(1):
-        raise ValueError(f"vocab_size={vocab_size} must be between 1 and the logits' width {logits.size(1)}")
+    check_targets(targets, logits, "logits", vocab_size, logits.size(1), "the logits' width")
     return _op(logits, targets.contiguous(), vocab_size)
+
+
+def check_targets(targets: Tensor, rows: Tensor, rows_name: str, vocab_size: int, columns: int,
+                  columns_name: str) -> None:
+    """Raise ValueError unless targets are one per row of `rows` on its device and vocab_size lies in
+    [1, columns]: the checks a loss over padded logits makes before its kernels read a target unchecked."""
+    if targets.shape != (rows.size(0),) or targets.device != rows.device:
+        raise ValueError(f"targets must be one per row of {rows_name} ({rows.size(0)}) on {rows.device}, got "
+                         f"shape {tuple(targets.shape)} on {targets.device}")
+    if not 0 < vocab_size <= columns:
+        raise ValueError(f"vocab_size={vocab_size} must be between 1 and {columns_name} {columns}")
 
 
 def reference(logits: Tensor, targets: Tensor, vocab_size: int,

@@ -296,16 +296,16 @@ def run_streamed(args: list[str], cwd: str, warmup: int, start_sampling: Callabl
     buffered when its output is a pipe; coreutils' stdbuf makes it flush each line. Without stdbuf the
     sampling starts with the program. Returns (exit status, output)."""
     stdbuf = shutil.which("stdbuf")
-    if warmup == 0 or not stdbuf:
+    last_warmup_line = warmup if warmup and stdbuf else None   # llm.c numbers its steps from 1
+    if last_warmup_line is None:
         start_sampling()
-        warmup = -1
     lines = []
     with subprocess.Popen(([stdbuf, "-oL"] if stdbuf else []) + args, cwd=cwd, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, encoding="utf-8", errors="replace") as proc:
         for line in proc.stdout:
             lines.append(line)
             m = STEP_LINE.match(line)
-            if m and int(m.group(1)) == warmup:   # llm.c numbers its steps from 1
+            if m and int(m.group(1)) == last_warmup_line:
                 start_sampling()
     return proc.returncode, "".join(lines)
 

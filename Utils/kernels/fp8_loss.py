@@ -39,10 +39,11 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 E4M3_MAX = torch.finfo(E4M3).max            # 448
 GRAD_SCALE = 2.0 ** 15                       # |softmax - one-hot| <= 1, and e5m2's largest value is 57,344
 ALIGN = 16                                   # FP8 GEMMs need every dimension a multiple of 16 bytes
-# The log-sum-exp pass: columns per load and warps, the loss kernel's Triton pass (Utils.kernels.loss_kernel).
-LSE_BLOCK, LSE_WARPS = loss_kernel.BLOCK, loss_kernel.NUM_WARPS
-# The gradient pass: a square tile, so that both layouts are written 128 bytes at a time.
-TILE, TILE_WARPS = 128, 8
+# The launch shapes, timed on an H200 by bench/fp8_kernels.py (BENCHMARKS.md): the log-sum-exp pass's rows
+# per program, columns per load and warps; the gradient pass's tile (rows, columns) and warps. A tile of
+# 128 rows writes its transposed rows 128 bytes at a time.
+LSE_ROWS, LSE_BLOCK, LSE_WARPS = 1, loss_kernel.BLOCK, loss_kernel.NUM_WARPS
+TILE_R, TILE_C, TILE_WARPS = 128, 128, 8
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -70,34 +71,38 @@ def to_e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _define_triton():
-    # --- Each row's log-sum-exp and loss, one row per program: the running maximum and the sum of
+    # --- Each row's log-sum-exp and loss, ROWS rows per program: the running maximum and the sum of
     # exponentials rescaled to it ("online softmax"), over the first vocab_size columns.
     @triton.jit
-    def _row_lse_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, vocab_size, row_stride, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        base = logits_ptr + row * row_stride
-        offsets = tl.arange(0, BLOCK)
-        m = tl.full([BLOCK], -1e30, tl.float32)   # not -inf: a lane that sees only masked columns stays finite
-        s = tl.zeros([BLOCK], tl.float32)
+    def _row_lse_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, n_rows, vocab_size, row_stride,
+                        ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        in_rows = rows < n_rows
+        base = logits_ptr + rows.to(tl.int64)[:, None] * row_stride
+        offsets = tl.arange(0, BLOCK)[None, :]
+        m = tl.full([ROWS, BLOCK], -1e30, tl.float32)   # not -inf: a lane that sees only masked columns stays finite
+        s = tl.zeros([ROWS, BLOCK], tl.float32)
         for start in range(0, vocab_size, BLOCK):
             cols = start + offsets
-            x = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+            x = tl.load(base + cols, mask=in_rows[:, None] & (cols < vocab_size), other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, x)
             s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
             m = m_new
-        m_row = tl.max(m, 0)
-        lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), 0))
-        tl.store(lse_ptr + row, lse)
-        tl.store(loss_ptr + row, lse - tl.load(base + tl.load(targets_ptr + row)).to(tl.float32))
+        m_row = tl.max(m, 1)
+        lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row[:, None]), 1))
+        tl.store(lse_ptr + rows, lse, mask=in_rows)
+        target = tl.load(targets_ptr + rows, mask=in_rows, other=0)
+        target_logit = tl.load(logits_ptr + rows.to(tl.int64) * row_stride + target, mask=in_rows, other=0.0)
+        tl.store(loss_ptr + rows, lse - target_logit.to(tl.float32), mask=in_rows)
 
-    # --- softmax minus one-hot over a TILE x TILE block of logits, scaled and cast to e5m2, written row-major
-    # into grad and transposed into grad_t: the tile goes through shared memory (tl.trans), so that both
-    # stores write whole rows of the tile.
+    # --- softmax minus one-hot over a TILE_R x TILE_C block of logits, scaled and cast to e5m2, written
+    # row-major into grad and transposed into grad_t: the tile goes through shared memory (tl.trans), so
+    # that both stores write whole rows of the tile.
     @triton.jit
     def _grad_fp8_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, grad_t_ptr, n_rows, n_cols, vocab_size,
-                         row_stride, grad_t_stride, scale, TILE: tl.constexpr):
-        rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
-        cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
+                         row_stride, grad_t_stride, scale, TILE_R: tl.constexpr, TILE_C: tl.constexpr):
+        rows = tl.program_id(0) * TILE_R + tl.arange(0, TILE_R)
+        cols = tl.program_id(1) * TILE_C + tl.arange(0, TILE_C)
         in_rows, in_cols = rows < n_rows, cols < n_cols
         mask = in_rows[:, None] & in_cols[None, :]
         rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
@@ -128,11 +133,11 @@ def _softmax_grad_fp8(logits: Tensor, targets: Tensor, vocab_size: int, grad: Te
         lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
         row_loss = torch.empty_like(lse)
         row_lse, grad_fp8 = _kernels
-        row_lse[(rows,)](logits, targets, lse, row_loss, vocab_size, logits.stride(0), BLOCK=LSE_BLOCK,
-                         num_warps=LSE_WARPS)
-        grid = (triton.cdiv(rows, TILE), triton.cdiv(cols, TILE))
+        row_lse[(triton.cdiv(rows, LSE_ROWS),)](logits, targets, lse, row_loss, rows, vocab_size, logits.stride(0),
+                                                ROWS=LSE_ROWS, BLOCK=LSE_BLOCK, num_warps=LSE_WARPS)
+        grid = (triton.cdiv(rows, TILE_R), triton.cdiv(cols, TILE_C))
         grad_fp8[grid](logits, lse, targets, grad, grad_t, rows, cols, vocab_size, logits.stride(0),
-                       grad_t.stride(0), GRAD_SCALE, TILE=TILE, num_warps=TILE_WARPS)
+                       grad_t.stride(0), GRAD_SCALE, TILE_R=TILE_R, TILE_C=TILE_C, num_warps=TILE_WARPS)
         return row_loss
     row_loss, g = loss_kernel.reference(logits, targets, vocab_size)
     grad.copy_((g.float() * GRAD_SCALE).to(E5M2))

@@ -43,7 +43,7 @@ ALIGN = 16                                   # FP8 GEMMs need every dimension a 
 # per program, columns per load and warps; the gradient pass's tile (rows, columns) and warps. A tile of
 # 128 rows writes its transposed rows 128 bytes at a time.
 LSE_ROWS, LSE_BLOCK, LSE_WARPS = 1, loss_kernel.BLOCK, loss_kernel.NUM_WARPS
-TILE_R, TILE_C, TILE_WARPS = 128, 128, 8
+TILE_R, TILE_C, TILE_WARPS, TRANSPOSE_FP32 = 128, 128, 8, False
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -71,8 +71,10 @@ def to_e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _define_triton():
-    # --- Each row's log-sum-exp and loss, ROWS rows per program: the running maximum and the sum of
-    # exponentials rescaled to it ("online softmax"), over the first vocab_size columns.
+    # --- Each row's log-sum-exp and loss, ROWS rows per program: a running maximum m and sum s of exp(x - m)
+    # per lane ("online softmax"), over the first vocab_size columns. One exponential a logit: of the textbook
+    # update's two, s * exp(m - m') + exp(x - m'), one is always exp(0), and exp(-|x - m|) is the other
+    # (the loss kernel's update; at two a logit this pass was bound by the exponential units, not the HBM).
     @triton.jit
     def _row_lse_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, n_rows, vocab_size, row_stride,
                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
@@ -85,9 +87,11 @@ def _define_triton():
         for start in range(0, vocab_size, BLOCK):
             cols = start + offsets
             x = tl.load(base + cols, mask=in_rows[:, None] & (cols < vocab_size), other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, x)
-            s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
-            m = m_new
+            d = x - m
+            e = tl.exp(-tl.abs(d))
+            up = d > 0
+            s = tl.where(up, s * e + 1.0, s + e)
+            m = tl.where(up, x, m)
         m_row = tl.max(m, 1)
         lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row[:, None]), 1))
         tl.store(lse_ptr + rows, lse, mask=in_rows)
@@ -100,7 +104,8 @@ def _define_triton():
     # that both stores write whole rows of the tile.
     @triton.jit
     def _grad_fp8_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, grad_t_ptr, n_rows, n_cols, vocab_size,
-                         row_stride, grad_t_stride, scale, TILE_R: tl.constexpr, TILE_C: tl.constexpr):
+                         row_stride, grad_t_stride, scale, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+                         TRANSPOSE_FP32: tl.constexpr):
         rows = tl.program_id(0) * TILE_R + tl.arange(0, TILE_R)
         cols = tl.program_id(1) * TILE_C + tl.arange(0, TILE_C)
         in_rows, in_cols = rows < n_rows, cols < n_cols
@@ -110,9 +115,13 @@ def _define_triton():
         lse = tl.load(lse_ptr + rows, mask=in_rows, other=0.0)
         target = tl.load(targets_ptr + rows, mask=in_rows, other=-1)
         p = tl.where(cols[None, :] < vocab_size, tl.exp(x - lse[:, None]), 0.0)   # padded columns: zero
-        g = ((p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * scale).to(grad_ptr.dtype.element_ty)
-        tl.store(grad_ptr + rows64[:, None] * n_cols + cols64[None, :], g, mask=mask)
-        tl.store(grad_t_ptr + cols64[:, None] * grad_t_stride + rows64[None, :], tl.trans(g), mask=tl.trans(mask))
+        g = (p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * scale
+        tl.store(grad_ptr + rows64[:, None] * n_cols + cols64[None, :], g.to(grad_ptr.dtype.element_ty), mask=mask)
+        if TRANSPOSE_FP32:
+            g_t = tl.trans(g).to(grad_t_ptr.dtype.element_ty)
+        else:
+            g_t = tl.trans(g.to(grad_t_ptr.dtype.element_ty))
+        tl.store(grad_t_ptr + cols64[:, None] * grad_t_stride + rows64[None, :], g_t, mask=tl.trans(mask))
 
     return _row_lse_kernel, _grad_fp8_kernel
 
@@ -137,7 +146,8 @@ def _softmax_grad_fp8(logits: Tensor, targets: Tensor, vocab_size: int, grad: Te
                                                 ROWS=LSE_ROWS, BLOCK=LSE_BLOCK, num_warps=LSE_WARPS)
         grid = (triton.cdiv(rows, TILE_R), triton.cdiv(cols, TILE_C))
         grad_fp8[grid](logits, lse, targets, grad, grad_t, rows, cols, vocab_size, logits.stride(0),
-                       grad_t.stride(0), GRAD_SCALE, TILE_R=TILE_R, TILE_C=TILE_C, num_warps=TILE_WARPS)
+                       grad_t.stride(0), GRAD_SCALE, TILE_R=TILE_R, TILE_C=TILE_C, TRANSPOSE_FP32=TRANSPOSE_FP32,
+                       num_warps=TILE_WARPS)
         return row_loss
     row_loss, g = loss_kernel.reference(logits, targets, vocab_size)
     grad.copy_((g.float() * GRAD_SCALE).to(E5M2))
@@ -148,8 +158,8 @@ def _softmax_grad_fp8(logits: Tensor, targets: Tensor, vocab_size: int, grad: Te
 # One operator, so that torch.compile and CUDA graphs see one opaque call: inside it, buffers are written in
 # place chunk by chunk, which a traced graph would have to copy.
 @torch.library.custom_op("gpt_suite::fp8_output_layer", mutates_args=())
-def _output_layer(h8: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Tensor, w_inv: Tensor, targets: Tensor,
-                  vocab_size: int, chunk_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Tensor, w_inv: Tensor,
+                  targets: Tensor, vocab_size: int, chunk_rows: int) -> tuple[Tensor, Tensor, Tensor]:
     n, width = h8.shape
     n_cols = w8.size(0)
     g_inv = torch.full((), 1 / GRAD_SCALE, dtype=torch.float32, device=h8.device)
@@ -169,13 +179,12 @@ def _output_layer(h8: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Tensor, w_inv: Te
         grad_h[rows] = torch._scaled_mm(g, w8_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=torch.bfloat16)
     # One GEMM over every token: the gradients (e5m2) against h (e4m3, token-major as the GEMM reads it;
     # Hopper has no e5m2 x e5m2 GEMM), in fp32 as the optimizer's gradient is.
-    grad_w = torch._scaled_mm(grad_t, h8.t().contiguous().t(), scale_a=g_inv, scale_b=h_inv,
-                              out_dtype=torch.float32)
+    grad_w = torch._scaled_mm(grad_t, h8_t.t(), scale_a=g_inv, scale_b=h_inv, out_dtype=torch.float32)
     return row_loss, grad_h, grad_w
 
 
 @_output_layer.register_fake
-def _(h8, h_inv, w8, w8_t, w_inv, targets, vocab_size, chunk_rows):
+def _(h8, h8_t, h_inv, w8, w8_t, w_inv, targets, vocab_size, chunk_rows):
     n, width = h8.shape
     return (h8.new_empty(n, dtype=torch.float32), h8.new_empty(n, width, dtype=torch.bfloat16),
             h8.new_empty(w8.shape, dtype=torch.float32))
@@ -195,8 +204,10 @@ class _Fp8CrossEntropy(torch.autograd.Function):
             pad = chunked_loss.kernel_logits_width(weight.size(0)) - weight.size(0)
             w8, w_inv = to_e4m3(torch.nn.functional.pad(weight, (0, 0, 0, pad)))   # [vocab, width]
             h8, h_inv = to_e4m3(h)                                                  # [tokens, width]
-            row_loss, grad_h, grad_w = _output_layer(h8, h_inv, w8, w8.t().contiguous(), w_inv,
-                                                     targets.contiguous(), vocab_size, chunked_loss.CHUNK_ROWS)
+            # Each operand in the layout its GEMMs read, transposed where Inductor fuses it into the cast.
+            row_loss, grad_h, grad_w = _output_layer(h8, h8.t().contiguous(), h_inv, w8, w8.t().contiguous(),
+                                                     w_inv, targets.contiguous(), vocab_size,
+                                                     chunked_loss.CHUNK_ROWS)
         ctx.save_for_backward(grad_h, grad_w[:weight.size(0)])
         ctx.n, ctx.h_dtype, ctx.weight_dtype = n, h.dtype, weight.dtype
         return row_loss.sum() / n

@@ -43,7 +43,7 @@ ALIGN = 16                                   # FP8 GEMMs need every dimension a 
 # per program, columns per load and warps; the gradient pass's tile (rows, columns) and warps. A tile of
 # 128 rows writes its transposed rows 128 bytes at a time.
 LSE_ROWS, LSE_BLOCK, LSE_WARPS = 1, loss_kernel.BLOCK, loss_kernel.NUM_WARPS
-TILE_R, TILE_C, TILE_WARPS, TRANSPOSE_FP32 = 128, 128, 8, False
+TILE_R, TILE_C, TILE_WARPS, TRANSPOSE_FP32 = 32, 128, 4, False
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from conftest import REPO_ROOT, model_pair
-from Utils.kernels import chunked_loss, cublaslt, loss_kernel, packed_attention, triton_update
+from Utils.kernels import chunked_loss, cublaslt, fp8_loss, loss_kernel, packed_attention, triton_update
 from Utils.ladder import apply, modules, registry
 from Utils.ladder.apply import GRAD_CLIP, Build, Unavailable, build
 from Utils.ladder.registry import (ABLATION, ADDITIONS, additions_of, LADDER, MAX_ADDITIONS, RUNGS, STAGES, Addition, RegistryError,
@@ -63,14 +63,15 @@ def test_the_ladder_is_cumulative_one_change_per_rung():
 
 
 def test_max_is_the_fused_rung_and_what_measured_faster_on_the_h200():
-    assert set(MAX_ADDITIONS) == {"vocab_multiple", "loss_kernel", "prefetch", "sync_every", "cudagraphs",
+    assert set(MAX_ADDITIONS) == {"vocab_multiple", "fp8_head", "prefetch", "sync_every", "cudagraphs",
                                   "bf16_residual", "gelu_epilogue", "triton_update", "packed_attention",
                                   "gemm_bias_grad"}
     assert set(MAX_ADDITIONS) < set(ABLATION)
     # What the ablation tried and max left out (BENCHMARKS.md says why), and autotune, not yet measured. "loss"
-    # (the chunked loss as Inductor compiles it) is superseded by "loss_kernel", which cannot run with it.
-    assert set(ABLATION) - set(MAX_ADDITIONS) == {"loss", "cudnn_attention", "fp8", "compiled_update", "fold_clip",
-                                                  "autotune", "fp8_head"}
+    # (the chunked loss as Inductor compiles it) and "loss_kernel" (its softmax in one kernel) are superseded
+    # by "fp8_head", which cannot run with either and falls back to loss_kernel where FP8 cannot run.
+    assert set(ABLATION) - set(MAX_ADDITIONS) == {"loss", "loss_kernel", "cudnn_attention", "fp8", "compiled_update",
+                                                  "fold_clip", "autotune"}
 
 
 def test_ablation_is_every_addition_beyond_the_seven_rungs_in_registry_order():
@@ -103,7 +104,7 @@ def test_every_rungs_additions_resolve(rung):
     (("fused", "8bit"), r"fused cannot run with 8bit: keep one of fused, 8bit"),
     (FUSED + ("8bit",), r"fused cannot run with 8bit"),
     (("loss", "loss_kernel"), r"loss cannot run with loss_kernel: keep one of loss, loss_kernel"),
-    (RUNGS["max"].additions + ("loss",), r"loss cannot run with loss_kernel"),
+    (RUNGS["max"].additions + ("loss",), r"fp8_head cannot run with loss: keep one of fp8_head, loss"),
     (("torch_compile", "fused", "fold_clip", "compiled_update"),
      r"fold_clip cannot run with compiled_update: keep one of fold_clip, compiled_update"),
     (("torch_compile", "fused", "triton_update", "compiled_update"), r"triton_update cannot run with compiled_update"),
@@ -395,6 +396,10 @@ def _fp8_head(b, base):
     # torch._scaled_mm runs on a CPU too: the FP8 loss is what runs.
     assert type(base.model.loss) is OutputLoss
     assert type(b.model.loss) is modules.ChunkedLoss and b.model.loss.fp8 and not b.model.loss.kernel
+    # A step of tokens FP8's GEMMs cannot take (a multiple of 16) runs the chunked loss in bf16 instead.
+    h, w = torch.randn(18, SMALL.n_embd), b.model.lm_head.weight
+    y = torch.randint(0, SMALL.vocab_size, (18,))
+    assert torch.allclose(b.model.loss(h, w, y), chunked_loss.reference(h, w, y, SMALL.vocab_size), rtol=1e-5)
 
 
 def _torch_compile(b, base):
@@ -549,6 +554,19 @@ def test_where_the_loss_kernel_runs_the_loss_is_the_chunked_loss_with_it(kernels
     assert kernels_available == [("loss_kernel", chunked_loss.kernel_logits_width(b.config.padded_vocab_size))]
     monkeypatch.setattr(loss_kernel, "prepare", lambda device, n_cols: "the CUDA kernel could not be built")
     assert make(additions, config).notes == ["the CUDA kernel could not be built"]
+
+
+def test_where_fp8_cannot_run_fp8_head_is_the_loss_kernel_in_bf16(kernels_available, monkeypatch):
+    monkeypatch.setattr(fp8_loss, "unavailable", lambda device: "no FP8 here")
+    b = make(("bf16", "fp8_head"))
+    assert b.notes == ["no FP8 here: the loss kernel in bf16 instead"]
+    assert type(b.model.loss) is modules.ChunkedLoss and b.model.loss.kernel and not b.model.loss.fp8
+    assert kernels_available == [("loss_kernel", chunked_loss.kernel_logits_width(b.config.padded_vocab_size))]
+    # Neither FP8 nor the loss kernel: the plain chunked loss, and both reasons.
+    monkeypatch.setattr(loss_kernel, "unavailable", lambda device: "no kernel compiler")
+    b = make(("bf16", "fp8_head"))
+    assert b.notes == ["no FP8 here: no kernel compiler: the plain chunked loss instead"]
+    _chunked_loss(b, make(("bf16",)))
 
 
 def test_where_triton_runs_the_update_is_one_triton_update_with_the_same_hyperparameters(monkeypatch):

@@ -175,7 +175,7 @@ def test_runs_on_the_h200_results_by_default(built_twice):
     # Every section found its companion set, and every rung's section printed its additions' code.
     assert "is absent" not in text and "No breakdown.csv" not in text
     for rung in ("tf32", "flash", "max"):
-        assert f"# Utils/ladder/apply.py, apply_{rung if rung != 'max' else 'loss_kernel'}" in text
+        assert f"# Utils/ladder/apply.py, apply_{rung if rung != 'max' else 'fp8_head'}" in text
 
 
 BATCH, SEQ, GPU = 4, 256, "NVIDIA B200"     # B200: the GPU table has its bf16 rate, not its fp32 one

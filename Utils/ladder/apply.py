@@ -192,6 +192,11 @@ def apply_loss(b: Build) -> None:
 def apply_loss_kernel(b: Build) -> str | None:
     """The chunked loss, each chunk's softmax and gradient one kernel that reads the logits once. Without NVRTC
     or Triton on a GPU, the plain chunked loss."""
+    return _kernel_chunked_loss(b)
+
+
+def _kernel_chunked_loss(b: Build) -> str | None:
+    """apply_loss_kernel's swap, which fp8_head makes too."""
     why = loss_kernel.unavailable(b.device)
     note = None if why else loss_kernel.prepare(b.device, chunked_loss.kernel_logits_width(b.config.padded_vocab_size))
     b.model.loss = modules.ChunkedLoss(b.config.vocab_size, kernel=not why)
@@ -200,10 +205,15 @@ def apply_loss_kernel(b: Build) -> str | None:
 
 def apply_fp8_head(b: Build) -> str | None:
     """The chunked loss with the output layer's GEMMs in FP8: a third of the model's matmul FLOPs at twice
-    the bf16 rate. Where FP8 cannot run, the plain chunked loss in bf16."""
+    the bf16 rate. Under it, and alone where FP8 cannot run, the loss kernel's chunked loss in bf16
+    (apply_loss_kernel): the max rung on an older GPU keeps the loss it had before FP8, and a step whose
+    tokens are not a multiple of 16 (which FP8 GEMMs need) runs in bf16."""
+    note = _kernel_chunked_loss(b)
     why = fp8_loss.unavailable(b.device) or fp8_loss.width_problem(b.config.n_embd)
-    b.model.loss = modules.ChunkedLoss(b.config.vocab_size, kernel=False, fp8=not why)
-    return f"{why}: the chunked loss in bf16 instead" if why else None
+    if why:
+        return f"{why}: {note or 'the loss kernel in bf16 instead'}"
+    b.model.loss.fp8 = True
+    return None
 
 
 def apply_fp8(b: Build) -> None:

@@ -58,7 +58,7 @@ class PackedAttention(nn.Module):
 
 class ChunkedLoss(OutputLoss):
     """The output layer's cross-entropy without the whole logits (kernels.chunked_loss), its GEMMs in FP8
-    with `fp8` (kernels.fp8_loss)."""
+    with `fp8` (kernels.fp8_loss) wherever the step's tokens are a multiple of 16, as FP8 GEMMs need."""
 
     def __init__(self, vocab_size: int, kernel: bool, fp8: bool = False):
         super().__init__(vocab_size)
@@ -66,7 +66,7 @@ class ChunkedLoss(OutputLoss):
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
-        if self.fp8:
+        if self.fp8 and h.size(0) % fp8_loss.ALIGN == 0:
             return fp8_loss.fp8_cross_entropy(h, weight, targets, self.vocab_size)
         return chunked_loss.chunked_cross_entropy(h, weight, targets, self.vocab_size, kernel=self.kernel)
 

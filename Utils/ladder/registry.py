@@ -107,7 +107,7 @@ _FLASH = ("tf32", "bf16", "torch_compile", "flash")
 _FUSED = _FLASH + ("fused",)
 # The fused rung plus every addition that measured faster on an H200 and kept the loss (BENCHMARKS.md
 # gives each one's predicted and measured gain, and why the others were left out).
-MAX_ADDITIONS = ("vocab_multiple", "loss_kernel", "prefetch", "sync_every", "cudagraphs", "bf16_residual",
+MAX_ADDITIONS = ("vocab_multiple", "fp8_head", "prefetch", "sync_every", "cudagraphs", "bf16_residual",
                  "gelu_epilogue", "triton_update", "packed_attention", "gemm_bias_grad")
 RUNGS = {r.name: r for r in [
     Rung("baseline", "no_optimization.py", ()),
@@ -154,8 +154,8 @@ def resolve(names) -> tuple:
 PARALLEL_EXCLUDES = {
     "ddp": {},
     "fsdp": {name: "its kernel takes whole tensors, not FSDP's DTensor shards"
-             for name in ("gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel", "triton_update",
-                          "fold_clip")}
+             for name in ("gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel", "fp8_head",
+                          "triton_update", "fold_clip")}
     | {"8bit": "bitsandbytes' optimizer takes whole tensors, not FSDP's DTensor shards",
        "cudagraphs": "a CUDA graph cannot hold FSDP's all-gathers and reduce-scatters",
        "fp8": "its scaled matmuls have not been tried on FSDP's shards"},

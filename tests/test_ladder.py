@@ -392,16 +392,6 @@ def _chunked_loss(b, base):
     assert type(b.model.loss) is modules.ChunkedLoss and not b.model.loss.kernel
 
 
-def _fp8_head(b, base):
-    # torch._scaled_mm runs on a CPU too: the FP8 loss is what runs.
-    assert type(base.model.loss) is OutputLoss
-    assert type(b.model.loss) is modules.ChunkedLoss and b.model.loss.fp8 and not b.model.loss.kernel
-    # A step of tokens FP8's GEMMs cannot take (a multiple of 16) runs the chunked loss in bf16 instead.
-    h, w = torch.randn(18, SMALL.n_embd), b.model.lm_head.weight
-    y = torch.randint(0, SMALL.vocab_size, (18,))
-    assert torch.allclose(b.model.loss(h, w, y), chunked_loss.reference(h, w, y, SMALL.vocab_size), rtol=1e-5)
-
-
 def _torch_compile(b, base):
     assert base.step_model is base.model and b.step_model._orig_mod is b.model and not b.cudagraphs
 
@@ -459,7 +449,9 @@ CPU_EFFECTS = {
     "packed_attention": (r".+: plain SDPA instead", _plain_sdpa),
     "loss": (None, _chunked_loss),
     "loss_kernel": (r".+: the plain chunked loss instead", _chunked_loss),
-    "fp8_head": (None, _fp8_head),
+    # On a CPU FP8 is only emulated, and the loss kernel needs a GPU: the plain chunked loss, and both reasons.
+    "fp8_head": (r"FP8 matmuls are fast on an Ada or Hopper GPU only .+: the loss kernel needs .+: the plain "
+                 r"chunked loss instead", _chunked_loss),
     "fp8": (None, None),   # refused on a CPU: test_fp8_is_refused_where_it_cannot_run
     "torch_compile": (None, _torch_compile),
     "cudagraphs": (r"CUDA graphs need a GPU: compiled in the default mode", _cudagraphs),
@@ -554,6 +546,27 @@ def test_where_the_loss_kernel_runs_the_loss_is_the_chunked_loss_with_it(kernels
     assert kernels_available == [("loss_kernel", chunked_loss.kernel_logits_width(b.config.padded_vocab_size))]
     monkeypatch.setattr(loss_kernel, "prepare", lambda device, n_cols: "the CUDA kernel could not be built")
     assert make(additions, config).notes == ["the CUDA kernel could not be built"]
+
+
+def test_where_fp8_runs_fp8_head_is_the_fp8_loss_and_bf16_for_tokens_it_cannot_take(kernels_available,
+                                                                                   monkeypatch):
+    monkeypatch.setattr(fp8_loss, "unavailable", lambda device: None)   # as on an H200; a CPU emulates FP8
+    b = make(("bf16", "fp8_head"))
+    assert b.notes == [] and type(b.model.loss) is modules.ChunkedLoss and b.model.loss.fp8
+    # The loss kernel is there for the steps FP8 cannot take, prepared as apply_loss_kernel prepares it.
+    assert b.model.loss.kernel
+    assert kernels_available == [("loss_kernel", chunked_loss.kernel_logits_width(b.config.padded_vocab_size))]
+    b.model.loss.kernel = False   # its kernel needs a GPU: the chunked loss's own operations on this CPU
+    g = torch.Generator().manual_seed(0)
+    w = b.model.lm_head.weight.detach()
+    for tokens in (32, 18):   # a multiple of 16: FP8's rounding; 18: the chunked loss in fp32, exact
+        h = torch.randn(tokens, SMALL.n_embd, generator=g)
+        y = torch.randint(0, SMALL.vocab_size, (tokens,), generator=g)
+        got, want = b.model.loss(h, w, y), chunked_loss.reference(h, w, y, SMALL.vocab_size)
+        if tokens % 16:
+            assert torch.allclose(got, want, rtol=1e-5)
+        else:   # e4m3 keeps 3 mantissa bits: close, and measurably not exact
+            assert 0 < abs(got.item() - want.item()) < 0.01 * want.item()
 
 
 def test_where_fp8_cannot_run_fp8_head_is_the_loss_kernel_in_bf16(kernels_available, monkeypatch):

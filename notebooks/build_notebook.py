@@ -382,10 +382,11 @@ CELLS = [
     ### max: beyond the seven
 
     **What changes.** The fused rung plus the further additions that measured faster or lighter on an
-    H200, did not slow the others down, and keep the model's mathematics (bf16 rounding aside): the
-    vocabulary padded to 50,304 rows (`vocab_multiple`), a cross-entropy that never holds the whole
-    B×T×vocab logits and whose softmax gradient is one hand-written kernel (`loss_kernel`: CUDA, compiled
-    when first used by NVRTC; Triton where NVRTC is missing), the next batch copied on a side stream
+    H200, did not slow the others down, and keep the model's mathematics (bf16 rounding aside, and FP8's in
+    the output layer): the vocabulary padded to 50,304 rows (`vocab_multiple`), a cross-entropy that never
+    holds the whole B×T×vocab logits and computes the output layer's three GEMMs in FP8 on an Ada or Hopper
+    GPU (`fp8_head`: e4m3 inputs, an e5m2 gradient, the softmax gradient from two Triton kernels; elsewhere
+    the softmax gradient as one hand-written kernel in bf16, `loss_kernel`), the next batch copied on a side stream
     (`prefetch`), losses and timings read back every 10 steps instead of every step (`sync_every`), CUDA
     graphs (`cudagraphs`, `torch.compile`'s `reduce-overhead` mode), a residual stream kept in bf16
     (`bf16_residual`), the MLP's bias and GELU applied by cuBLASLt as its GEMMs store their outputs
@@ -393,8 +394,8 @@ CELLS = [
     kernels over all parameters (`triton_update`), attention called through cuDNN's graph API on the packed
     QKV tensor (`packed_attention`), and c_attn's and c_fc's bias gradients taken from their
     weight-gradient GEMMs (`gemm_bias_grad`). `make ablation` runs each addition alone on the fused rung,
-    together with the ones that were tried and left out: the chunked loss as Inductor compiles it
-    (`loss`), cuDNN attention (`cudnn_attention`), FP8 matmuls (`fp8`), a compiled optimizer step
+    together with the ones that were tried and left out or superseded: the chunked loss as Inductor compiles it
+    (`loss`) and in bf16 with its kernel (`loss_kernel`), cuDNN attention (`cudnn_attention`), FP8 matmuls (`fp8`), a compiled optimizer step
     (`compiled_update`) and the gradient clip folded into fused AdamW (`fold_clip`).
 
     **Why it can help.** Each addition removes a different cost: the padded vocabulary gives the largest

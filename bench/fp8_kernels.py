@@ -19,9 +19,8 @@ from Utils.kernels import chunked_loss, fp8_loss, loss_kernel  # noqa: E402
 VOCAB, PADDED, WIDTH, ROWS = 50257, 50304, 768, chunked_loss.CHUNK_ROWS
 TOKENS = 16 * 1024   # batch 16: the buffer of transposed gradients spans every token
 LSE_SHAPES = [(1, 2048, 8), (1, 4096, 8), (1, 4096, 16), (1, 1024, 4), (2, 1024, 8), (4, 1024, 8), (4, 2048, 16)]
-TILE_SHAPES = [(r, c, w, f32) for r, c, w in [(128, 128, 8), (128, 128, 16), (128, 64, 4), (64, 128, 4), (64, 64, 4),
-                                              (64, 64, 2), (32, 64, 2), (64, 32, 2), (32, 32, 1), (32, 128, 4),
-                                              (128, 32, 4)] for f32 in (False, True)]
+TILE_SHAPES = [(128, 128, 8), (128, 128, 16), (128, 64, 4), (64, 128, 4), (64, 64, 4), (64, 64, 2), (32, 64, 2),
+               (64, 32, 2), (32, 32, 1), (32, 128, 4), (128, 32, 4), (16, 128, 2), (32, 256, 8)]
 
 
 def us(f) -> float:
@@ -66,23 +65,22 @@ def main() -> None:
     grad_t = torch.empty(PADDED, TOKENS, dtype=fp8_loss.E5M2, device="cuda")
     ref = torch.empty_like(grad)
 
-    def run_grad(out, tr, tc, w, f32):
+    def run_grad(out, tr, tc, w):
         grad_fp8[(triton.cdiv(ROWS, tr), triton.cdiv(PADDED, tc))](
             logits, lse_ref, targets, out, grad_t[:, :ROWS], ROWS, PADDED, VOCAB, logits.stride(0),
-            grad_t.stride(0), fp8_loss.GRAD_SCALE, TILE_R=tr, TILE_C=tc, TRANSPOSE_FP32=f32, num_warps=w)
+            grad_t.stride(0), fp8_loss.GRAD_SCALE, TILE_R=tr, TILE_C=tc, num_warps=w)
 
-    run_grad(ref, fp8_loss.TILE_R, fp8_loss.TILE_C, fp8_loss.TILE_WARPS, fp8_loss.TRANSPOSE_FP32)
+    run_grad(ref, fp8_loss.TILE_R, fp8_loss.TILE_C, fp8_loss.TILE_WARPS)
     ref_t = grad_t[:, :ROWS].clone()
-    print("gradient pass (reads 2 B, writes 1 B row-major and 1 B transposed a logit): tile rows, columns, warps,"
-          " the transpose in fp32 or e5m2")
-    for tr, tc, w, f32 in TILE_SHAPES:
+    print("gradient pass (reads 2 B, writes 1 B row-major and 1 B transposed a logit): tile rows, columns, warps")
+    for tr, tc, w in TILE_SHAPES:
         grad_t.zero_()
-        run_grad(grad, tr, tc, w, f32)
+        run_grad(grad, tr, tc, w)
         same = torch.equal(grad.view(torch.uint8), ref.view(torch.uint8)) and torch.equal(
             grad_t[:, :ROWS].view(torch.uint8), ref_t.view(torch.uint8))
         failed |= not same
-        line(f"{tr:3d} x {tc:3d}, {w:2d} warps, {'fp32' if f32 else 'e5m2'}{'' if same else ' DIFFERS'}",
-             us(lambda: run_grad(grad, tr, tc, w, f32)), 4 * n)
+        line(f"{tr:3d} x {tc:3d}, {w:2d} warps{'' if same else ' DIFFERS'}", us(lambda: run_grad(grad, tr, tc, w)),
+             4 * n)
 
     if loss_kernel.prepare(torch.device("cuda"), PADDED) is None:   # None: the CUDA kernel is built
         work = logits.clone()

@@ -40,10 +40,11 @@ E4M3_MAX = torch.finfo(E4M3).max            # 448
 GRAD_SCALE = 2.0 ** 15                       # |softmax - one-hot| <= 1, and e5m2's largest value is 57,344
 ALIGN = 16                                   # FP8 GEMMs need every dimension a multiple of 16 bytes
 # The launch shapes, timed on an H200 by bench/fp8_kernels.py (BENCHMARKS.md): the log-sum-exp pass's rows
-# per program, columns per load and warps; the gradient pass's tile (rows, columns) and warps. A tile of
-# 128 rows writes its transposed rows 128 bytes at a time.
+# per program, columns per load and warps (151 us a 4,096-row chunk, within 5% for any of those tried); the
+# gradient pass's tile (rows, columns) and warps: 32 x 128 with 4 warps took 329 us a chunk where 128 x 128
+# with 8 took 616, whose transpose through shared memory bounds it.
 LSE_ROWS, LSE_BLOCK, LSE_WARPS = 1, loss_kernel.BLOCK, loss_kernel.NUM_WARPS
-TILE_R, TILE_C, TILE_WARPS, TRANSPOSE_FP32 = 32, 128, 4, False
+TILE_R, TILE_C, TILE_WARPS = 32, 128, 4
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -107,8 +108,7 @@ def _define_triton():
     # that both stores write whole rows of the tile.
     @triton.jit
     def _grad_fp8_kernel(logits_ptr, lse_ptr, targets_ptr, grad_ptr, grad_t_ptr, n_rows, n_cols, vocab_size,
-                         row_stride, grad_t_stride, scale, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
-                         TRANSPOSE_FP32: tl.constexpr):
+                         row_stride, grad_t_stride, scale, TILE_R: tl.constexpr, TILE_C: tl.constexpr):
         rows = tl.program_id(0) * TILE_R + tl.arange(0, TILE_R)
         cols = tl.program_id(1) * TILE_C + tl.arange(0, TILE_C)
         in_rows, in_cols = rows < n_rows, cols < n_cols
@@ -118,13 +118,9 @@ def _define_triton():
         lse = tl.load(lse_ptr + rows, mask=in_rows, other=0.0)
         target = tl.load(targets_ptr + rows, mask=in_rows, other=-1)
         p = tl.where(cols[None, :] < vocab_size, tl.exp(x - lse[:, None]), 0.0)   # padded columns: zero
-        g = (p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * scale
-        tl.store(grad_ptr + rows64[:, None] * n_cols + cols64[None, :], g.to(grad_ptr.dtype.element_ty), mask=mask)
-        if TRANSPOSE_FP32:
-            g_t = tl.trans(g).to(grad_t_ptr.dtype.element_ty)
-        else:
-            g_t = tl.trans(g.to(grad_t_ptr.dtype.element_ty))
-        tl.store(grad_t_ptr + cols64[:, None] * grad_t_stride + rows64[None, :], g_t, mask=tl.trans(mask))
+        g = ((p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * scale).to(grad_ptr.dtype.element_ty)
+        tl.store(grad_ptr + rows64[:, None] * n_cols + cols64[None, :], g, mask=mask)
+        tl.store(grad_t_ptr + cols64[:, None] * grad_t_stride + rows64[None, :], tl.trans(g), mask=tl.trans(mask))
 
     return _row_lse_kernel, _grad_fp8_kernel
 
@@ -149,8 +145,7 @@ def _softmax_grad_fp8(logits: Tensor, targets: Tensor, vocab_size: int, grad: Te
                                                 ROWS=LSE_ROWS, BLOCK=LSE_BLOCK, num_warps=LSE_WARPS)
         grid = (triton.cdiv(rows, TILE_R), triton.cdiv(cols, TILE_C))
         grad_fp8[grid](logits, lse, targets, grad, grad_t, rows, cols, vocab_size, logits.stride(0),
-                       grad_t.stride(0), GRAD_SCALE, TILE_R=TILE_R, TILE_C=TILE_C, TRANSPOSE_FP32=TRANSPOSE_FP32,
-                       num_warps=TILE_WARPS)
+                       grad_t.stride(0), GRAD_SCALE, TILE_R=TILE_R, TILE_C=TILE_C, num_warps=TILE_WARPS)
         return row_loss
     row_loss, g = loss_kernel.reference(logits, targets, vocab_size)
     grad.copy_((g.float() * GRAD_SCALE).to(E5M2))

@@ -36,7 +36,7 @@ help:
 	@echo "  make custom WITH=\"a b ...\" STEPS=n BATCH_SIZE=b PREFIX=dir   exactly those additions"
 	@echo "  make scaling RUNG=r NPROC=\"1 2 4 8\" STEPS=n BATCH_SIZE=b PREFIX=dir   a rung at each GPU count, then scaling.png"
 	@echo "  make additions                                the registry: every addition, its pillar and needs"
-	@echo "  make ablation STEPS=n BATCH_SIZE=b PREFIX=dir each addition tried for max, alone on the fused rung"
+	@echo "  make ablation STEPS=n BATCH_SIZE=b PREFIX=dir the fused rung, then each addition tried for max alone on it"
 	@echo "  make peers STEPS=n BATCH_SIZE=b PREFIX=dir    the trainers a user would pick instead ($(PEER_NAMES)), beside the rungs"
 	@echo "  make plots PREFIX=dir                         charts and summary.md from PREFIX/results.csv"
 	@echo "  make compare PREFIXES=\"a b ...\" [OUT=dir]     one table and chart across results folders (compare.md/.png)"
@@ -135,11 +135,13 @@ all: require-run
 	$(call check_parallel,)
 	$(call each,all,$(RUNGS),$(MAKE) --no-print-directory $$x $${data:+DATA=$$data},$(MAKE) --no-print-directory plots || failed="$$failed plots";)
 
-# Each addition tried for the max rung alone on top of the fused rung, as rungs fused+<addition>.
+# Each addition tried for the max rung alone on top of the fused rung, as rungs fused+<addition>, after a
+# run of the fused rung itself: every "vs fused" then divides runs of one commit on one machine, back to
+# back. Then the charts.
 ablation: require-run
 	@for x in $(ADDITIONS); do case " $(ABLATION) " in *" $$x "*) ;; *) echo "error: ADDITIONS names $$x, which make ablation does not try: use some of $(ABLATION)" >&2; exit 2;; esac; done
 	$(call check_parallel,fused)
-	$(call each,ablation,$(if $(ADDITIONS),$(ADDITIONS),$(ABLATION)),$(call launch,ablation.py) --add $$x $(RUN_ARGS) $${data:+--data $$data})
+	$(call each,ablation,fused $(if $(ADDITIONS),$(ADDITIONS),$(ABLATION)),if [ $$x = fused ]; then run='$(call script,fused)'; else run="ablation.py --add $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(MAKE) --no-print-directory plots || failed="$$failed plots";)
 
 # The peers (Utils/peers): llm.c built from source, and Hugging Face's GPT-2, recorded as peer-<name>.
 PEER_NAMES := $(shell $(PYTHON) -c "from Utils.peers import PEERS; print(*PEERS)")

@@ -204,6 +204,18 @@ while [ $# -gt 0 ]; do if [ "$1" = -r ]; then cat "$2" >> {log}; fi; shift; done
         assert "nvidia-ml-py" in asked   # pure Python: NVML's tests run on a CPU too
 
 
+def test_make_ablation_runs_the_fused_rung_first_then_each_addition_then_the_charts(tmp_path, suite_env):
+    r = make(["ablation", "STEPS=2", "BATCH_SIZE=1", "SEQ_LEN=32", "WARMUP=1", "DATA=synthetic", f"PREFIX={tmp_path}",
+              "ADDITIONS=loss sync_every"], suite_env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    runs = read_csv(tmp_path / "runs.csv")
+    assert [x["optimization"] for x in runs] == ["fused", "fused+loss", "fused+sync_every"]
+    assert all(x["status"] == "ok" for x in runs)
+    assert runs[0]["command"].startswith("fused_optimizer.py ") and runs[1]["command"].startswith("ablation.py --add loss")
+    summary = (tmp_path / "summary.md").read_text()
+    assert all(name in summary for name in ("| fused ", "| fused+loss ", "| fused+sync_every "))
+
+
 def test_make_ablation_refuses_an_unknown_addition_before_running_any(tmp_path, suite_env):
     r = make(["ablation", "STEPS=2", "BATCH_SIZE=1", f"PREFIX={tmp_path}", "ADDITIONS=loss nonsense"], suite_env,
              timeout=120)

@@ -39,11 +39,11 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 E4M3_MAX = torch.finfo(E4M3).max            # 448
 GRAD_SCALE = 2.0 ** 15                       # |softmax - one-hot| <= 1, and e5m2's largest value is 57,344
 ALIGN = 16                                   # FP8 GEMMs need every dimension a multiple of 16 bytes
-# The launch shapes, timed on an H200 by bench/fp8_kernels.py (BENCHMARKS.md): the log-sum-exp pass's rows
-# per program, columns per load and warps (151 us a 4,096-row chunk, within 5% for any of those tried); the
-# gradient pass's tile (rows, columns) and warps: 32 x 128 with 4 warps took 329 us a chunk where 128 x 128
-# with 8 took 616, whose transpose through shared memory bounds it.
-LSE_ROWS, LSE_BLOCK, LSE_WARPS = 1, loss_kernel.BLOCK, loss_kernel.NUM_WARPS
+# The launch shapes, timed on an H200 by bench/fp8_kernels.py (BENCHMARKS.md): the log-sum-exp pass's
+# columns per load and warps, the loss kernel's (151 us a 4,096-row chunk, within 5% for every shape tried,
+# 2-4 rows a program among them); the gradient pass's tile (rows, columns) and warps: 32 x 128 with 4 warps
+# took 329 us a chunk where 128 x 128 with 8 took 616, whose transpose through shared memory bounds it.
+LSE_BLOCK, LSE_WARPS = loss_kernel.BLOCK, loss_kernel.NUM_WARPS
 TILE_R, TILE_C, TILE_WARPS = 32, 128, 4
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -75,33 +75,15 @@ def to_e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _define_triton():
-    # --- Each row's log-sum-exp and loss, ROWS rows per program: a running maximum m and sum s of exp(x - m)
-    # per lane ("online softmax"), over the first vocab_size columns. One exponential a logit: of the textbook
-    # update's two, s * exp(m - m') + exp(x - m'), one is always exp(0), and exp(-|x - m|) is the other
-    # (the loss kernel's update; at two a logit this pass was bound by the exponential units, not the HBM).
+    # --- Each row's log-sum-exp (the loss kernel's pass, Utils.kernels.loss_kernel.row_logsumexp) and loss,
+    # one row per program.
     @triton.jit
-    def _row_lse_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, n_rows, vocab_size, row_stride,
-                        ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        in_rows = rows < n_rows
-        base = logits_ptr + rows.to(tl.int64)[:, None] * row_stride
-        offsets = tl.arange(0, BLOCK)[None, :]
-        m = tl.full([ROWS, BLOCK], -1e30, tl.float32)   # not -inf: a lane that sees only masked columns stays finite
-        s = tl.zeros([ROWS, BLOCK], tl.float32)
-        for start in range(0, vocab_size, BLOCK):
-            cols = start + offsets
-            x = tl.load(base + cols, mask=in_rows[:, None] & (cols < vocab_size), other=float("-inf")).to(tl.float32)
-            d = x - m
-            e = tl.exp(-tl.abs(d))
-            up = d > 0
-            s = tl.where(up, s * e + 1.0, s + e)
-            m = tl.where(up, x, m)
-        m_row = tl.max(m, 1)
-        lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row[:, None]), 1))
-        tl.store(lse_ptr + rows, lse, mask=in_rows)
-        target = tl.load(targets_ptr + rows, mask=in_rows, other=0)
-        target_logit = tl.load(logits_ptr + rows.to(tl.int64) * row_stride + target, mask=in_rows, other=0.0)
-        tl.store(loss_ptr + rows, lse - target_logit.to(tl.float32), mask=in_rows)
+    def _row_lse_kernel(logits_ptr, targets_ptr, lse_ptr, loss_ptr, vocab_size, row_stride, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * row_stride
+        lse = loss_kernel.row_logsumexp(base, vocab_size, BLOCK)
+        tl.store(lse_ptr + row, lse)
+        tl.store(loss_ptr + row, lse - tl.load(base + tl.load(targets_ptr + row)).to(tl.float32))
 
     # --- softmax minus one-hot over a TILE_R x TILE_C block of logits, scaled and cast to e5m2, written
     # row-major into grad and transposed into grad_t: the tile goes through shared memory (tl.trans), so
@@ -126,7 +108,7 @@ def _define_triton():
 
 
 _kernels = None
-if triton is not None:
+if triton is not None and loss_kernel.row_logsumexp is not None:
     try:
         _kernels = _define_triton()
     except Exception:   # a broken Triton: as if it were absent
@@ -141,8 +123,8 @@ def _softmax_grad_fp8(logits: Tensor, targets: Tensor, vocab_size: int, grad: Te
         lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
         row_loss = torch.empty_like(lse)
         row_lse, grad_fp8 = _kernels
-        row_lse[(triton.cdiv(rows, LSE_ROWS),)](logits, targets, lse, row_loss, rows, vocab_size, logits.stride(0),
-                                                ROWS=LSE_ROWS, BLOCK=LSE_BLOCK, num_warps=LSE_WARPS)
+        row_lse[(rows,)](logits, targets, lse, row_loss, vocab_size, logits.stride(0), BLOCK=LSE_BLOCK,
+                         num_warps=LSE_WARPS)
         grid = (triton.cdiv(rows, TILE_R), triton.cdiv(cols, TILE_C))
         grad_fp8[grid](logits, lse, targets, grad, grad_t, rows, cols, vocab_size, logits.stride(0),
                        grad_t.stride(0), GRAD_SCALE, TILE_R=TILE_R, TILE_C=TILE_C, num_warps=TILE_WARPS)

@@ -91,7 +91,29 @@ def _cuda_takes(logits: Tensor, targets: Tensor) -> bool:
 
 
 def _define_triton():
-    """The Triton kernel; raises where this Triton cannot define it."""
+    """The Triton kernel, and its log-sum-exp pass as a function other kernels call (Utils.kernels.fp8_loss);
+    raises where this Triton cannot define them."""
+    # --- A row's log-sum-exp over its first vocab_size columns, BLOCK columns a load: per lane a running
+    # maximum m and sum s of exp(x - m) ("online softmax"). -1e30 rather than -inf, so that a lane that has
+    # seen only masked columns never computes inf - inf. Of the two exponentials of the textbook update,
+    # s * exp(m - m') + exp(x - m'), one is always exp(0): exp(-|x - m|) is the other (with two a logit, the
+    # FP8 loss's pass was bound by the exponential units, not the HBM: BENCHMARKS.md).
+    @triton.jit
+    def row_logsumexp(row_ptr, vocab_size, BLOCK: tl.constexpr):
+        offsets = tl.arange(0, BLOCK)
+        m = tl.full([BLOCK], -1e30, tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, vocab_size, BLOCK):
+            cols = start + offsets
+            x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+            d = x - m
+            e = tl.exp(-tl.abs(d))
+            up = d > 0
+            s = tl.where(up, s * e + 1.0, s + e)
+            m = tl.where(up, x, m)
+        m_row = tl.max(m, 0)
+        return m_row + tl.log(tl.sum(s * tl.exp(m - m_row), 0))
+
     # --- Softmax gradient of one row per program, in place: fuses the log-sum-exp, the row's loss and
     # softmax minus one-hot into two reads and one write of the row, where Inductor's fusion of the same
     # expressions reads it three times. The first pass keeps a running maximum and a sum rescaled to it
@@ -106,21 +128,7 @@ def _define_triton():
         # Read before the barrier below orders it before any warp's in-place writes.
         target = tl.load(targets_ptr + row)
         target_logit = tl.load(base + target).to(tl.float32)
-        # Per-lane running maximum m and sum s of exp(x - m). -1e30 rather than -inf, so that a lane that
-        # has seen only masked columns never computes inf - inf. Of the two exponentials of the textbook
-        # update, s * exp(m - m') + exp(x - m'), one is always exp(0): exp(-|x - m|) is the other.
-        m = tl.full([BLOCK], -1e30, tl.float32)
-        s = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + offsets
-            x = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-            d = x - m
-            e = tl.exp(-tl.abs(d))
-            up = d > 0
-            s = tl.where(up, s * e + 1.0, s + e)
-            m = tl.where(up, x, m)
-        m_row = tl.max(m, 0)
-        lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), 0))
+        lse = row_logsumexp(base, vocab_size, BLOCK)
         tl.store(row_loss_ptr + row, lse - target_logit)
         # The reductions above synchronize the warps too, but only as Triton happens to build them.
         tl.debug_barrier()
@@ -132,13 +140,13 @@ def _define_triton():
             g = p - tl.where(cols == target, 1.0, 0.0)
             tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < n_cols)
 
-    return _cross_entropy_grad_kernel
+    return _cross_entropy_grad_kernel, row_logsumexp
 
 
-_triton_kernel = None
+_triton_kernel = row_logsumexp = None
 if triton is not None:
     try:
-        _triton_kernel = _define_triton()
+        _triton_kernel, row_logsumexp = _define_triton()
     except Exception:   # a broken Triton: as if it were absent
         pass
 

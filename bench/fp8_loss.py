@@ -3,8 +3,14 @@ its loss kernel), on GPT-2's output layer (768 wide, 50,304 padded rows) at batc
 the loss and both gradients against the fp32 reference, then the time of forward and backward, each
 compiled by torch.compile as the model is. Exits non-zero if a check fails.
 
-    python3 bench/fp8_loss.py
+    python3 bench/fp8_loss.py [--chunk-rows 1024,4096]
+
+--chunk-rows times each way at each number of tokens per chunk (chunked_loss.CHUNK_ROWS by default): a
+chunk's bf16 logits take 100 KB a token, so that up to a few hundred tokens they fit in the GPU's L2
+cache (50 MB on an H100 or H200) between the kernels that write and read them. The bf16 way runs at the
+module's own chunk only: torch.compile unrolls its loop over chunks, so that small chunks compile slowly.
 """
+import argparse
 import os
 import sys
 
@@ -15,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from Utils.kernels import chunked_loss, fp8_loss, loss_kernel  # noqa: E402
 
 VOCAB, PADDED, WIDTH, SEQ = 50257, 50304, 768, 1024
+DEFAULT_CHUNK_ROWS = chunked_loss.CHUNK_ROWS
 
 
 def inputs(batch: int):
@@ -31,15 +38,40 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def chunk_rows_list(text: str) -> list[int]:
+    try:
+        rows = [int(x) for x in text.split(",")]
+    except ValueError:
+        rows = []
+    if not rows or any(r < 16 or r % 16 for r in rows):
+        raise argparse.ArgumentTypeError(f"{text!r}: give multiples of 16 tokens, comma-separated, e.g. 1024,4096")
+    return rows
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunk-rows", type=chunk_rows_list, default=[DEFAULT_CHUNK_ROWS],
+                        help="tokens per chunk, comma-separated (default %(default)s)")
+    args = parser.parse_args()
     if not torch.cuda.is_available() or fp8_loss.unavailable(torch.device("cuda")):
         sys.exit("error: this benchmark needs an Ada or Hopper GPU")
     print(torch.__version__, torch.cuda.get_device_name())
     loss_kernel.prepare(torch.device("cuda"), PADDED)
-    ways = {
-        "bf16, loss kernel": torch.compile(lambda h, w, y: chunked_loss.chunked_cross_entropy(h, w, y, VOCAB, True)),
-        "fp8": torch.compile(lambda h, w, y: fp8_loss.fp8_cross_entropy(h, w, y, VOCAB)),
-    }
+    failed = False
+    for chunk_rows in args.chunk_rows:
+        chunked_loss.CHUNK_ROWS = chunk_rows   # read when a way is traced: compile each way again
+        torch._dynamo.reset()
+        print(f"{chunk_rows} tokens per chunk")
+        failed |= run_batches(with_bf16=chunk_rows == DEFAULT_CHUNK_ROWS)
+    sys.exit(1 if failed else 0)
+
+
+def run_batches(with_bf16: bool) -> bool:
+    """Check and time each way at batch 16 and 64; True where a check failed."""
+    ways = {"fp8": torch.compile(lambda h, w, y: fp8_loss.fp8_cross_entropy(h, w, y, VOCAB))}
+    if with_bf16:
+        ways["bf16, loss kernel"] = torch.compile(
+            lambda h, w, y: chunked_loss.chunked_cross_entropy(h, w, y, VOCAB, True))
     failed = False
     for batch in (16, 64):
         h, w, y = inputs(batch)
@@ -69,7 +101,7 @@ def main():
             peak = torch.cuda.max_memory_allocated() / 2 ** 30
             print(f"  {name:18s} {ms:7.2f} ms  peak {peak:5.1f} GiB  |loss error| {errors[0]:.1e}  "
                   f"|grad h error| {errors[1]:.3f}  |grad w error| {errors[2]:.3f}  {'ok' if ok else 'FAILED'}")
-    sys.exit(1 if failed else 0)
+    return failed
 
 
 if __name__ == "__main__":

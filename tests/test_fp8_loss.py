@@ -122,7 +122,8 @@ KERNEL_CHECKS = """
     grad = torch.zeros(rows, cols, dtype=fp8_loss.E5M2)
     # the transposed gradient lands in columns [before, before + rows) of a wider buffer, as a chunk's does
     wide = torch.full((cols, before + rows + 5), 1.0).to(fp8_loss.E5M2)
-    row_loss = fp8_loss._softmax_grad_fp8(logits, targets, vocab, grad, wide[:, before:before + rows])
+    row_loss, lse = torch.empty(rows), torch.empty(rows)
+    fp8_loss._softmax_grad_fp8(logits, targets, vocab, row_loss, lse, grad, wide[:, before:before + rows])
     want_loss, want = loss_kernel.reference(logits.double(), targets, vocab, torch.float64)
     scaled = (want * fp8_loss.GRAD_SCALE).float().contiguous()
     expected = torch.empty(rows, cols, dtype=fp8_loss.E5M2)

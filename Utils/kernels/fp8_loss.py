@@ -115,24 +115,24 @@ if triton is not None and loss_kernel.row_logsumexp is not None:
         pass
 
 
-def _softmax_grad_fp8(logits: Tensor, targets: Tensor, vocab_size: int, grad: Tensor, grad_t: Tensor) -> Tensor:
+def _softmax_grad_fp8(logits: Tensor, targets: Tensor, vocab_size: int, row_loss: Tensor, lse: Tensor,
+                      grad: Tensor, grad_t: Tensor) -> None:
     """Write (softmax - one-hot) * GRAD_SCALE of logits [rows, cols] over the first vocab_size columns, in
-    e5m2, into grad [rows, cols] and grad_t [cols, rows] (its rows may be strided); return each row's loss."""
+    e5m2, into grad [rows, cols] and grad_t [cols, rows] (its rows may be strided), and each row's loss
+    into row_loss [rows]; lse [rows] is room for each row's log-sum-exp."""
     rows, cols = logits.shape
     if _kernels is not None and (logits.is_cuda or INTERPRETED):
-        lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        row_loss = torch.empty_like(lse)
         row_lse, grad_fp8 = _kernels
         row_lse[(rows,)](logits, targets, lse, row_loss, vocab_size, logits.stride(0), BLOCK=LSE_BLOCK,
                          num_warps=LSE_WARPS)
         grid = (triton.cdiv(rows, TILE_R), triton.cdiv(cols, TILE_C))
         grad_fp8[grid](logits, lse, targets, grad, grad_t, rows, cols, vocab_size, logits.stride(0),
                        grad_t.stride(0), GRAD_SCALE, TILE_R=TILE_R, TILE_C=TILE_C, num_warps=TILE_WARPS)
-        return row_loss
-    row_loss, g = loss_kernel.reference(logits, targets, vocab_size)
+        return
+    loss, g = loss_kernel.reference(logits, targets, vocab_size)
+    row_loss.copy_(loss)
     grad.copy_((g.float() * GRAD_SCALE).to(E5M2))
     grad_t.copy_(grad.t())
-    return row_loss
 
 
 # One operator, so that torch.compile and CUDA graphs see one opaque call: inside it, buffers are written in
@@ -144,6 +144,7 @@ def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Ten
     n_cols = w8.size(0)
     g_inv = torch.full((), 1 / GRAD_SCALE, dtype=torch.float32, device=h8.device)
     row_loss = torch.empty(n, dtype=torch.float32, device=h8.device)
+    lse = torch.empty(min(n, chunk_rows), dtype=torch.float32, device=h8.device)
     grad_h = torch.empty(n, width, dtype=torch.bfloat16, device=h8.device)
     grad = torch.empty(min(n, chunk_rows), n_cols, dtype=E5M2, device=h8.device)
     grad_t = torch.empty(n_cols, n, dtype=E5M2, device=h8.device)   # every chunk's gradient, transposed
@@ -155,8 +156,8 @@ def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Ten
         logits = torch._scaled_mm(h8[rows], w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=torch.bfloat16,
                                   use_fast_accum=True)
         g = grad[:logits.size(0)]
-        row_loss[rows] = _softmax_grad_fp8(logits, targets[rows], vocab_size, g, grad_t[:, rows])
-        grad_h[rows] = torch._scaled_mm(g, w8_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=torch.bfloat16)
+        _softmax_grad_fp8(logits, targets[rows], vocab_size, row_loss[rows], lse, g, grad_t[:, rows])
+        torch._scaled_mm(g, w8_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=torch.bfloat16, out=grad_h[rows])
     # One GEMM over every token: the gradients (e5m2) against h (e4m3, token-major as the GEMM reads it;
     # Hopper has no e5m2 x e5m2 GEMM), in fp32 as the optimizer's gradient is.
     grad_w = torch._scaled_mm(grad_t, h8_t.t(), scale_a=g_inv, scale_b=h_inv, out_dtype=torch.float32)

@@ -155,6 +155,9 @@ REAL_KERNELS = [
     ("_square_sum_kernel", "memory", "gradient norm (clip)"),
     ("_cross_entropy_grad_kernel", "memory", "cross-entropy loss"),
     ("cross_entropy_grad_rows", "memory", "cross-entropy loss"),   # its CUDA kernel
+    ("_row_lse_kernel", "memory", "cross-entropy loss"),           # Utils.kernels.fp8_loss's two Triton kernels
+    ("_grad_fp8_kernel", "memory", "cross-entropy loss"),
+    ("memcpy128", "memory", "copy"),                               # as the H200's traces of the max rung name it
     # embedding, indexing, sort, cat, the causal mask
     ("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int, 2, 2, -2, true>(at::"
      "cuda::detail::TensorInfo<float, unsigned int>, at::cuda::detail::TensorInfo<float const, unsigned int>, at::"

@@ -46,6 +46,7 @@ KERNEL_CLASSES = [
     (r"softmax", MEMORY, "softmax"),                                  # cunn_SoftMax*, softmax_warp_*
     (r"layer_norm|LayerNorm|GammaBeta|RowwiseMoments", MEMORY, "layer norm"),
     (r"nll_loss|cross_entropy", MEMORY, "cross-entropy loss"),          # and Utils.kernels.loss_kernel's kernels
+    (r"^_row_lse_kernel$|^_grad_fp8_kernel$", MEMORY, "cross-entropy loss"),   # Utils.kernels.fp8_loss's
     (r"indexSelect|index_select", MEMORY, "embedding (index select)"),
     (r"embedding_backward|compute_grad_weight|sum_and_scatter|krn_partial|compute_num_of_partial_segments|renorm",
      MEMORY, "embedding backward"),
@@ -53,6 +54,7 @@ KERNEL_CLASSES = [
     (r"cub::|DeviceRadixSort|radixSort|sort|DeviceScan|DeviceSelect|DeviceCompact|tensor_kernel_scan",
      MEMORY, "sort / scan"),                                          # the embedding backward's sort by token
     (r"CatArrayBatchedCopy", MEMORY, "cat"),
+    (r"^memcpy\d+$", MEMORY, "copy"),                                  # a device-to-device copy in a CUDA graph
     (r"triu_tril", MEMORY, "tril / triu"),
     (r"elementwise", MEMORY, "elementwise"),                          # vectorized_/unrolled_elementwise_kernel
     (r"reduce_kernel", MEMORY, "reduction"),                          # at::native::reduce_kernel (sum, mean)

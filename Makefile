@@ -4,6 +4,7 @@ PYTHON ?= python3
 LADDER := $(shell $(PYTHON) -m Utils.ladder rungs)
 RUNGS := $(foreach p,$(LADDER),$(firstword $(subst :, ,$(p))))
 ABLATION := $(shell $(PYTHON) -m Utils.ladder ablation)
+LEAVE_ONE_OUT := $(shell $(PYTHON) -m Utils.ladder ablation max)
 script = $(word 2,$(subst :, ,$(filter $(1):%,$(LADDER))))
 ifeq ($(strip $(RUNGS)),)
 $(error $(PYTHON) cannot read the registry (python -m Utils.ladder rungs): run make from the repository's root with Python 3.10+, or set PYTHON)
@@ -37,6 +38,7 @@ help:
 	@echo "  make scaling RUNG=r NPROC=\"1 2 4 8\" STEPS=n BATCH_SIZE=b PREFIX=dir   a rung at each GPU count, then scaling.png"
 	@echo "  make additions                                the registry: every addition, its pillar and needs"
 	@echo "  make ablation STEPS=n BATCH_SIZE=b PREFIX=dir the fused rung, then each addition tried for max alone on it"
+	@echo "          FROM=max: the max rung, then max without each of its additions in turn"
 	@echo "  make peers STEPS=n BATCH_SIZE=b PREFIX=dir    the trainers a user would pick instead ($(PEER_NAMES)), beside the rungs"
 	@echo "  make plots PREFIX=dir                         charts and summary.md from PREFIX/results.csv"
 	@echo "  make compare PREFIXES=\"a b ...\" [OUT=dir]     one table and chart across results folders (compare.md/.png)"
@@ -137,11 +139,15 @@ all: require-run
 
 # Each addition tried for the max rung alone on top of the fused rung, as rungs fused+<addition>, after a
 # run of the fused rung itself: every "vs fused" then divides runs of one commit on one machine, back to
-# back. Then the charts.
+# back. FROM=max: the max rung, then max without each of its additions beyond the fused rung in turn, as
+# max-<addition>. Then the charts.
+ABLATION_FROM = $(or $(strip $(FROM)),fused)
+ABLATION_TRIES = $(if $(filter max,$(ABLATION_FROM)),$(LEAVE_ONE_OUT),$(ABLATION))
 ablation: require-run
-	@for x in $(ADDITIONS); do case " $(ABLATION) " in *" $$x "*) ;; *) echo "error: ADDITIONS names $$x, which make ablation does not try: use some of $(ABLATION)" >&2; exit 2;; esac; done
-	$(call check_parallel,fused)
-	$(call each,ablation,fused $(if $(ADDITIONS),$(ADDITIONS),$(ABLATION)),if [ $$x = fused ]; then run='$(call script,fused)'; else run="ablation.py --add $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(MAKE) --no-print-directory plots || failed="$$failed plots";)
+	@case '$(ABLATION_FROM)' in fused|max) ;; *) echo "error: FROM='$(ABLATION_FROM)': use FROM=fused (each addition alone on the fused rung, the default) or FROM=max (max without each addition)" >&2; exit 2;; esac
+	@for x in $(ADDITIONS); do case " $(ABLATION_TRIES) " in *" $$x "*) ;; *) echo "error: ADDITIONS names $$x, which make ablation FROM=$(ABLATION_FROM) does not try: use some of $(ABLATION_TRIES)" >&2; exit 2;; esac; done
+	$(call check_parallel,$(ABLATION_FROM))
+	$(call each,ablation,$(ABLATION_FROM) $(if $(ADDITIONS),$(ADDITIONS),$(ABLATION_TRIES)),if [ $$x = $(ABLATION_FROM) ]; then run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(MAKE) --no-print-directory plots || failed="$$failed plots";)
 
 # The peers (Utils/peers): llm.c built from source, and Hugging Face's GPT-2, recorded as peer-<name>.
 PEER_NAMES := $(shell $(PYTHON) -c "from Utils.peers import PEERS; print(*PEERS)")

@@ -17,7 +17,7 @@ from conftest import REPO_ROOT, model_pair
 from Utils.kernels import chunked_loss, cublaslt, fp8_loss, loss_kernel, packed_attention, triton_update
 from Utils.ladder import apply, modules, registry
 from Utils.ladder.apply import GRAD_CLIP, Build, Unavailable, build
-from Utils.ladder.registry import (ABLATION, ADDITIONS, additions_of, LADDER, MAX_ADDITIONS, RUNGS, STAGES, Addition, RegistryError,
+from Utils.ladder.registry import (ABLATION, ADDITIONS, additions_of, LADDER, LEAVE_ONE_OUT, MAX_ADDITIONS, RUNGS, STAGES, Addition, RegistryError,
                                    resolve, rung_order, run_name)
 from Utils.model import GPT, MLP, PRESETS, CausalSelfAttention, OutputLoss
 
@@ -36,6 +36,14 @@ def keep_tf32_flags():
 
 def make(additions, config=SMALL, loader=None):
     return build(additions, CPU, config, seed=0, loader=loader)
+
+
+def possible(names) -> bool:
+    try:
+        resolve(list(names))
+    except RegistryError:
+        return False
+    return True
 
 
 def requirements(name):
@@ -169,11 +177,33 @@ def test_run_name_is_the_largest_rung_contained_plus_the_rest_in_registry_order(
     assert run_name(("tf32", "vocab_multiple")) == "tf32+vocab_multiple"
 
 
+@pytest.mark.parametrize("name", LEAVE_ONE_OUT)
+def test_max_without_one_addition_is_named_max_minus_it_and_gives_back_its_additions(name):
+    without = [a for a in RUNGS["max"].additions if a != name]
+    assert run_name(without) == f"max-{name}"
+    assert set(additions_of(f"max-{name}")) == set(without)
+
+
+def test_leave_one_out_is_every_addition_max_has_beyond_the_fused_rung():
+    assert set(LEAVE_ONE_OUT) == set(RUNGS["max"].additions) - set(RUNGS["fused"].additions) == set(MAX_ADDITIONS)
+    assert list(LEAVE_ONE_OUT) == [a for a in ADDITIONS if a in LEAVE_ONE_OUT]   # in the order they apply
+
+
+def test_a_name_with_two_parts_keeps_the_plus_form_and_an_unknown_minus_gives_nothing():
+    assert run_name(FLASH + ("8bit",)) == "8bit" and run_name(FUSED + ("loss",)) == "fused+loss"
+    assert run_name([a for a in FUSED if a != "tf32"]) == "fused-tf32"   # four '+' parts against one '-'
+    assert additions_of("max-warp_drive") is None and additions_of("turbo-prefetch") is None
+    assert additions_of("fused-loss") is None   # fused has no loss to leave out
+    assert additions_of("peer-hf") is None
+
+
 def test_run_names_tell_different_additions_apart():
     # A run is recorded, charted and compared under its name: two different sets of additions under one
     # name would be mixed up as one rung.
     combinations = [r.additions for r in RUNGS.values()]
     combinations += [FUSED + (a,) for a in ABLATION]
+    combinations += [tuple(a for a in RUNGS["max"].additions if a != x) for x in RUNGS["max"].additions
+                     if possible(a for a in RUNGS["max"].additions if a != x)]
     combinations += [FLASH + (a,) for a in ABLATION if a not in ("triton_update", "fold_clip")]
     combinations += [tuple(requirements(a)) for a in ADDITIONS]   # each addition alone, with what it needs
     combinations += [tuple(a for i, a in enumerate(FLASH) if mask >> i & 1) for mask in range(2 ** len(FLASH))]
@@ -248,6 +278,9 @@ def test_cli_ablation_lists_the_ablation():
     proc = ladder_cli("ablation")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == list(ABLATION)
+    proc = ladder_cli("ablation", "max")
+    assert proc.returncode == 0 and proc.stdout.split() == list(LEAVE_ONE_OUT), proc.stderr
+    assert ladder_cli("ablation", "flash").returncode == 2
 
 
 @pytest.mark.parametrize("names, printed", [

@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from Utils.train.run import main
 
 from conftest import REPO_ROOT, read_csv
@@ -46,8 +48,20 @@ def test_ablation_adds_one_change_to_the_fused_rung(tmp_path, suite_env):
     assert len(bad.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("args, first_line", [
+    (["--drop", "loss"], "error: --drop 'loss' is not one of the max rung's additions beyond the fused rung"),
+    (["--drop", "tf32"], "error: --drop 'tf32' is not one of the max rung's additions beyond the fused rung"),
+    (["--add", "loss", "--drop", "prefetch"], "error: give one of --add"),
+    ([], "error: give one of --add"),
+])
+def test_ablation_refuses_anything_but_one_add_or_one_drop(tmp_path, suite_env, args, first_line):
+    bad = subprocess.run([sys.executable, "ablation.py"] + args + ["--steps", "2", "--prefix", str(tmp_path)],
+                         cwd=REPO_ROOT, env=suite_env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith(first_line), bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs.csv").exists()
+
+
 def test_a_baseline_run_is_exactly_the_textbook_loop(tmp_path):
-    import pytest
     import torch
 
     from Utils.train.data import TokenLoader, inputs_targets, synthetic_tokens

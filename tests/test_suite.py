@@ -1,4 +1,5 @@
 """End to end on the CPU: every make target and every rung script, checking the rows they write."""
+import json
 import os
 import shutil
 import subprocess
@@ -214,6 +215,30 @@ def test_make_ablation_runs_the_fused_rung_first_then_each_addition_then_the_cha
     assert runs[0]["command"].startswith("fused_optimizer.py ") and runs[1]["command"].startswith("ablation.py --add loss")
     summary = (tmp_path / "summary.md").read_text()
     assert all(name in summary for name in ("| fused ", "| fused+loss ", "| fused+sync_every "))
+
+
+def test_make_ablation_from_max_runs_max_first_then_max_without_each_addition(tmp_path, suite_env):
+    r = make(["ablation", "FROM=max", "STEPS=2", "BATCH_SIZE=1", "SEQ_LEN=32", "WARMUP=1", "DATA=synthetic",
+              f"PREFIX={tmp_path}", "ADDITIONS=prefetch sync_every"], suite_env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    runs = read_csv(tmp_path / "runs.csv")
+    assert [x["optimization"] for x in runs] == ["max", "max-prefetch", "max-sync_every"]
+    assert all(x["status"] == "ok" for x in runs)
+    assert runs[0]["command"].startswith("max_throughput.py ")
+    assert runs[1]["command"].startswith("ablation.py --drop prefetch")
+    additions = [json.loads(x["config"])["additions"] for x in runs]
+    assert "prefetch" in additions[0] and set(additions[0]) - set(additions[1]) == {"prefetch"}
+    assert set(additions[0]) - set(additions[2]) == {"sync_every"}
+
+
+@pytest.mark.parametrize("args, first_line", [
+    (["FROM=flash"], "error: FROM='flash': use FROM=fused"),
+    (["FROM=max", "ADDITIONS=loss"], "error: ADDITIONS names loss, which make ablation FROM=max does not try"),
+])
+def test_make_ablation_refuses_a_bad_from_before_running_any(tmp_path, suite_env, args, first_line):
+    r = make(["ablation", "STEPS=2", "BATCH_SIZE=1", f"PREFIX={tmp_path}"] + args, suite_env, timeout=120)
+    assert r.returncode == 2 and r.stderr.splitlines()[0].startswith(first_line), r.stderr
+    assert not (tmp_path / "runs.csv").exists()
 
 
 def test_make_ablation_refuses_an_unknown_addition_before_running_any(tmp_path, suite_env):

@@ -4,11 +4,12 @@
     python -m Utils.ladder markdown   the same as the README's Markdown table
     python -m Utils.ladder rungs      rung:script pairs, in ladder order (the Makefile's rung targets)
     python -m Utils.ladder ablation   the additions `make ablation` tries alone on the fused rung
+    python -m Utils.ladder ablation max   the additions `make ablation FROM=max` leaves out of max in turn
     python -m Utils.ladder check NAMES   exits 2 with the fix where NAMES is not a possible combination
 """
 import sys
 
-from Utils.ladder.registry import ABLATION, ADDITIONS, RUNGS, RegistryError, resolve, run_name
+from Utils.ladder.registry import ABLATION, ADDITIONS, LEAVE_ONE_OUT, RUNGS, RegistryError, resolve, run_name
 
 
 HEADER = ("addition", "pillar", "stage", "what it changes", "needs", "first in")
@@ -46,8 +47,10 @@ def main(argv: list) -> int:
         print(markdown())
     elif verb == "rungs":
         print(" ".join(f"{r.name}:{r.script}" for r in RUNGS.values()))
-    elif verb == "ablation":
+    elif verb == "ablation" and argv[1:] in ([], ["fused"]):
         print(" ".join(ABLATION))
+    elif verb == "ablation" and argv[1:] == ["max"]:
+        print(" ".join(LEAVE_ONE_OUT))
     elif verb == "check":
         try:
             print(run_name(resolve(" ".join(argv[1:]).split())))

@@ -122,6 +122,8 @@ RUNGS = {r.name: r for r in [
 LADDER = list(RUNGS)
 # `make ablation` tries each of these alone on top of the fused rung: every addition beyond the seven rungs.
 ABLATION = tuple(name for name in ADDITIONS if not any(name in RUNGS[r].additions for r in LADDER if r != "max"))
+# `make ablation FROM=max` runs the max rung without each of these in turn: what each one adds among the others.
+LEAVE_ONE_OUT = tuple(name for name in ADDITIONS if name in MAX_ADDITIONS)
 
 
 class RegistryError(ValueError):
@@ -176,14 +178,20 @@ def check_parallel(additions, parallel: str) -> None:
 
 def run_name(additions) -> str:
     """The name a run of these additions is recorded under: the rung's name where a rung has exactly these, else
-    the largest rung they contain, then the rest in the order they apply: fused+loss, baseline+bf16+flash.
-    Distinct sets get distinct names, since a name gives back its set (the rung's additions and the rest)."""
+    the largest rung they contain, then the rest in the order they apply: fused+loss, baseline+bf16+flash; or,
+    where that takes more parts, a rung less the one addition it lacks: max-prefetch. Distinct sets get
+    distinct names, since a name gives back its set (additions_of)."""
     chosen = resolve(additions)
     for rung in RUNGS.values():
         if set(rung.additions) == set(chosen):
             return rung.name
     base = max((r for r in RUNGS.values() if set(r.additions) <= set(chosen)), key=lambda r: len(r.additions))
-    return "+".join([base.name] + [a for a in chosen if a not in base.additions])
+    name = "+".join([base.name] + [a for a in chosen if a not in base.additions])
+    for rung in RUNGS.values():
+        lacks = [a for a in rung.additions if a not in chosen]
+        if len(lacks) == 1 and set(chosen) < set(rung.additions) and name.count("+") > 1:
+            return f"{rung.name}-{lacks[0]}"
+    return name
 
 
 def additions_of(name: str) -> tuple | None:
@@ -191,6 +199,11 @@ def additions_of(name: str) -> tuple | None:
     built (a part that is neither the leading rung nor an addition)."""
     if name in RUNGS:
         return RUNGS[name].additions
+    if "-" in name:
+        rung, _, lacks = name.partition("-")
+        if rung not in RUNGS or lacks not in RUNGS[rung].additions:
+            return None
+        return tuple(a for a in RUNGS[rung].additions if a != lacks)
     first, *rest = name.split("+")
     if first not in RUNGS or not all(a in ADDITIONS for a in rest):
         return None

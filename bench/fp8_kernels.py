@@ -1,8 +1,7 @@
 """Times the pieces of Utils.kernels.fp8_loss on a GPU, one chunk at a time (4,096 tokens x 50,304 logits,
 as the max rung makes them): the two Triton kernels at several launch shapes against a copy of the same
-bytes; a candidate gradient kernel whose loads and stores go through TMA tensor descriptors; the CUDA loss
-kernel of the bf16 path; and the three FP8 GEMMs and the casts at batch 16. Every launch shape's output, and
-the candidate's, must equal the module's own (the same arithmetic, in another order of tiles); the script
+bytes; the CUDA loss kernel of the bf16 path; and the three FP8 GEMMs and the casts at batch 16. Every launch
+shape's output must equal the module's own (the same arithmetic, in another order of tiles); the script
 exits non-zero where one does not.
 
     python3 bench/fp8_kernels.py
@@ -12,9 +11,7 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 from triton.testing import do_bench
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from Utils.kernels import chunked_loss, fp8_loss, loss_kernel  # noqa: E402
@@ -24,24 +21,6 @@ TOKENS = 16 * 1024   # batch 16: the buffer of transposed gradients spans every 
 LSE_SHAPES = [(2048, 8), (4096, 8), (4096, 16), (1024, 4), (1024, 8)]
 TILE_SHAPES = [(128, 128, 8), (128, 128, 16), (128, 64, 4), (64, 128, 4), (64, 64, 4), (64, 64, 2), (32, 64, 2),
                (64, 32, 2), (32, 32, 1), (32, 128, 4), (128, 32, 4), (16, 128, 2), (32, 256, 8)]
-TMA_SHAPES = [(32, 128, 4), (64, 128, 4), (32, 256, 8), (64, 64, 4), (128, 128, 8), (64, 256, 8)]
-
-
-# A candidate, timed against the module's gradient kernel: the same arithmetic, with the logits read and
-# both layouts written by the Hopper tensor memory accelerator (TMA) through host-side tensor descriptors,
-# which handle the tile's edges and addresses in hardware (no per-element address or mask arithmetic).
-@triton.jit
-def _grad_fp8_tma_kernel(x_desc, g_desc, gt_desc, lse_ptr, targets_ptr, n_rows, vocab_size, scale,
-                         TILE_R: tl.constexpr, TILE_C: tl.constexpr):
-    row0, col0 = tl.program_id(0) * TILE_R, tl.program_id(1) * TILE_C
-    rows, cols = row0 + tl.arange(0, TILE_R), col0 + tl.arange(0, TILE_C)
-    x = x_desc.load([row0, col0]).to(tl.float32)
-    lse = tl.load(lse_ptr + rows, mask=rows < n_rows, other=0.0)
-    target = tl.load(targets_ptr + rows, mask=rows < n_rows, other=-1)
-    p = tl.where(cols[None, :] < vocab_size, tl.exp(x - lse[:, None]), 0.0)
-    g = ((p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * scale).to(g_desc.dtype)
-    g_desc.store([row0, col0], g)
-    gt_desc.store([col0, row0], tl.trans(g))
 
 
 def us(f) -> float:
@@ -100,27 +79,6 @@ def main() -> None:
         failed |= not same
         line(f"{tr:3d} x {tc:3d}, {w:2d} warps{'' if same else ' DIFFERS'}", us(lambda: run_grad(grad, tr, tc, w)),
              4 * n)
-
-    print("candidate: the gradient pass through TMA tensor descriptors: tile rows, columns, warps")
-    chunk_t = grad_t[:, :ROWS]
-    for tr, tc, w in TMA_SHAPES:
-        descs = (TensorDescriptor.from_tensor(logits, [tr, tc]), TensorDescriptor.from_tensor(grad, [tr, tc]),
-                 TensorDescriptor(chunk_t, list(chunk_t.shape), list(chunk_t.stride()), [tc, tr]))
-
-        def run_tma():
-            _grad_fp8_tma_kernel[(triton.cdiv(ROWS, tr), triton.cdiv(PADDED, tc))](
-                *descs, lse_ref, targets, ROWS, VOCAB, fp8_loss.GRAD_SCALE, TILE_R=tr, TILE_C=tc, num_warps=w)
-
-        grad_t.zero_()
-        try:
-            run_tma()
-        except Exception as e:   # a shape this Triton or GPU cannot take: say so, time the rest
-            print(f"  {tr:3d} x {tc:3d}, {w:2d} warps: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-            continue
-        same = torch.equal(grad.view(torch.uint8), ref.view(torch.uint8)) and torch.equal(
-            chunk_t.view(torch.uint8), ref_t.view(torch.uint8))
-        failed |= not same
-        line(f"{tr:3d} x {tc:3d}, {w:2d} warps{'' if same else ' DIFFERS'}", us(run_tma), 4 * n)
 
     if loss_kernel.prepare(torch.device("cuda"), PADDED) is None:   # None: the CUDA kernel is built
         work = logits.clone()

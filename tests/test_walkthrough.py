@@ -176,8 +176,14 @@ def test_h200_ablation_against_the_fused_runs_of_the_same_commit(h200):
     assert "fused" in table.index and np.isnan(table.at["fused", "vs fused"])
     for name in table.index.drop("fused"):
         assert table.at[name, "in max"] == (name.removeprefix("fused+") in MAX_ADDITIONS), name
-    assert table.at["fused+fp8", "vs fused"] > walkthrough.ABLATION_NOISE
-    assert text_of(items).endswith("Slower than the fused rung on their own, beyond the runs' spread: fused+fp8.")
+    # The committed set's runs with today's step timing are commit 5887797's, from two calls with a fused run
+    # each: one mean of the two is every row's reference. Its fp8 run was skipped (no torchao), so it has no row.
+    assert set(table["fused ms, same commit"].dropna()) == {table.at["fused", "median ms"]}
+    assert "fused+fp8" not in table.index and table.at["fused+fp8_head", "vs fused"] < -walkthrough.ABLATION_NOISE
+    slower = [n for n in table.index if table.at[n, "vs fused"] > walkthrough.ABLATION_NOISE]
+    assert set(slower) == {"fused+gelu_epilogue", "fused+loss", "fused+vocab_multiple"}
+    assert text_of(items).endswith(f"Slower than the fused rung on their own, beyond the runs' spread: "
+                                   f"{', '.join(slower)}.")
 
 
 def test_h200_loss_and_batch_sections(h200):

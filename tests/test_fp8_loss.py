@@ -65,6 +65,18 @@ def test_small_probabilities_keep_their_gradient():
     assert torch.count_nonzero(w.grad[:V].abs().sum(1)) == V
 
 
+def test_the_two_slot_order_gives_the_same_bytes(small_chunks, monkeypatch):
+    # With SIDE_STREAM each chunk's gradient is made one chunk ahead of its input-gradient GEMM, through two
+    # buffers of each kind; on a CPU that order runs on one stream, so the outputs must be the one-slot order's
+    # to the byte (three chunks, the last one short: every slot is used twice or once).
+    h, w, y = _inputs(2)
+    one = _grads(fp8_loss.fp8_cross_entropy, h, w, y, torch.float32, True)
+    monkeypatch.setattr(fp8_loss, "SIDE_STREAM", True)
+    two = _grads(fp8_loss.fp8_cross_entropy, h, w, y, torch.float32, True)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
 def test_compiled_is_eager(small_chunks):
     h, w, y = _inputs(1)
     eager = _grads(fp8_loss.fp8_cross_entropy, h, w, y, torch.float32, True)
@@ -176,3 +188,24 @@ def test_on_a_gpu_it_is_the_reference_within_fp8_rounding(monkeypatch):
     assert abs(loss.item() - want.item()) < 0.01
     assert _rel(hh.grad.cpu(), want_h) < 0.08 and _rel(ww.grad[:990].cpu(), want_w[:990]) < 0.08
     assert torch.count_nonzero(ww.grad[990:]) == 0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_side_stream_gives_the_same_bytes(monkeypatch):
+    # The passes on a side stream, beside the GEMMs: a missing wait would let a GEMM read a gradient buffer
+    # before it is written, or a pass overwrite one still being read; sixteen chunks of a batch-16-sized
+    # problem give such a race many chances to show.
+    if not torch.cuda.is_available() or fp8_loss.unavailable(torch.device("cuda")):
+        pytest.skip("needs an Ada or Hopper GPU")
+    monkeypatch.setattr(chunked_loss, "CHUNK_ROWS", 1024)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.nn.functional.layer_norm(torch.randn(16384, 768, device="cuda", generator=g), (768,))
+    w = torch.randn(50304, 768, device="cuda", generator=g) * 0.1
+    y = torch.randint(0, 50257, (16384,), device="cuda", generator=g)
+    runs = []
+    for side_stream in (False, True, True):
+        monkeypatch.setattr(fp8_loss, "SIDE_STREAM", side_stream)
+        runs.append(_grads(fp8_loss.fp8_cross_entropy, h, w, y, torch.float32, True, vocab=50257))
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a, b)

@@ -412,7 +412,8 @@ CELLS = [
     deferred read-back and CUDA graphs remove the time the GPU waits on the host.
     """),
     code(r"""
-    show(walkthrough.change("max"), *walkthrough.apply_sources("max"), *study.effect("max"), *study.ablation())
+    show(walkthrough.change("max"), *walkthrough.apply_sources("max"), *study.effect("max"), *study.ablation(),
+         *study.leave_one_out())
     """),
     md(r"""
     ## Did any rung change the learning?

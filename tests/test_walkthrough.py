@@ -67,6 +67,7 @@ def test_results_folder_is_found_from_here_or_from_the_repository(tmp_path, monk
 def test_companions_are_named_after_the_results_folder():
     assert walkthrough.companions("/r/h200-b16") == {"batch": "/r/h200-b64", "loss": "/r/h200-loss",
                                                       "ablation": "/r/h200-ablation-b16",
+                                                      "leave_one_out": "/r/h200-ablation-max-b16",
                                                       "breakdown": "/r/h200-b16/breakdown.csv"}
     assert walkthrough.companions("/r/mine")["loss"] == "/r/mine-loss"
 
@@ -218,6 +219,7 @@ def test_missing_rungs_and_sets_are_reported_not_invented(unknown_gpu):
     assert "(oom: CUDA out of memory)" in text_of(unknown_gpu.effect("bf16"))
     assert "bf16: no measured step time (oom)." in text_of(unknown_gpu.bound_chart())
     assert "(its predecessor, bf16, not measured)" not in text_of(unknown_gpu.ladder_lines())   # bf16 is not ok
+    assert unknown_gpu.leave_one_out() == []   # optional: the ablation's section names it
     for section, absent in ((unknown_gpu.ablation, "is absent"), (unknown_gpu.loss_set, "is absent"),
                             (unknown_gpu.batch64, "is absent"), (unknown_gpu.breakdown, "No breakdown.csv")):
         assert absent in text_of(section())
@@ -238,6 +240,32 @@ def test_ablation_table_needs_a_fused_run_of_the_same_commit(tmp_path):
     only = str(tmp_path / "none")
     add_run(only, "fused+loss", [39.0] * 6)
     assert walkthrough.ablation_table(*load(only)).empty
+
+
+def test_leave_one_out_table_divides_by_the_max_runs_of_the_same_commit(tmp_path):
+    prefix = str(tmp_path / "loo")
+    add_run(prefix, "max", [30.0] * 6, commit="c1")
+    add_run(prefix, "max", [32.0] * 6, commit="c1")
+    add_run(prefix, "max-prefetch", [31.5] * 6, commit="c1")
+    add_run(prefix, "max-fp8_head", [34.0] * 6, commit="c1")
+    add_run(prefix, "max-sync_every", [40.0] * 6, commit="c2")   # no max run of its commit: left out
+    add_run(prefix, "fused+loss", [39.0] * 6, commit="c1")       # another set's run: left out
+    table = walkthrough.ablation_table(*load(prefix), base="max")
+    assert set(table.index) == {"max", "max-prefetch", "max-fp8_head"} and "in max" not in table.columns
+    assert table.at["max-fp8_head", "vs max"] == pytest.approx(34 / 31 - 1)
+    assert table.at["max-prefetch", "max ms, same commit"] == 31.0
+
+
+def test_leave_one_out_section_names_what_pays_and_what_does_not(tmp_path):
+    add_run(str(tmp_path / "h200-b16"), "baseline", [300.0] * 6)
+    prefix = str(tmp_path / "h200-ablation-max-b16")   # the companion set's name for results h200-b16
+    add_run(prefix, "max", [30.0] * 6, commit="c1")
+    add_run(prefix, "max-prefetch", [30.1] * 6, commit="c1")   # +0.3%: within the noise line
+    add_run(prefix, "max-fp8_head", [33.0] * 6, commit="c1")   # +10%: it pays
+    add_run(prefix, "max-vocab_multiple", [29.0] * 6, commit="c1")   # -3.3%: faster without
+    text = text_of(Study.load(str(tmp_path / "h200-b16")).leave_one_out())
+    assert "Within the runs' spread without them: prefetch." in text
+    assert "Faster without them: vocab_multiple." in text and "fp8_head." not in text
 
 
 def test_loss_tail_and_batch_comparison_keep_ladder_order():

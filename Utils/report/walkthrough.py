@@ -110,10 +110,11 @@ def results_folder(value: str | None = None, repo: str | os.PathLike = REPO) -> 
 def companions(results: str) -> dict[str, str]:
     """The result sets named like `results` that the notebook reads when they exist, by role: for
     results/h200-b16, results/h200-b64 (batch), results/h200-loss (loss), results/h200-ablation-b16
-    (ablation); and breakdown.csv inside it (breakdown)."""
+    (ablation), results/h200-ablation-max-b16 (leave_one_out); and breakdown.csv inside it (breakdown)."""
     tag = re.match(r"(.+)-b\d+$", os.path.basename(results))
     stem = os.path.join(os.path.dirname(results), tag.group(1) if tag else os.path.basename(results))
     return {"batch": stem + "-b64", "loss": stem + "-loss", "ablation": stem + "-ablation-b16",
+            "leave_one_out": stem + "-ablation-max-b16",
             "breakdown": os.path.join(results, BREAKDOWN_FILE)}
 
 
@@ -591,7 +592,8 @@ class Study:
         path = self.companion("ablation")
         if path is None:
             return [f"{rel(companions(self.results)['ablation'])} is absent: `make ablation` recorded there shows "
-                    f"each addition alone."]
+                    f"each addition alone (and `make ablation FROM=max` into "
+                    f"{rel(companions(self.results)['leave_one_out'])}, max without each)."]
         frame = ablation_table(*load(path))
         if frame.empty:
             return [f"{rel(path)} holds no ok fused run to compare the additions with."]
@@ -600,6 +602,23 @@ class Study:
                          f"by the same commit:"), frame.round(3),
                 f"Slower than the fused rung on their own, beyond the runs' spread: {', '.join(slower)}."
                 if slower else None]
+
+    def leave_one_out(self) -> list[Item]:
+        """The max rung without each of its additions in turn, against max runs of the same commit; nothing where
+        no such set was recorded (`make ablation FROM=max`), which the ablation's section already points to."""
+        path = self.companion("leave_one_out")
+        if path is None:
+            return []
+        frame = ablation_table(*load(path), base="max")
+        if frame.empty:
+            return [f"{rel(path)} holds no ok max run to compare with."]
+        others = frame.index.drop("max")
+        idle = [r.split("-", 1)[1] for r in others if abs(frame.at[r, "vs max"]) <= ABLATION_NOISE]
+        hurt = [r.split("-", 1)[1] for r in others if frame.at[r, "vs max"] < -ABLATION_NOISE]
+        return [Verbatim(f"{rel(path)}: max without each of its additions, against the mean of the max runs made by "
+                         f"the same commit (positive: slower without it, so the addition pays):"), frame.round(3),
+                f"Within the runs' spread without them: {', '.join(idle)}." if idle else None,
+                f"Faster without them: {', '.join(hurt)}." if hurt else None]
 
     def loss_drift(self) -> list[Item]:
         """Each rung's final loss and how closely it follows the baseline's over the last steps."""
@@ -681,30 +700,33 @@ class Study:
 # --- the companion sets ---------------------------------------------------------------------------------------
 
 
-def ablation_table(steps: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
-    """Each ok run of an ablation set (fused+<addition>) against the mean median step of the ok fused runs made
-    by the same commit: GPU speed drifts between calls and machines by about as much as some additions gain.
-    Columns: median ms, vs fused (fraction; negative is faster), fused ms of the same commit, peak alloc GiB,
-    in max (whether the addition is one of the max rung's). Runs without a fused run of their commit are left
-    out; empty without any ok fused run."""
+def ablation_table(steps: pd.DataFrame, runs: pd.DataFrame, base: str = "fused") -> pd.DataFrame:
+    """Each ok run of an ablation set against the mean median step of the ok runs of `base` made by the same
+    commit: GPU speed drifts between calls and machines by about as much as some additions gain. base
+    "fused": the runs fused+<addition> (`make ablation`), with a column "in max" (whether the addition is one of
+    the max rung's); base "max": the runs max-<addition> (`make ablation FROM=max`). Columns: median ms, vs
+    <base> (fraction; negative is faster), <base> ms of the same commit, peak alloc GiB. Runs without a base
+    run of their commit are left out; empty without any ok base run."""
     table = summarize(steps, runs)
     commit = runs.set_index("run_id")["git_commit"]
     ok_runs = runs[runs["status"] == "ok"]
-    fused_ms = ok_runs[ok_runs["optimization"] == "fused"].groupby("git_commit")["median_step_ms"].mean()
-    columns = ["median ms", "vs fused", "fused ms, same commit", "peak alloc GiB", "in max"]
+    base_ms = ok_runs[ok_runs["optimization"] == base].groupby("git_commit")["median_step_ms"].mean()
+    columns = ["median ms", f"vs {base}", f"{base} ms, same commit", "peak alloc GiB"]
+    columns += ["in max"] if base == "fused" else []
     rows = {}
-    if len(fused_ms):
+    if len(base_ms):
         for r in table.index:
-            if table.at[r, "status"] != "ok":
+            if table.at[r, "status"] != "ok" or not (r == base or r.startswith(base + ("+" if base == "fused" else "-"))):
                 continue
-            same = fused_ms.get(commit[table.at[r, "run_id"]]) if r != "fused" else None
-            if r != "fused" and same is None:
+            same = base_ms.get(commit[table.at[r, "run_id"]]) if r != base else None
+            if r != base and same is None:
                 continue
             rows[r] = {"median ms": table.at[r, "median_step_ms"],
-                       "vs fused": table.at[r, "median_step_ms"] / same - 1 if same else np.nan,
-                       "fused ms, same commit": same if same else np.nan,
-                       "peak alloc GiB": table.at[r, "peak_mem_allocated_gib"],
-                       "in max": r.split("+", 1)[-1] in MAX_ADDITIONS if r != "fused" else None}
+                       f"vs {base}": table.at[r, "median_step_ms"] / same - 1 if same else np.nan,
+                       f"{base} ms, same commit": same if same else np.nan,
+                       "peak alloc GiB": table.at[r, "peak_mem_allocated_gib"]}
+            if base == "fused":
+                rows[r]["in max"] = r.split("+", 1)[-1] in MAX_ADDITIONS if r != base else None
     return pd.DataFrame.from_dict(rows, orient="index", columns=columns)
 
 

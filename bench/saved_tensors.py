@@ -55,8 +55,8 @@ def main() -> None:
         sys.exit(f"error: {e}")
     saved = saved_by_step(additions, args.model, args.batch_size, args.seq_len, torch.device(args.device))
     tokens = args.batch_size * args.seq_len
-    print(f"{run_name(additions)}: {len(saved)} tensors saved for backward, {sum(s[2] for s in saved) / 2 ** 20:.1f} MiB "
-          f"at {tokens} tokens; the largest:")
+    print(f"{run_name(additions)}: {len(saved)} saves for backward at {tokens} tokens, "
+          f"{sum(s[2] for s in saved) / 2 ** 20:.1f} MiB counting a tensor each time it is saved; the largest:")
     for shape, dtype, nbytes in saved[:args.top]:
         print(f"  {str(list(shape)):20s} {str(dtype).removeprefix('torch.'):9s} {nbytes / 2 ** 20:9.2f} MiB")
 

@@ -26,4 +26,5 @@ def test_the_fused_rung_keeps_the_bf16_logits_for_the_losss_backward():
 def test_the_chunked_loss_keeps_no_logits():
     saved = saved_by_step(RUNGS["fused"].additions + ("loss",), "tiny", BATCH, SEQ, torch.device("cpu"))
     assert not [s for s, _, _ in saved if VOCAB in s and BATCH * SEQ in s], saved[:3]
-    assert sum(n for _, _, n in saved) < BATCH * SEQ * VOCAB * 2   # all it keeps, less than the logits alone
+    # All it keeps besides the output layer's bf16 weight, [vocabulary, width], is a small part of the logits.
+    assert sum(n for s, _, n in saved if s[0] != VOCAB) < BATCH * SEQ * VOCAB * 2 / 10

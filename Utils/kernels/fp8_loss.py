@@ -143,8 +143,8 @@ _side_streams: dict = {}
 
 
 def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The stream the log-sum-exp and gradient passes run on beside the GEMMs, one per device, made once (a
-    stream made while a CUDA graph is being captured would be outside it)."""
+    """The stream the log-sum-exp and gradient passes run on beside the GEMMs: one per device, made once and
+    reused by every call."""
     if device not in _side_streams:
         _side_streams[device] = torch.cuda.Stream(device)
     return _side_streams[device]
@@ -152,11 +152,11 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
 
 def _recorded(side: "torch.cuda.Stream | None", on_side: bool = False) -> "torch.cuda.Event | None":
     """Where the passes run on the stream `side`: an event recorded now on it (on_side) or on the current
-    stream. None without a side stream: one stream orders everything itself."""
+    stream of side's device. None without a side stream: one stream orders everything itself."""
     if side is None:
         return None
     event = torch.cuda.Event()
-    event.record(side if on_side else None)
+    event.record(side if on_side else torch.cuda.current_stream(side.device))
     return event
 
 

@@ -226,4 +226,4 @@ test:
 # tests are collected, so that a GPU machine needs none of the notebook's packages.
 gpu-test:
 	@$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'error: make gpu-test needs a CUDA GPU that PyTorch sees; make test runs the rest')"
-	$(PYTHON) -m pytest -q -rs -m gpu $$(grep -l "mark.gpu" tests/test_*.py)
+	$(PYTHON) -m pytest -q -rs --durations=10 -m gpu $$(grep -l "mark.gpu" tests/test_*.py)

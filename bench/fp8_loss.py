@@ -11,8 +11,8 @@ cache (50 MB on an H100 or H200) between the kernels that write and read them. T
 module's own chunk only: torch.compile unrolls its loop over chunks, so that small chunks compile slowly.
 
 --side-stream also times the FP8 loss with its two passes on a side stream (fp8_loss.SIDE_STREAM), once for
-each number of SMs given, which the GEMMs then leave to the passes (PyTorch's experimental SM carveout for
-cuBLASLt; 0: none left). Each must give the same bytes as the FP8 loss on one stream.
+each number of SMs given, which the chunks' GEMMs then leave to the passes (fp8_loss.SM_CARVEOUT; 0: none
+left). Each must give the same bytes as the same order of work on one stream.
 """
 import argparse
 import contextlib
@@ -84,16 +84,17 @@ def main():
 
 
 @contextlib.contextmanager
-def setting(side_stream: bool, carveout: int):
-    """fp8_loss.SIDE_STREAM and the GEMMs' SM carveout as given, then as they were."""
-    before = fp8_loss.SIDE_STREAM, torch._C._get_sm_carveout_experimental()
-    fp8_loss.SIDE_STREAM = side_stream
-    torch._C._set_sm_carveout_experimental(carveout or None)
+def setting(side_stream: bool, carveout: int, one_stream: bool = False):
+    """fp8_loss.SIDE_STREAM and SM_CARVEOUT as given, then as they were; one_stream: the side stream's order
+    of work and carveout, all on the current stream (the reference its bytes must equal)."""
+    before = fp8_loss.SIDE_STREAM, fp8_loss.SM_CARVEOUT, fp8_loss._side_stream
+    fp8_loss.SIDE_STREAM, fp8_loss.SM_CARVEOUT = side_stream, carveout
+    if one_stream:
+        fp8_loss._side_stream = lambda device: None
     try:
         yield
     finally:
-        fp8_loss.SIDE_STREAM = before[0]
-        torch._C._set_sm_carveout_experimental(before[1])
+        fp8_loss.SIDE_STREAM, fp8_loss.SM_CARVEOUT, fp8_loss._side_stream = before
 
 
 def run_batches(with_bf16: bool, carveouts: list[int]) -> bool:
@@ -112,17 +113,17 @@ def run_batches(with_bf16: bool, carveouts: list[int]) -> bool:
         ref.backward()
         print(f"batch {batch}: reference loss {ref.item():.4f}")
         for name, (f, side_stream, carveout) in ways.items():
-            def once(side):
+            def once(one_stream=False):
                 hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-                with setting(side, carveout):
+                with setting(side_stream, carveout, one_stream):
                     with torch.autocast("cuda", dtype=torch.bfloat16):
                         loss = f(hh, ww, y)
                     loss.backward()
                 return loss.detach(), hh, ww
 
-            loss, hh, ww = once(side_stream)
-            if side_stream:   # the same kernels as on one stream with the same SMs: the same bytes, unless a wait
-                one = once(False)   # is missing
+            loss, hh, ww = once()
+            if side_stream:   # the same kernels in the same order on one stream: the same bytes, unless a wait
+                one = once(one_stream=True)   # is missing
                 same = all(torch.equal(a, b) for a, b in zip((one[0], one[1].grad, one[2].grad),
                                                             (loss, hh.grad, ww.grad)))
                 failed |= not same

@@ -77,6 +77,26 @@ def test_the_two_slot_order_gives_the_same_bytes(small_chunks, monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_the_carveout_holds_for_the_chunks_gemms_only(small_chunks, monkeypatch):
+    # SM_CARVEOUT applies to the chunks' GEMMs where the passes run beside them, and is put back after.
+    seen, scaled_mm = [], torch._scaled_mm
+
+    def recording(*args, **kwargs):
+        seen.append(torch._C._get_sm_carveout_experimental())
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    monkeypatch.setattr(fp8_loss, "SM_CARVEOUT", 8)
+    h, w, y = _inputs(3)
+    _grads(fp8_loss.fp8_cross_entropy, h, w, y, torch.float32, True)
+    assert seen == [None] * 7                       # one stream: no carveout
+    seen.clear()
+    monkeypatch.setattr(fp8_loss, "SIDE_STREAM", True)
+    _grads(fp8_loss.fp8_cross_entropy, h, w, y, torch.float32, True)
+    assert seen == [8] * 6 + [None]                 # three chunks' two GEMMs, then the weight's gradient
+    assert torch._C._get_sm_carveout_experimental() is None
+
+
 def test_compiled_is_eager(small_chunks):
     h, w, y = _inputs(1)
     eager = _grads(fp8_loss.fp8_cross_entropy, h, w, y, torch.float32, True)

@@ -47,8 +47,11 @@ ALIGN = 16                                   # FP8 GEMMs need every dimension a 
 LSE_BLOCK, LSE_WARPS = loss_kernel.BLOCK, loss_kernel.NUM_WARPS
 TILE_R, TILE_C, TILE_WARPS = 32, 128, 4
 # The two passes on a side stream, beside the GEMMs of the chunks before and after (bench/fp8_loss.py
-# --side-stream times it); off until measured.
+# --side-stream times it); off until measured. With it, SM_CARVEOUT SMs may be left to the passes while the
+# op's GEMMs run (PyTorch's experimental carveout for cuBLASLt; 0: none), since cuBLAS's persistent GEMM
+# kernels otherwise take every SM.
 SIDE_STREAM = False
+SM_CARVEOUT = 0
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -173,6 +176,20 @@ def _after(side: "torch.cuda.Stream | None", *events: "torch.cuda.Event | None")
         yield
 
 
+@contextlib.contextmanager
+def _carveout(sms: int):
+    """cuBLASLt's GEMMs leave `sms` SMs free inside the block (none where 0), then as before."""
+    if not sms:
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
+
+
 # One operator, so that torch.compile and CUDA graphs see one opaque call: inside it, buffers are written in
 # place chunk by chunk, which a traced graph would have to copy.
 @torch.library.custom_op("gpt_suite::fp8_output_layer", mutates_args=())
@@ -216,12 +233,13 @@ def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Ten
 
     # With one slot each chunk's two steps alternate; with two, the gradient runs one chunk ahead. Each logits
     # slot is written again only after the main stream has waited for the gradient made from it.
-    for k in range(slots - 1):
-        gradient(k)
-    for k in range(len(chunks)):
-        if k + slots - 1 < len(chunks):
-            gradient(k + slots - 1)
-        input_gradient(k)
+    with _carveout(SM_CARVEOUT if slots == 2 else 0):
+        for k in range(slots - 1):
+            gradient(k)
+        for k in range(len(chunks)):
+            if k + slots - 1 < len(chunks):
+                gradient(k + slots - 1)
+            input_gradient(k)
     # One GEMM over every token: the gradients (e5m2) against h (e4m3, token-major as the GEMM reads it;
     # Hopper has no e5m2 x e5m2 GEMM), in fp32 as the optimizer's gradient is. The main stream has waited for
     # the last chunk's gradient, so that every side-stream write is before it.

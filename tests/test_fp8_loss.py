@@ -190,15 +190,20 @@ def test_the_triton_kernels_write_the_scaled_gradient_in_both_layouts(repo_root,
 # ---------------------------------------------------------------------------------------------
 # On a GPU: the kernels' cast is the hardware's, and the whole loss runs through cuBLASLt's FP8 GEMMs.
 
-@pytest.mark.gpu
-def test_on_a_gpu_it_is_the_reference_within_fp8_rounding(monkeypatch):
+def _gpu_inputs(tokens, width, rows, vocab):
+    """h, weight and targets on an FP8-capable GPU, as the model's output layer gets them; skips elsewhere."""
     if not torch.cuda.is_available() or fp8_loss.unavailable(torch.device("cuda")):
         pytest.skip("needs an Ada or Hopper GPU")
-    monkeypatch.setattr(chunked_loss, "CHUNK_ROWS", 256)
     g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.nn.functional.layer_norm(torch.randn(1024, 256, device="cuda", generator=g), (256,))
-    w = torch.randn(1000, 256, device="cuda", generator=g) * 0.1
-    y = torch.randint(0, 990, (1024,), device="cuda", generator=g)
+    h = torch.nn.functional.layer_norm(torch.randn(tokens, width, device="cuda", generator=g), (width,))
+    w = torch.randn(rows, width, device="cuda", generator=g) * 0.1
+    return h, w, torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_it_is_the_reference_within_fp8_rounding(monkeypatch):
+    h, w, y = _gpu_inputs(1024, 256, 1000, 990)
+    monkeypatch.setattr(chunked_loss, "CHUNK_ROWS", 256)
     want, want_h, want_w = _grads(chunked_loss.reference, h.cpu().double(), w.cpu().double(), y.cpu(),
                                   torch.float64, False, vocab=990)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -215,13 +220,8 @@ def test_on_a_gpu_the_side_stream_gives_the_same_bytes(monkeypatch):
     # The passes on a side stream, beside the GEMMs: a missing wait would let a GEMM read a gradient buffer
     # before it is written, or a pass overwrite one still being read; sixteen chunks of a batch-16-sized
     # problem give such a race many chances to show.
-    if not torch.cuda.is_available() or fp8_loss.unavailable(torch.device("cuda")):
-        pytest.skip("needs an Ada or Hopper GPU")
+    h, w, y = _gpu_inputs(16384, 768, 50304, 50257)
     monkeypatch.setattr(chunked_loss, "CHUNK_ROWS", 1024)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.nn.functional.layer_norm(torch.randn(16384, 768, device="cuda", generator=g), (768,))
-    w = torch.randn(50304, 768, device="cuda", generator=g) * 0.1
-    y = torch.randint(0, 50257, (16384,), device="cuda", generator=g)
     runs = []
     for side_stream in (False, True, True):
         monkeypatch.setattr(fp8_loss, "SIDE_STREAM", side_stream)

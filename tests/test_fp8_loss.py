@@ -65,38 +65,6 @@ def test_small_probabilities_keep_their_gradient():
     assert torch.count_nonzero(w.grad[:V].abs().sum(1)) == V
 
 
-def test_the_two_slot_order_gives_the_same_bytes(small_chunks, monkeypatch):
-    # With SIDE_STREAM each chunk's gradient is made one chunk ahead of its input-gradient GEMM, through two
-    # buffers of each kind; on a CPU that order runs on one stream, so the outputs must be the one-slot order's
-    # to the byte (three chunks, the last one short: every slot is used twice or once).
-    h, w, y = _inputs(2)
-    one = _grads(fp8_loss.fp8_cross_entropy, h, w, y, torch.float32, True)
-    monkeypatch.setattr(fp8_loss, "SIDE_STREAM", True)
-    two = _grads(fp8_loss.fp8_cross_entropy, h, w, y, torch.float32, True)
-    for a, b in zip(one, two):
-        assert torch.equal(a, b)
-
-
-def test_the_carveout_holds_for_the_chunks_gemms_only(small_chunks, monkeypatch):
-    # SM_CARVEOUT applies to the chunks' GEMMs where the passes run beside them, and is put back after.
-    seen, scaled_mm = [], torch._scaled_mm
-
-    def recording(*args, **kwargs):
-        seen.append(torch._C._get_sm_carveout_experimental())
-        return scaled_mm(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "_scaled_mm", recording)
-    monkeypatch.setattr(fp8_loss, "SM_CARVEOUT", 8)
-    h, w, y = _inputs(3)
-    _grads(fp8_loss.fp8_cross_entropy, h, w, y, torch.float32, True)
-    assert seen == [None] * 7                       # one stream: no carveout
-    seen.clear()
-    monkeypatch.setattr(fp8_loss, "SIDE_STREAM", True)
-    _grads(fp8_loss.fp8_cross_entropy, h, w, y, torch.float32, True)
-    assert seen == [8] * 6 + [None]                 # three chunks' two GEMMs, then the weight's gradient
-    assert torch._C._get_sm_carveout_experimental() is None
-
-
 def test_compiled_is_eager(small_chunks):
     h, w, y = _inputs(1)
     eager = _grads(fp8_loss.fp8_cross_entropy, h, w, y, torch.float32, True)
@@ -190,20 +158,15 @@ def test_the_triton_kernels_write_the_scaled_gradient_in_both_layouts(repo_root,
 # ---------------------------------------------------------------------------------------------
 # On a GPU: the kernels' cast is the hardware's, and the whole loss runs through cuBLASLt's FP8 GEMMs.
 
-def _gpu_inputs(tokens, width, rows, vocab):
-    """h, weight and targets on an FP8-capable GPU, as the model's output layer gets them; skips elsewhere."""
-    if not torch.cuda.is_available() or fp8_loss.unavailable(torch.device("cuda")):
-        pytest.skip("needs an Ada or Hopper GPU")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.nn.functional.layer_norm(torch.randn(tokens, width, device="cuda", generator=g), (width,))
-    w = torch.randn(rows, width, device="cuda", generator=g) * 0.1
-    return h, w, torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
-
-
 @pytest.mark.gpu
 def test_on_a_gpu_it_is_the_reference_within_fp8_rounding(monkeypatch):
-    h, w, y = _gpu_inputs(1024, 256, 1000, 990)
+    if not torch.cuda.is_available() or fp8_loss.unavailable(torch.device("cuda")):
+        pytest.skip("needs an Ada or Hopper GPU")
     monkeypatch.setattr(chunked_loss, "CHUNK_ROWS", 256)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.nn.functional.layer_norm(torch.randn(1024, 256, device="cuda", generator=g), (256,))
+    w = torch.randn(1000, 256, device="cuda", generator=g) * 0.1
+    y = torch.randint(0, 990, (1024,), device="cuda", generator=g)
     want, want_h, want_w = _grads(chunked_loss.reference, h.cpu().double(), w.cpu().double(), y.cpu(),
                                   torch.float64, False, vocab=990)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -213,19 +176,3 @@ def test_on_a_gpu_it_is_the_reference_within_fp8_rounding(monkeypatch):
     assert abs(loss.item() - want.item()) < 0.01
     assert _rel(hh.grad.cpu(), want_h) < 0.08 and _rel(ww.grad[:990].cpu(), want_w[:990]) < 0.08
     assert torch.count_nonzero(ww.grad[990:]) == 0
-
-
-@pytest.mark.gpu
-def test_on_a_gpu_the_side_stream_gives_the_same_bytes(monkeypatch):
-    # The passes on a side stream, beside the GEMMs: a missing wait would let a GEMM read a gradient buffer
-    # before it is written, or a pass overwrite one still being read; sixteen chunks of a batch-16-sized
-    # problem give such a race many chances to show.
-    h, w, y = _gpu_inputs(16384, 768, 50304, 50257)
-    monkeypatch.setattr(chunked_loss, "CHUNK_ROWS", 1024)
-    runs = []
-    for side_stream in (False, True, True):
-        monkeypatch.setattr(fp8_loss, "SIDE_STREAM", side_stream)
-        runs.append(_grads(fp8_loss.fp8_cross_entropy, h, w, y, torch.float32, True, vocab=50257))
-    for run in runs[1:]:
-        for a, b in zip(runs[0], run):
-            assert torch.equal(a, b)

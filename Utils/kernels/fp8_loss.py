@@ -22,7 +22,6 @@ wrongly where rounding carries into the exponent (1.99 becomes 1.0).
 
 Reference: chunked_loss.reference, which this matches within FP8's rounding (tests/test_fp8_loss.py).
 """
-import contextlib
 import os
 
 import torch
@@ -46,12 +45,6 @@ ALIGN = 16                                   # FP8 GEMMs need every dimension a 
 # took 329 us a chunk where 128 x 128 with 8 took 616, whose transpose through shared memory bounds it.
 LSE_BLOCK, LSE_WARPS = loss_kernel.BLOCK, loss_kernel.NUM_WARPS
 TILE_R, TILE_C, TILE_WARPS = 32, 128, 4
-# The two passes on a side stream, beside the GEMMs of the chunks before and after (bench/fp8_loss.py
-# --side-stream times it); off until measured. With it, SM_CARVEOUT SMs may be left to the passes while the
-# op's GEMMs run (PyTorch's experimental carveout for cuBLASLt; 0: none), since cuBLAS's persistent GEMM
-# kernels otherwise take every SM.
-SIDE_STREAM = False
-SM_CARVEOUT = 0
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -142,54 +135,6 @@ def _softmax_grad_fp8(logits: Tensor, targets: Tensor, vocab_size: int, row_loss
     grad_t.copy_(grad.t())
 
 
-_side_streams: dict = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The stream the log-sum-exp and gradient passes run on beside the GEMMs: one per device, made once and
-    reused by every call."""
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
-
-
-def _recorded(side: "torch.cuda.Stream | None", on_side: bool = False) -> "torch.cuda.Event | None":
-    """Where the passes run on the stream `side`: an event recorded now on it (on_side) or on the current
-    stream of side's device. None without a side stream: one stream orders everything itself."""
-    if side is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(side if on_side else torch.cuda.current_stream(side.device))
-    return event
-
-
-@contextlib.contextmanager
-def _after(side: "torch.cuda.Stream | None", *events: "torch.cuda.Event | None"):
-    """Run the block on `side` once `events` have happened, or on the current stream where side is None."""
-    if side is None:
-        yield
-        return
-    for event in events:
-        if event is not None:
-            side.wait_event(event)
-    with torch.cuda.stream(side):
-        yield
-
-
-@contextlib.contextmanager
-def _carveout(sms: int):
-    """cuBLASLt's GEMMs leave `sms` SMs free inside the block (none where 0), then as before."""
-    if not sms:
-        yield
-        return
-    before = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(sms)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(before)
-
-
 # One operator, so that torch.compile and CUDA graphs see one opaque call: inside it, buffers are written in
 # place chunk by chunk, which a traced graph would have to copy.
 @torch.library.custom_op("gpt_suite::fp8_output_layer", mutates_args=())
@@ -199,50 +144,22 @@ def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Ten
     n_cols = w8.size(0)
     g_inv = torch.full((), 1 / GRAD_SCALE, dtype=torch.float32, device=h8.device)
     row_loss = torch.empty(n, dtype=torch.float32, device=h8.device)
-    lse = torch.empty(n, dtype=torch.float32, device=h8.device)
+    lse = torch.empty(min(n, chunk_rows), dtype=torch.float32, device=h8.device)
     grad_h = torch.empty(n, width, dtype=torch.bfloat16, device=h8.device)
+    grad = torch.empty(min(n, chunk_rows), n_cols, dtype=E5M2, device=h8.device)
     grad_t = torch.empty(n_cols, n, dtype=E5M2, device=h8.device)   # every chunk's gradient, transposed
-    chunks = [slice(i, min(i + chunk_rows, n)) for i in range(0, n, chunk_rows)]
-    # Two of each chunk buffer where the passes run beside the GEMMs: the next chunk's logits are made while
-    # this chunk's gradient is. (On a CPU the same order runs on one stream: what the tests check.)
-    slots = 2 if SIDE_STREAM and len(chunks) > 1 else 1
-    side = _side_stream(h8.device) if slots == 2 and h8.is_cuda else None
-    logits = [torch.empty(min(n, chunk_rows), n_cols, dtype=torch.bfloat16, device=h8.device) for _ in range(slots)]
-    grads = [torch.empty(min(n, chunk_rows), n_cols, dtype=E5M2, device=h8.device) for _ in range(slots)]
-    ready, free = {}, {}   # chunk -> event: its gradient is written (side stream); read by its GEMM (main)
-
-    def gradient(k: int) -> None:   # the chunk's logits, then its loss and FP8 gradient
-        rows = chunks[k]
-        out, g = logits[k % slots][:rows.stop - rows.start], grads[k % slots][:rows.stop - rows.start]
+    for i in range(0, n, chunk_rows):
+        rows = slice(i, i + chunk_rows)
         # Fast accumulation (Hopper's, which never promotes its partial sums to fp32, losing precision as a
         # sum grows) on the logits' GEMM only, whose sums run over the 768 features; the gradients' GEMMs sum
         # over the 50,304 words or the tokens.
-        torch._scaled_mm(h8[rows], w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=torch.bfloat16,
-                         use_fast_accum=True, out=out)
-        with _after(side, _recorded(side), free.get(k - slots)):   # the slot's previous gradient GEMM is done
-            _softmax_grad_fp8(out, targets[rows], vocab_size, row_loss[rows], lse[rows], g, grad_t[:, rows])
-            ready[k] = _recorded(side, on_side=True)
-
-    def input_gradient(k: int) -> None:   # the chunk's gradient against the weight: h's gradient
-        rows = chunks[k]
-        if ready[k] is not None:
-            torch.cuda.current_stream(h8.device).wait_event(ready[k])
-        torch._scaled_mm(grads[k % slots][:rows.stop - rows.start], w8_t.t(), scale_a=g_inv, scale_b=w_inv,
-                         out_dtype=torch.bfloat16, out=grad_h[rows])
-        free[k] = _recorded(side)
-
-    # With one slot each chunk's two steps alternate; with two, the gradient runs one chunk ahead. Each logits
-    # slot is written again only after the main stream has waited for the gradient made from it.
-    with _carveout(SM_CARVEOUT if slots == 2 else 0):
-        for k in range(slots - 1):
-            gradient(k)
-        for k in range(len(chunks)):
-            if k + slots - 1 < len(chunks):
-                gradient(k + slots - 1)
-            input_gradient(k)
+        logits = torch._scaled_mm(h8[rows], w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=torch.bfloat16,
+                                  use_fast_accum=True)
+        g = grad[:logits.size(0)]
+        _softmax_grad_fp8(logits, targets[rows], vocab_size, row_loss[rows], lse, g, grad_t[:, rows])
+        torch._scaled_mm(g, w8_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=torch.bfloat16, out=grad_h[rows])
     # One GEMM over every token: the gradients (e5m2) against h (e4m3, token-major as the GEMM reads it;
-    # Hopper has no e5m2 x e5m2 GEMM), in fp32 as the optimizer's gradient is. The main stream has waited for
-    # the last chunk's gradient, so that every side-stream write is before it.
+    # Hopper has no e5m2 x e5m2 GEMM), in fp32 as the optimizer's gradient is.
     grad_w = torch._scaled_mm(grad_t, h8_t.t(), scale_a=g_inv, scale_b=h_inv, out_dtype=torch.float32)
     return row_loss, grad_h, grad_w
 

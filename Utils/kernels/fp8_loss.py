@@ -146,17 +146,20 @@ def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Ten
     row_loss = torch.empty(n, dtype=torch.float32, device=h8.device)
     lse = torch.empty(min(n, chunk_rows), dtype=torch.float32, device=h8.device)
     grad_h = torch.empty(n, width, dtype=torch.bfloat16, device=h8.device)
+    # One logits buffer for every chunk: a GEMM allocating its own output would hold two chunks' logits (0.4 GB
+    # at 4,096 rows) while the next is written and the last not yet freed.
+    logits = torch.empty(min(n, chunk_rows), n_cols, dtype=torch.bfloat16, device=h8.device)
     grad = torch.empty(min(n, chunk_rows), n_cols, dtype=E5M2, device=h8.device)
     grad_t = torch.empty(n_cols, n, dtype=E5M2, device=h8.device)   # every chunk's gradient, transposed
     for i in range(0, n, chunk_rows):
-        rows = slice(i, i + chunk_rows)
+        rows = slice(i, min(i + chunk_rows, n))
         # Fast accumulation (Hopper's, which never promotes its partial sums to fp32, losing precision as a
         # sum grows) on the logits' GEMM only, whose sums run over the 768 features; the gradients' GEMMs sum
         # over the 50,304 words or the tokens.
-        logits = torch._scaled_mm(h8[rows], w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=torch.bfloat16,
-                                  use_fast_accum=True)
-        g = grad[:logits.size(0)]
-        _softmax_grad_fp8(logits, targets[rows], vocab_size, row_loss[rows], lse, g, grad_t[:, rows])
+        out, g = logits[:rows.stop - i], grad[:rows.stop - i]
+        torch._scaled_mm(h8[rows], w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=torch.bfloat16,
+                         use_fast_accum=True, out=out)
+        _softmax_grad_fp8(out, targets[rows], vocab_size, row_loss[rows], lse, g, grad_t[:, rows])
         torch._scaled_mm(g, w8_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=torch.bfloat16, out=grad_h[rows])
     # One GEMM over every token: the gradients (e5m2) against h (e4m3, token-major as the GEMM reads it;
     # Hopper has no e5m2 x e5m2 GEMM), in fp32 as the optimizer's gradient is.

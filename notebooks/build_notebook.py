@@ -198,7 +198,7 @@ CELLS = [
     Now the two floors for every rung. The additions of each rung (`Utils.ladder.registry.RUNGS`) decide
     its inputs: the matmul precision (FP32 units, or the tensor cores with `tf32` or `bf16`), the bytes per
     activation (`bf16`), the attention (scores written out, fused by `torch_compile`, or none with `flash`)
-    and the optimizer (`fused`, `8bit`, `triton_update`).
+    and the optimizer (`fused`, `8bit`, `fold_clip`).
     """),
     code(r"""
     show(*study.floor_table())
@@ -390,13 +390,14 @@ CELLS = [
     (`prefetch`), losses and timings read back every 10 steps instead of every step (`sync_every`), CUDA
     graphs (`cudagraphs`, `torch.compile`'s `reduce-overhead` mode), a residual stream kept in bf16
     (`bf16_residual`), the MLP's bias and GELU applied by cuBLASLt as its GEMMs store their outputs
-    (`gelu_epilogue`: forward, and GELU's derivative backward), the gradient clip and AdamW as two Triton
-    kernels over all parameters (`triton_update`), attention called through cuDNN's graph API on the packed
+    (`gelu_epilogue`: forward, and GELU's derivative backward), the gradient clip folded into fused AdamW,
+    which divides each gradient by the clip's factor as it reads it (`fold_clip`), attention called through
+    cuDNN's graph API on the packed
     QKV tensor (`packed_attention`), and c_attn's and c_fc's bias gradients taken from their
     weight-gradient GEMMs (`gemm_bias_grad`). `make ablation` runs each addition alone on the fused rung,
     together with the ones that were tried and left out or superseded: the chunked loss as Inductor compiles it
-    (`loss`) and in bf16 with its kernel (`loss_kernel`), cuDNN attention (`cudnn_attention`), FP8 matmuls (`fp8`), a compiled optimizer step
-    (`compiled_update`) and the gradient clip folded into fused AdamW (`fold_clip`).
+    (`loss`) and in bf16 with its kernel (`loss_kernel`), cuDNN attention (`cudnn_attention`), FP8 matmuls (`fp8`)
+    and a compiled optimizer step (`compiled_update`).
 
     **Why it can help.** Each addition removes a different cost: the padded vocabulary gives the largest
     GEMM aligned tiles; the chunked loss removes the logits' memory footprint (1.6 GB at batch 16), and its
@@ -404,8 +405,8 @@ CELLS = [
     reads them three times; the bf16 residual
     stream halves the bytes of every residual add and LayerNorm; the GEMM epilogues remove two passes
     over the MLP's tokens × 3072 activations per layer (GELU forward, and its derivative backward); the
-    Triton update applies the clip factor as it reads each gradient, so the clip's own read-and-write pass
-    over 124M fp32 gradients is gone; cuDNN writes the attention's q, k and v gradients straight into the
+    folded clip lets fused AdamW apply the clip's factor as it reads each gradient, so the clip's own pass
+    over 124M fp32 gradients is gone (AdamW still writes each gradient back divided); cuDNN writes the attention's q, k and v gradients straight into the
     QKV projection's packed gradient, where SDPA's three tensors had to be copied into it; a column of ones
     stored beside c_attn's and c_fc's inputs makes their bias gradients one more column of the
     weight-gradient GEMMs (dY^T [X 1]), so no pass sums the output gradients over the tokens; prefetch,

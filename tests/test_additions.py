@@ -230,7 +230,6 @@ def test_folded_clip_updates_as_clip_then_step(regime):
     (("fold_clip",), "fold_clip needs fused"),
     (("8bit", "fold_clip"), "fold_clip needs fused"),
     (("torch_compile", "fused", "fold_clip", "compiled_update"), "fold_clip cannot run with compiled_update"),
-    (("fused", "triton_update", "fold_clip"), "triton_update cannot run with fold_clip"),
 ])
 def test_fold_clip_needs_fused_adamw_and_no_other_update(names, message):
     assert resolve(("fused", "fold_clip")) == ("fused", "fold_clip")

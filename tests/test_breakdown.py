@@ -149,10 +149,7 @@ REAL_KERNELS = [
      "float, int, float, float, float, bool, int)", "memory", "8-bit AdamW (bitsandbytes)"),
     ("void kPreconditionOptimizerStatic8bit2State<float, 0>(float*, float*, unsigned char*, unsigned char*, float*, "
      "float*, float, float, float, int, float*, float*, float, int)", "memory", "8-bit AdamW (bitsandbytes)"),
-    # Utils.kernels.triton_update's two Triton kernels, and Utils.kernels.loss_kernel's Triton and CUDA ones, named
-    # as CUPTI reports them
-    ("_adamw_kernel", "memory", "AdamW (Triton, the clip applied)"),
-    ("_square_sum_kernel", "memory", "gradient norm (clip)"),
+    # Utils.kernels.loss_kernel's Triton and CUDA kernels, named as CUPTI reports them
     ("_cross_entropy_grad_kernel", "memory", "cross-entropy loss"),
     ("cross_entropy_grad_rows", "memory", "cross-entropy loss"),   # its CUDA kernel
     ("_row_lse_kernel", "memory", "cross-entropy loss"),           # Utils.kernels.fp8_loss's two Triton kernels

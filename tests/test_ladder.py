@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from conftest import REPO_ROOT, model_pair
-from Utils.kernels import chunked_loss, cublaslt, fp8_loss, loss_kernel, packed_attention, triton_update
+from Utils.kernels import chunked_loss, cublaslt, fp8_loss, loss_kernel, packed_attention
 from Utils.ladder import apply, modules, registry
 from Utils.ladder.apply import GRAD_CLIP, Build, Unavailable, build
 from Utils.ladder.registry import (ABLATION, ADDITIONS, additions_of, LADDER, LEAVE_ONE_OUT, MAX_ADDITIONS, RUNGS, STAGES, Addition, RegistryError,
@@ -72,14 +72,14 @@ def test_the_ladder_is_cumulative_one_change_per_rung():
 
 def test_max_is_the_fused_rung_and_what_measured_faster_on_the_h200():
     assert set(MAX_ADDITIONS) == {"vocab_multiple", "fp8_head", "prefetch", "sync_every", "cudagraphs",
-                                  "bf16_residual", "gelu_epilogue", "triton_update", "packed_attention",
+                                  "bf16_residual", "gelu_epilogue", "fold_clip", "packed_attention",
                                   "gemm_bias_grad"}
     assert set(MAX_ADDITIONS) < set(ABLATION)
     # What the ablation tried and max left out (BENCHMARKS.md says why), and autotune, not yet measured. "loss"
     # (the chunked loss as Inductor compiles it) and "loss_kernel" (its softmax in one kernel) are superseded
     # by "fp8_head", which cannot run with either and falls back to loss_kernel where FP8 cannot run.
     assert set(ABLATION) - set(MAX_ADDITIONS) == {"loss", "loss_kernel", "cudnn_attention", "fp8", "compiled_update",
-                                                  "fold_clip", "autotune"}
+                                                  "autotune"}
 
 
 def test_ablation_is_every_addition_beyond_the_seven_rungs_in_registry_order():
@@ -101,8 +101,7 @@ def test_every_rungs_additions_resolve(rung):
 
 
 @pytest.mark.parametrize("names, message", [
-    (("triton_update",), r"triton_update needs fused: add fused to WITH"),
-    (("fold_clip",), r"fold_clip needs fused: add fused"),
+    (("fold_clip",), r"fold_clip needs fused: add fused to WITH"),
     (("cudagraphs",), r"cudagraphs needs torch_compile: add torch_compile"),
     (("compiled_update",), r"compiled_update needs torch_compile: add torch_compile"),
     (("cudnn_attention",), r"cudnn_attention needs flash and bf16: add flash bf16 to WITH"),
@@ -115,8 +114,6 @@ def test_every_rungs_additions_resolve(rung):
     (RUNGS["max"].additions + ("loss",), r"fp8_head cannot run with loss: keep one of fp8_head, loss"),
     (("torch_compile", "fused", "fold_clip", "compiled_update"),
      r"fold_clip cannot run with compiled_update: keep one of fold_clip, compiled_update"),
-    (("torch_compile", "fused", "triton_update", "compiled_update"), r"triton_update cannot run with compiled_update"),
-    (("fused", "triton_update", "fold_clip"), r"triton_update cannot run with fold_clip"),
     (("bf16", "fp8", "gemm_bias_grad"), r"gemm_bias_grad cannot run with fp8"),
     (("bf16", "fp8", "gelu_epilogue"), r"gelu_epilogue cannot run with fp8"),
     (("bf16", "flash", "cudnn_attention", "packed_attention"), r"cudnn_attention cannot run with packed_attention"),
@@ -204,7 +201,7 @@ def test_run_names_tell_different_additions_apart():
     combinations += [FUSED + (a,) for a in ABLATION]
     combinations += [tuple(a for a in RUNGS["max"].additions if a != x) for x in RUNGS["max"].additions
                      if possible(a for a in RUNGS["max"].additions if a != x)]
-    combinations += [FLASH + (a,) for a in ABLATION if a not in ("triton_update", "fold_clip")]
+    combinations += [FLASH + (a,) for a in ABLATION if a != "fold_clip"]
     combinations += [tuple(requirements(a)) for a in ADDITIONS]   # each addition alone, with what it needs
     combinations += [tuple(a for i, a in enumerate(FLASH) if mask >> i & 1) for mask in range(2 ** len(FLASH))]
     seen, clashes = {}, set()
@@ -439,12 +436,6 @@ def _fused(b, base):
     assert type(b.optimizer) is torch.optim.AdamW
 
 
-def _triton_update(b, base):
-    # The fused rung's update: clip_grad_norm_, then torch's fused AdamW.
-    assert type(b.optimizer) is torch.optim.AdamW and b.optimizer.defaults["fused"]
-    assert b.update != b.optimizer.step
-
-
 def _8bit(b, base):
     assert type(b.optimizer).__name__ == "AdamW8bit"
 
@@ -491,7 +482,6 @@ CPU_EFFECTS = {
     "autotune": (r"max-autotune tunes GPU GEMMs: compiled in the default mode", _cudagraphs),
     "fused": (None, _fused),
     "8bit": (None, _8bit),
-    "triton_update": (r".+: clip_grad_norm_ and torch's fused AdamW instead", _triton_update),
     "fold_clip": (None, _fold_clip),
     "compiled_update": (None, _compiled_update),
     "prefetch": (r"prefetch has no effect on a CPU", _prefetch),
@@ -613,22 +603,6 @@ def test_where_fp8_cannot_run_fp8_head_is_the_loss_kernel_in_bf16(kernels_availa
     b = make(("bf16", "fp8_head"))
     assert b.notes == ["no FP8 here: no kernel compiler: the plain chunked loss instead"]
     _chunked_loss(b, make(("bf16",)))
-
-
-def test_where_triton_runs_the_update_is_one_triton_update_with_the_same_hyperparameters(monkeypatch):
-    class Recorded(torch.optim.AdamW):
-        """Stands in for TritonUpdate, which needs Triton on a GPU: what apply_triton_update passes it."""
-
-        def __init__(self, params, max_norm, **hyperparameters):
-            super().__init__(params, **hyperparameters)
-            self.max_norm = max_norm
-
-    monkeypatch.setattr(triton_update, "unavailable", lambda device: None)
-    monkeypatch.setattr(triton_update, "TritonUpdate", Recorded)
-    b = make(("fused", "triton_update"))
-    assert b.notes == [] and type(b.optimizer) is Recorded and b.optimizer.max_norm == GRAD_CLIP
-    assert b.update == b.optimizer.step   # the kernels clip as they step: no clip_grad_norm_ before
-    _check_hyperparameters(b)
 
 
 # ------------------------------------------------------------------------------------ optimizer and update

@@ -430,7 +430,7 @@ def test_long_provenance_and_custom_runs_still_fit(tmp_path):
     data = "/datasets/corpora/english/a-rather-long-folder-name/and-a-longer-file-name-for-good-measure.txt"
     add_run(p, "baseline", [1, 100, 100, 100], git_commit="1111111111111111", data=data)
     names = ["tf32", "bf16", "fused", "fused+loss", "bf16+flash+loss_kernel+torch_compile",
-             "fused+gelu_epilogue+packed_attention+gemm_bias_grad+triton_update", "max"]
+             "fused+gelu_epilogue+packed_attention+gemm_bias_grad+fold_clip", "max"]
     for i, name in enumerate(names):
         add_run(p, name, [1, 50 - i, 50 - i, 50 - i], git_commit=f"{i}abcdef{i}" * 2 + "-dirty", data=data)
     steps, runs = load(p)

@@ -356,6 +356,5 @@ def test_the_shapes_match_the_models_parameters():
 
 
 def test_every_addition_the_traffic_model_names_exists():
-    named = roofline.ATTENTION_WITHOUT_SCORES | roofline.FUSED_OPTIMIZERS | {"bf16", "tf32", "torch_compile", "8bit",
-                                                                          "triton_update"}
+    named = roofline.ATTENTION_WITHOUT_SCORES | roofline.FUSED_OPTIMIZERS | {"bf16", "tf32", "torch_compile", "8bit"}
     assert named <= set(ADDITIONS)

@@ -68,6 +68,7 @@ def test_companions_are_named_after_the_results_folder():
     assert walkthrough.companions("/r/h200-b16") == {"batch": "/r/h200-b64", "loss": "/r/h200-loss",
                                                       "ablation": "/r/h200-ablation-b16",
                                                       "leave_one_out": "/r/h200-ablation-max-b16",
+                                                      "leave_one_out_b64": "/r/h200-ablation-max-b64",
                                                       "breakdown": "/r/h200-b16/breakdown.csv"}
     assert walkthrough.companions("/r/mine")["loss"] == "/r/mine-loss"
 
@@ -266,6 +267,14 @@ def test_leave_one_out_section_names_what_pays_and_what_does_not(tmp_path):
     text = text_of(Study.load(str(tmp_path / "h200-b16")).leave_one_out())
     assert "Within the runs' spread without them: prefetch." in text
     assert "Faster without them: vocab_multiple." in text and "fp8_head." not in text
+    assert "h200-ablation-max-b64" not in text
+    # The batch-64 set, where it exists, follows with its own verdicts.
+    prefix64 = str(tmp_path / "h200-ablation-max-b64")
+    add_run(prefix64, "max", [100.0] * 6, commit="c1")
+    add_run(prefix64, "max-prefetch", [99.0] * 6, commit="c1")   # -1%: within the noise line
+    text = text_of(Study.load(str(tmp_path / "h200-b16")).leave_one_out())
+    assert text.index("h200-ablation-max-b16") < text.index("h200-ablation-max-b64")
+    assert text.count("Within the runs' spread without them: prefetch.") == 2
 
 
 def test_loss_tail_and_batch_comparison_keep_ladder_order():

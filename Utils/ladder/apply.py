@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from Utils.kernels import chunked_loss, cublaslt, fp8_loss, gelu_epilogue, loss_kernel, packed_attention, triton_update
+from Utils.kernels import chunked_loss, cublaslt, fp8_loss, gelu_epilogue, loss_kernel, packed_attention
 from Utils.ladder import modules
 from Utils.ladder.parallel import wrap
 from Utils.ladder.registry import ADDITIONS, STAGES, check_parallel, resolve
@@ -307,18 +307,6 @@ def apply_8bit(b: Build) -> None:
         b.optimizer = bnb.optim.AdamW8bit(param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS)
     except Exception as e:
         raise Unavailable(f"bitsandbytes AdamW8bit does not run on this device ({e})") from None
-
-
-def apply_triton_update(b: Build) -> str | None:
-    """The gradient clip and AdamW as two Triton kernels (kernels.triton_update): the clip's read-and-write pass
-    over the gradients is gone. Without Triton on a GPU, clip_grad_norm_ and fused AdamW (the fused rung's)."""
-    why = triton_update.unavailable(b.device)
-    if why:
-        return f"{why}: clip_grad_norm_ and torch's fused AdamW instead"
-    b.optimizer = triton_update.TritonUpdate(param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS,
-                                             max_norm=GRAD_CLIP)
-    b.update = b.optimizer.step
-    return None
 
 
 def apply_fold_clip(b: Build) -> None:

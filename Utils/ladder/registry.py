@@ -80,9 +80,6 @@ _ADDITIONS = [
              excludes=("8bit",)),
     Addition("8bit", "optimizer", "memory", "bitsandbytes' AdamW8bit: optimizer states in 8 bits",
              needs="bitsandbytes"),
-    Addition("triton_update", "optimizer", "memory",
-             "the gradient clip and AdamW as two Triton kernels: the gradients are read, never written",
-             needs="Triton on a GPU", requires=("fused",), excludes=("compiled_update", "fold_clip")),
     Addition("fold_clip", "optimizer", "memory",
              "fused AdamW divides by the clip factor as it reads each gradient", requires=("fused",),
              excludes=("compiled_update",)),
@@ -108,7 +105,7 @@ _FUSED = _FLASH + ("fused",)
 # The fused rung plus every addition that measured faster on an H200 and kept the loss (BENCHMARKS.md
 # gives each one's predicted and measured gain, and why the others were left out).
 MAX_ADDITIONS = ("vocab_multiple", "fp8_head", "prefetch", "sync_every", "cudagraphs", "bf16_residual",
-                 "gelu_epilogue", "triton_update", "packed_attention", "gemm_bias_grad")
+                 "gelu_epilogue", "fold_clip", "packed_attention", "gemm_bias_grad")
 RUNGS = {r.name: r for r in [
     Rung("baseline", "no_optimization.py", ()),
     Rung("tf32", "tensorFloat32.py", ("tf32",)),
@@ -157,7 +154,7 @@ PARALLEL_EXCLUDES = {
     "ddp": {},
     "fsdp": {name: "its kernel takes whole tensors, not FSDP's DTensor shards"
              for name in ("gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel", "fp8_head",
-                          "triton_update", "fold_clip")}
+                          "fold_clip")}
     | {"8bit": "bitsandbytes' optimizer takes whole tensors, not FSDP's DTensor shards",
        "cudagraphs": "a CUDA graph cannot hold FSDP's all-gathers and reduce-scatters",
        "fp8": "its scaled matmuls have not been tried on FSDP's shards"},

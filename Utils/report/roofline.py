@@ -194,8 +194,9 @@ WEIGHT_BYTES = 4 + 4 + 4
 CLIP_OPS = ("_foreach_norm.Scalar", "stack.default", "linalg_vector_norm.default", "add.Tensor",
             "reciprocal.default", "mul.Tensor", "clamp.default", "_foreach_mul_.Tensor")
 CLIP_BYTES = 4 + 8
-# The Triton update applies the clip factor as it reads each gradient: of the clip, the norm's read is left.
-NORM_ONLY_CLIP_BYTES = 4
+# fold_clip: fused AdamW divides each gradient by the clip's factor as it reads it, and writes it back divided
+# (GradScaler's contract: gradients are unscaled after the step), so of the clip the norm's read and a write are left.
+FOLDED_CLIP_BYTES = 4 + 4
 # torch.optim.AdamW's default on a GPU is foreach: per parameter group, these multi-tensor operations in this
 # order, each a pass over the group, with the bytes it moves per fp32 parameter (reads + writes, 4 bytes a
 # value). The weight decay's multiply runs only in the decayed group (matrices; nanoGPT decays no vector).
@@ -217,7 +218,7 @@ FUSED_ADAMW_BYTES = 7 * 4
 # least min_8bit_size = 4096 values: p read and written, g read, m and v read and written in a byte each.
 BNB_MIN_8BIT_SIZE = 4096
 EIGHT_BIT_BYTES = 4 + 4 + 4 + 1 + 1 + 1 + 1
-FUSED_OPTIMIZERS = frozenset({"fused", "triton_update", "fold_clip"})
+FUSED_OPTIMIZERS = frozenset({"fused", "fold_clip"})
 
 # Operations on tensors in one eager forward and backward of Utils.model.GPT (views apart), as counted: a fixed
 # part (embeddings, final LayerNorm, output layer, loss) and a part per layer, by attention.
@@ -334,7 +335,7 @@ class Roofline:
         chosen = set(additions)
         act = 2 if "bf16" in chosen else 4
         n_all = self.shape.n_params(exclude_position_embedding=False)
-        clip = NORM_ONLY_CLIP_BYTES if "triton_update" in chosen else CLIP_BYTES
+        clip = FOLDED_CLIP_BYTES if "fold_clip" in chosen else CLIP_BYTES
         L = self.shape.n_layer
         return {
             "weights+grads+clip": n_all * (WEIGHT_BYTES + clip),

@@ -110,11 +110,12 @@ def results_folder(value: str | None = None, repo: str | os.PathLike = REPO) -> 
 def companions(results: str) -> dict[str, str]:
     """The result sets named like `results` that the notebook reads when they exist, by role: for
     results/h200-b16, results/h200-b64 (batch), results/h200-loss (loss), results/h200-ablation-b16
-    (ablation), results/h200-ablation-max-b16 (leave_one_out); and breakdown.csv inside it (breakdown)."""
+    (ablation), results/h200-ablation-max-b16 and -b64 (leave_one_out, leave_one_out_b64); and breakdown.csv
+    inside it (breakdown)."""
     tag = re.match(r"(.+)-b\d+$", os.path.basename(results))
     stem = os.path.join(os.path.dirname(results), tag.group(1) if tag else os.path.basename(results))
     return {"batch": stem + "-b64", "loss": stem + "-loss", "ablation": stem + "-ablation-b16",
-            "leave_one_out": stem + "-ablation-max-b16",
+            "leave_one_out": stem + "-ablation-max-b16", "leave_one_out_b64": stem + "-ablation-max-b64",
             "breakdown": os.path.join(results, BREAKDOWN_FILE)}
 
 
@@ -604,21 +605,27 @@ class Study:
                 if slower else None]
 
     def leave_one_out(self) -> list[Item]:
-        """The max rung without each of its additions in turn, against max runs of the same commit; nothing where
-        no such set was recorded (`make ablation FROM=max`), which the ablation's section already points to."""
-        path = self.companion("leave_one_out")
-        if path is None:
-            return []
-        frame = ablation_table(*load(path), base="max")
-        if frame.empty:
-            return [f"{rel(path)} holds no ok max run to compare with."]
-        others = frame.index.drop("max")
-        idle = [r.split("-", 1)[1] for r in others if abs(frame.at[r, "vs max"]) <= ABLATION_NOISE]
-        hurt = [r.split("-", 1)[1] for r in others if frame.at[r, "vs max"] < -ABLATION_NOISE]
-        return [Verbatim(f"{rel(path)}: max without each of its additions, against the mean of the max runs made by "
-                         f"the same commit (positive: slower without it, so the addition pays):"), frame.round(3),
-                f"Within the runs' spread without them: {', '.join(idle)}." if idle else None,
-                f"Faster without them: {', '.join(hurt)}." if hurt else None]
+        """The max rung without each of its additions in turn, against max runs of the same commit, at batch 16
+        and at 64 (each set where it was recorded: `make ablation FROM=max`); nothing where neither was, which
+        the ablation's section already points to."""
+        items = []
+        for role in ("leave_one_out", "leave_one_out_b64"):
+            path = self.companion(role)
+            if path is None:
+                continue
+            frame = ablation_table(*load(path), base="max")
+            if frame.empty:
+                items.append(f"{rel(path)} holds no ok max run to compare with.")
+                continue
+            others = frame.index.drop("max")
+            idle = [r.split("-", 1)[1] for r in others if abs(frame.at[r, "vs max"]) <= ABLATION_NOISE]
+            hurt = [r.split("-", 1)[1] for r in others if frame.at[r, "vs max"] < -ABLATION_NOISE]
+            items += [Verbatim(f"{rel(path)}: max without each of its additions, against the mean of the max runs "
+                               f"made by the same commit (positive: slower without it, so the addition pays):"),
+                      frame.round(3),
+                      f"Within the runs' spread without them: {', '.join(idle)}." if idle else None,
+                      f"Faster without them: {', '.join(hurt)}." if hurt else None]
+        return items
 
     def loss_drift(self) -> list[Item]:
         """Each rung's final loss and how closely it follows the baseline's over the last steps."""

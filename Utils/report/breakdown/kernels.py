@@ -40,8 +40,6 @@ KERNEL_CLASSES = [
     (r"multi_tensor_apply_kernel<.*LpNorm|lpnorm_cleanup", MEMORY, "gradient norm (clip)"),
     (r"multi_tensor_apply_kernel", MEMORY, "foreach (multi-tensor)"),  # AdamW's default foreach implementation
     (r"^kOptimizer|^kPreconditionOptimizer", MEMORY, "8-bit AdamW (bitsandbytes)"),
-    (r"^_adamw_kernel$", MEMORY, "AdamW (Triton, the clip applied)"),   # Utils.kernels.triton_update
-    (r"^_square_sum_kernel$", MEMORY, "gradient norm (clip)"),
     (r"SoftMax\w*<.*LogSoftMax", MEMORY, "log-softmax (loss)"),       # cross-entropy = log_softmax + nll_loss
     (r"softmax", MEMORY, "softmax"),                                  # cunn_SoftMax*, softmax_warp_*
     (r"layer_norm|LayerNorm|GammaBeta|RowwiseMoments", MEMORY, "layer norm"),

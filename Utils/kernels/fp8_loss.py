@@ -159,7 +159,7 @@ def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Ten
         out, g = logits[:rows.stop - i], grad[:rows.stop - i]
         torch._scaled_mm(h8[rows], w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=torch.bfloat16,
                          use_fast_accum=True, out=out)
-        _softmax_grad_fp8(out, targets[rows], vocab_size, row_loss[rows], lse, g, grad_t[:, rows])
+        _softmax_grad_fp8(out, targets[rows], vocab_size, row_loss[rows], lse[:rows.stop - i], g, grad_t[:, rows])
         torch._scaled_mm(g, w8_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=torch.bfloat16, out=grad_h[rows])
     # One GEMM over every token: the gradients (e5m2) against h (e4m3, token-major as the GEMM reads it;
     # Hopper has no e5m2 x e5m2 GEMM), in fp32 as the optimizer's gradient is.

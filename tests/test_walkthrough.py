@@ -268,6 +268,7 @@ def test_leave_one_out_section_names_what_pays_and_what_does_not(tmp_path):
     assert "Within the runs' spread without them: prefetch." in text
     assert "Faster without them: vocab_multiple." in text and "fp8_head." not in text
     assert "h200-ablation-max-b64" not in text
+    assert "max as of commit c1, without each" in text   # the set's max, whose additions may have changed since
     # The batch-64 set, where it exists, follows with its own verdicts.
     prefix64 = str(tmp_path / "h200-ablation-max-b64")
     add_run(prefix64, "max", [100.0] * 6, commit="c1")

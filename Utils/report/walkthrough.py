@@ -613,15 +613,20 @@ class Study:
             path = self.companion(role)
             if path is None:
                 continue
-            frame = ablation_table(*load(path), base="max")
+            steps, runs = load(path)
+            frame = ablation_table(steps, runs, base="max")
             if frame.empty:
                 items.append(f"{rel(path)} holds no ok max run to compare with.")
                 continue
+            # max's additions are those of the commit that ran the set, which may since have changed.
+            commits = sorted(runs.loc[(runs["optimization"] == "max") & (runs["status"] == "ok"), "git_commit"]
+                             .astype(str).str[:7].unique())
             others = frame.index.drop("max")
             idle = [r.split("-", 1)[1] for r in others if abs(frame.at[r, "vs max"]) <= ABLATION_NOISE]
             hurt = [r.split("-", 1)[1] for r in others if frame.at[r, "vs max"] < -ABLATION_NOISE]
-            items += [Verbatim(f"{rel(path)}: max without each of its additions, against the mean of the max runs "
-                               f"made by the same commit (positive: slower without it, so the addition pays):"),
+            items += [Verbatim(f"{rel(path)}: max as of commit {', '.join(commits)}, without each of its additions, "
+                               f"against the mean of the max runs made by the same commit (positive: slower "
+                               f"without it, so the addition pays):"),
                       frame.round(3),
                       f"Within the runs' spread without them: {', '.join(idle)}." if idle else None,
                       f"Faster without them: {', '.join(hurt)}." if hurt else None]

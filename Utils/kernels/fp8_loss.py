@@ -152,14 +152,15 @@ def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Ten
     grad = torch.empty(min(n, chunk_rows), n_cols, dtype=E5M2, device=h8.device)
     grad_t = torch.empty(n_cols, n, dtype=E5M2, device=h8.device)   # every chunk's gradient, transposed
     for i in range(0, n, chunk_rows):
-        rows = slice(i, min(i + chunk_rows, n))
+        size = min(chunk_rows, n - i)
+        rows = slice(i, i + size)
         # Fast accumulation (Hopper's, which never promotes its partial sums to fp32, losing precision as a
         # sum grows) on the logits' GEMM only, whose sums run over the 768 features; the gradients' GEMMs sum
         # over the 50,304 words or the tokens.
-        out, g = logits[:rows.stop - i], grad[:rows.stop - i]
+        out, g = logits[:size], grad[:size]
         torch._scaled_mm(h8[rows], w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=torch.bfloat16,
                          use_fast_accum=True, out=out)
-        _softmax_grad_fp8(out, targets[rows], vocab_size, row_loss[rows], lse[:rows.stop - i], g, grad_t[:, rows])
+        _softmax_grad_fp8(out, targets[rows], vocab_size, row_loss[rows], lse[:size], g, grad_t[:, rows])
         torch._scaled_mm(g, w8_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=torch.bfloat16, out=grad_h[rows])
     # One GEMM over every token: the gradients (e5m2) against h (e4m3, token-major as the GEMM reads it;
     # Hopper has no e5m2 x e5m2 GEMM), in fp32 as the optimizer's gradient is.

@@ -154,7 +154,7 @@ PARALLEL_EXCLUDES = {
     "ddp": {},
     "fsdp": {name: "its kernel takes whole tensors, not FSDP's DTensor shards"
              for name in ("gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel", "fp8_head")}
-    | {"fold_clip": "it sets fused AdamW's grad_scale from the norm of whole gradients, not FSDP's DTensor shards",
+    | {"fold_clip": "its grad_scale from the gradients' norm has not been tried on FSDP's DTensor shards",
        "8bit": "bitsandbytes' optimizer takes whole tensors, not FSDP's DTensor shards",
        "cudagraphs": "a CUDA graph cannot hold FSDP's all-gathers and reduce-scatters",
        "fp8": "its scaled matmuls have not been tried on FSDP's shards"},

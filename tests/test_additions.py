@@ -93,9 +93,12 @@ def test_the_model_with_the_loss_kernel_gives_its_own_loss_and_gradients(model_r
 def test_under_bf16_autocast_the_loss_kernel_matches_the_plain_chunked_loss(model_results):
     r = model_results["bf16"]
     assert r["calls"] == 2 and r["loss_dtype"] == "torch.float32"
-    # The same bf16 logits: the loss differs by fp32 rounding, the gradients by their bf16 rounding (the
-    # interpreter truncates where torch rounds to nearest: a bias of up to one ulp, 2^-8, per entry).
-    assert r["loss_diff"] < 1e-5 and r["grads"] < 2e-2, r
+    # The kernel's logits come from a GEMM padded to 128 columns (97 here), and a CPU's bf16 GEMM may pick
+    # another kernel for that width and round a few logits the other way: 0 on an AVX2 CPU, 1.0e-5 seen on
+    # another. A dropped chunk or an unmasked padding column moves the loss by more than 0.1. The gradients
+    # differ by their bf16 rounding (the interpreter truncates where torch rounds to nearest: a bias of up to
+    # one ulp, 2^-8, per entry).
+    assert r["loss_diff"] < 1e-3 and r["grads"] < 2e-2, r
 
 
 # ---------------------------------------------------------------------------------------------

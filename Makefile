@@ -220,7 +220,7 @@ install:
 
 test:
 	@PIP_DISABLE_PIP_VERSION_CHECK=1 $(PYTHON) -m pip install -q -r requirements-test.txt
-	$(PYTHON) -m pytest -q -n auto --dist loadgroup tests
+	$(PYTHON) -m pytest -q -rs -n auto --dist loadgroup tests
 
 # The tests that need a CUDA GPU (marked gpu); `make test` leaves them out. Only the files that hold such
 # tests are collected, so that a GPU machine needs none of the notebook's packages.

@@ -39,7 +39,10 @@ def test_two_processes_train_as_one_process_on_twice_the_batch(tmp_path, paralle
     two = make(["baseline", "STEPS=5", "BATCH_SIZE=2", f"PREFIX={tmp_path / 'two'}", "NPROC=2",
                 f"PARALLEL={parallel}"] + RUN, env, timeout=300)
     assert two.returncode == 0, two.stderr
-    assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), abs=1e-5)
+    # results.csv keeps 6 significant digits (steps of 1e-4 at a loss near 10.8), and the two runs' sums may
+    # differ by about 1e-6 before that rounding: one step apart at most. Another split of the batch moves the
+    # losses by about 1e-2.
+    assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), abs=2e-4)
     runs = read_csv(tmp_path / "two" / "runs.csv")
     assert len(runs) == 1, "rank 0 alone records the run"
     run = runs[0]

@@ -86,9 +86,10 @@ def test_the_interpreter_makes_the_kernel_available_on_a_cpu(kernel_results):
 def test_kernel_rows_losses_and_gradient_match_the_reference(kernel_results, case):
     r = kernel_results[case]
     assert r["loss_dtype"] == "torch.float32" and r["loss_shape"] == [6 if case in ("blocks", "update_forms") else 70]
-    # The kernel works in fp32 whatever the logits' dtype: the losses (about 7 to 30, up to 108 in
-    # update_forms) are off by fp32 rounding only.
-    assert r["loss_err"] < 1e-5, r
+    # The kernel works in fp32 whatever the logits' dtype: the losses (about 7 to 30, up to 128 in
+    # update_forms, where one fp32 ulp is 7.6e-6) are off by a few ulps of fp32 rounding only (the
+    # interpreter runs numpy's exp and log, whose last bit differs between CPUs' vector units).
+    assert r["loss_err"] < 5e-5, r
     if case == "bfloat16":
         # One bf16 rounding of an fp32 value (the interpreter truncates, a GPU rounds to nearest): under one
         # unit in the last place of the exact gradient, whatever its size.

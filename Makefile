@@ -28,6 +28,10 @@ need = @if [ -z '$(subst ','\'',$(strip $(value $(1))))' ]; then echo "error: $(
 .PHONY: help install all scaling ablation additions custom peers profile plots compare peak test gpu-test init_results reset clean notebook $(RUNGS) require-run require-prefix
 .DEFAULT_GOAL := help
 
+# A target that is none of these: name the rungs, rather than make's own "No rule to make target".
+.DEFAULT:
+	@echo "error: no target '$@': the rungs are $(RUNGS); make help lists the other targets" >&2; exit 2
+
 help:
 	@echo "Train GPT-2 under a ladder of GPU optimizations and compare them."
 	@echo ""
@@ -49,7 +53,7 @@ help:
 	@echo "  make reset PREFIX=dir                         remove every file the suite wrote in PREFIX, results too"
 	@echo "  make notebook [RESULTS=dir]                   execute notebooks/Optimizing_GPU_Utilization.ipynb in place"
 	@echo "  make install                                  what the suite needs (PyTorch's CPU build where there is no GPU)"
-	@echo "  make test                                     the test suite (CPU, about 5 minutes on 2 cores; installs requirements-test.txt)"
+	@echo "  make test                                     the test suite (CPU, about 6 minutes on 2 cores; installs requirements-test.txt)"
 	@echo "  make gpu-test                                 the tests marked gpu, on a CUDA machine"
 	@echo ""
 	@echo "Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE=auto|cuda|cpu"

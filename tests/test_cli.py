@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from Utils.ladder.registry import RUNGS
 from Utils.train.cli import parse_args
 
 from Utils.train.run import main
@@ -121,6 +122,14 @@ def test_make_refuses_a_repeat_that_is_not_a_number_of_runs(repeat, tmp_path):
     assert r.stderr.splitlines()[0] == (f"error: REPEAT must be a number of runs from 1 to 99, not '{repeat}' "
                                         f"(e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)")
     assert not (tmp_path / "results.csv").exists()
+
+
+def test_make_names_the_rungs_for_an_unknown_target():
+    r = subprocess.run(["make", "--no-print-directory", "-s", f"PYTHON={sys.executable}", "fuse"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60, env=clean_env())
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[0] == (f"error: no target 'fuse': the rungs are {' '.join(RUNGS)}; "
+                                        f"make help lists the other targets")
 
 
 def test_steps_must_leave_a_measured_step(capsys, tmp_path):

@@ -474,8 +474,8 @@ CPU_EFFECTS = {
     "loss": (None, _chunked_loss),
     "loss_kernel": (r".+: the plain chunked loss instead", _chunked_loss),
     # On a CPU FP8 is only emulated, and the loss kernel needs a GPU: the plain chunked loss, and both reasons.
-    "fp8_head": (r"FP8 matmuls are fast on an Ada or Hopper GPU only .+: the loss kernel needs .+: the plain "
-                 r"chunked loss instead", _chunked_loss),
+    "fp8_head": (r"FP8 matmuls are fast on an Ada or Hopper GPU only .+: the output layer in bf16 instead; "
+                 r"the loss kernel needs .+: the plain chunked loss instead", _chunked_loss),
     "fp8": (None, None),   # refused on a CPU: test_fp8_is_refused_where_it_cannot_run
     "torch_compile": (None, _torch_compile),
     "cudagraphs": (r"CUDA graphs need a GPU: compiled in the default mode", _cudagraphs),
@@ -595,13 +595,14 @@ def test_where_fp8_runs_fp8_head_is_the_fp8_loss_and_bf16_for_tokens_it_cannot_t
 def test_where_fp8_cannot_run_fp8_head_is_the_loss_kernel_in_bf16(kernels_available, monkeypatch):
     monkeypatch.setattr(fp8_loss, "unavailable", lambda device: "no FP8 here")
     b = make(("bf16", "fp8_head"))
-    assert b.notes == ["no FP8 here: the loss kernel in bf16 instead"]
+    assert b.notes == ["no FP8 here: the output layer in bf16 instead, through the loss kernel"]
     assert type(b.model.loss) is modules.ChunkedLoss and b.model.loss.kernel and not b.model.loss.fp8
     assert kernels_available == [("loss_kernel", chunked_loss.kernel_logits_width(b.config.padded_vocab_size))]
     # Neither FP8 nor the loss kernel: the plain chunked loss, and both reasons.
     monkeypatch.setattr(loss_kernel, "unavailable", lambda device: "no kernel compiler")
     b = make(("bf16", "fp8_head"))
-    assert b.notes == ["no FP8 here: no kernel compiler: the plain chunked loss instead"]
+    assert b.notes == ["no FP8 here: the output layer in bf16 instead; "
+                       "no kernel compiler: the plain chunked loss instead"]
     _chunked_loss(b, make(("bf16",)))
 
 

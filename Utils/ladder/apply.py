@@ -211,7 +211,7 @@ def apply_fp8_head(b: Build) -> str | None:
     note = _kernel_chunked_loss(b)
     why = fp8_loss.unavailable(b.device) or fp8_loss.width_problem(b.config.n_embd)
     if why:
-        return f"{why}: {note or 'the loss kernel in bf16 instead'}"
+        return f"{why}: the output layer in bf16 instead" + (f"; {note}" if note else ", through the loss kernel")
     b.model.loss.fp8 = True
     return None
 

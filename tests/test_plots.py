@@ -217,6 +217,22 @@ def test_runs_repeated_from_one_commit_are_listed_with_the_median_of_their_media
     assert frame.at["max", "trimmed_mean_ms"] == pytest.approx((12 * 3 + 10 * 3 + 13 * 3) / 9)
 
 
+def test_runs_of_several_commits_or_gpus_are_named_in_a_note(tmp_path):
+    one, mixed = str(tmp_path / "one"), str(tmp_path / "mixed")
+    for p in (one, mixed):
+        add_run(p, "baseline", [1, 100, 100, 100], git_commit="aaaaaaaaaaaa1111", gpu_uuid="GPU-1")
+        add_run(p, "tf32", [1, 50, 50, 50], git_commit="aaaaaaaaaaaa1111", gpu_uuid="GPU-1")
+    add_run(one, "bf16", [1, 40, 40, 40], git_commit="aaaaaaaaaaaa1111", gpu_uuid="GPU-1")
+    add_run(mixed, "bf16", [1, 40, 40, 40], git_commit="bbbbbbbbbbbb-dirty", gpu_uuid="GPU-2")
+    for p in (one, mixed):
+        assert run_main(p)[0] == 0
+    assert "the compared runs come from" not in summary_text(one)
+    notes = summary_text(mixed).split("## Notes")[1]
+    assert ("- the compared runs come from 2 commits (aaaaaaaaaaaa: baseline, tf32; bbbbbbbbbbbb-dirty: bf16): "
+            "a speedup between two of them measures that difference too") in notes
+    assert "- the compared runs come from 2 GPUs (GPU-1: baseline, tf32; GPU-2: bf16)" in notes
+
+
 def test_a_repeated_baseline_divides_by_the_median_of_its_runs(tmp_path):
     p = str(tmp_path)
     add_run(p, "baseline", [1, 100, 100, 100], run_id="base-1", git_commit="ccccccc")

@@ -160,6 +160,7 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataF
     table["compile_cache"] = table["compile_cache"].fillna("").astype(str)
     steps = pd.concat(step_frames, ignore_index=True) if step_frames else steps_df.iloc[0:0]
     compared = pd.DataFrame([sel.chosen[r] for r in table.index if r in sel.chosen], columns=runs_df.columns)
+    notes += mixed_sources(compared)
     return Report(table=table, steps=steps, runs=compared, reference=sel.reference, has_baseline=sel.has_baseline,
                   excluded=sel.excluded, notes=notes, context=context(sel.reference),
                   provenance=provenance(compared), peak=peak, measured_ms=measured_ms)
@@ -257,6 +258,26 @@ def context(ref: "pd.Series | None") -> str:
         batch = f"{n} × {batch} ({n} processes, {norm(ref.get('parallel', '')) or 'parallel'})"
     return (f"{gpu} · {model} · batch {batch} × seq_len "
             f"{norm(ref['seq_len']) or '?'} · data {norm(ref['data']) or '?'}")
+
+
+def mixed_sources(runs: pd.DataFrame) -> list[str]:
+    """A note for each of commit and GPU (UUID) over which the compared runs.csv rows differ, naming the rungs
+    of each: a speedup divides two runs of one commit on one GPU (a commit may have changed a rung, and two
+    cards of one model differ by a few percent under their power cap)."""
+    notes = []
+    for column, what in (("git_commit", "commits"), ("gpu_uuid", "GPUs")):
+        if column not in runs or not any(norm(v) for v in runs[column]):
+            continue
+        groups: dict[str, list[str]] = {}
+        for _, run in runs.iterrows():
+            key = (short_commit(run[column]) if column == "git_commit" else norm(run[column])) or "unknown"
+            groups.setdefault(key, []).append(str(run["optimization"]))
+        if len(groups) > 1:
+            each = "; ".join(f"{key}: {', '.join(rungs)}" for key, rungs in groups.items())
+            notes.append(f"the compared runs come from {len(groups)} {what} ({each}): a speedup between two of "
+                         f"them measures that difference too; run the rungs again from one commit on one GPU "
+                         f"(make all) to compare like with like")
+    return notes
 
 
 def short_commit(commit: object) -> str:

@@ -17,7 +17,7 @@ from conftest import run_main, sticks_out, summary_table, summary_text  # noqa: 
 from Utils.ladder.registry import rung_order  # noqa: E402
 from Utils.report.charts import CHARTS as CHART_PLOTS, plot_step_time  # noqa: E402
 from Utils.report.cli import main  # noqa: E402
-from Utils.report.selection import select_runs  # noqa: E402
+from Utils.report.selection import select  # noqa: E402
 from Utils.report.stats import build_report, summarize  # noqa: E402
 from Utils.results.read import load  # noqa: E402
 from Utils.results.schema import RUN_COLUMNS, STEP_COLUMNS  # noqa: E402
@@ -157,7 +157,8 @@ def test_run_matching(tmp_path):
     add_run(p, "max", [], status="failed", run_id="max-3", message="NaN loss")
 
     steps, runs = load(p)
-    chosen, excluded = select_runs(runs, steps)
+    sel = select(runs, steps)
+    chosen, excluded = sel.chosen, sel.excluded
     assert {r: row["run_id"] for r, row in chosen.items()} == {
         "baseline": "base-new", "tf32": "tf32-match", "max": "max-2"}
     reasons = {e.run_id: e.reason for e in excluded}
@@ -408,7 +409,8 @@ def test_the_newest_ok_baseline_sets_the_configuration(tmp_path):
     add_run(p, "flash", [], status="oom", run_id="flash-oom", message="out of memory")
     add_run(p, "flash", [], status="skipped", run_id="flash-skip", message="no bf16")
     steps, runs = load(p)
-    chosen, excluded = select_runs(runs, steps)
+    sel = select(runs, steps)
+    chosen, excluded = sel.chosen, sel.excluded
     assert {r: row["run_id"] for r, row in chosen.items()} == {"baseline": "base-b16", "tf32": "tf32-b16"}
     reasons = {e.run_id: e.reason for e in excluded}
     assert reasons["base-b8"] == "batch 8 != 16"

@@ -93,7 +93,14 @@ class Selection:
 
 
 def select(runs_df: pd.DataFrame, steps_df: "pd.DataFrame | None" = None) -> Selection:
-    """Choose the runs to compare (see select_runs), and keep what the summary's notes say about the rest."""
+    """Choose the run that represents each rung, and keep what the summary's notes say about the rest.
+
+    chosen: {rung id: runs_df row} holding, for each rung that has one, its latest ok run whose batch_size,
+    seq_len, model, data, device and gpu_name equal those of the baseline's latest ok run. Without an ok
+    baseline the latest ok run overall sets that configuration (the latest run of any status when none is
+    ok). excluded: [Excluded(run_id, rung, reason)] for every run whose configuration differs (reason like
+    "batch 8 != 16") and, when steps_df is given, every ok run whose step times are NaN, not positive, or
+    absent; such runs are never chosen."""
     by_run = steps_by_run(steps_df) if steps_df is not None else None
     empty = pd.DataFrame(columns=STEP_COLUMNS)
     problems = {}
@@ -144,17 +151,3 @@ def select(runs_df: pd.DataFrame, steps_df: "pd.DataFrame | None" = None) -> Sel
         same_kind = [i for i in rows.index if not mismatches(runs_df.loc[i], reference, STATUS_KEYS)]
         status_rows[rung] = runs_df.loc[same_kind[-1]] if same_kind else None
     return Selection(reference, has_baseline, chosen, excluded, status_rows, superseded, newer_not_ok, repeats)
-
-
-def select_runs(runs_df: pd.DataFrame, steps_df: "pd.DataFrame | None" = None) -> tuple[dict, list]:
-    """Choose the run that represents each rung; return (chosen, excluded).
-
-    chosen: {rung id: runs_df row (a Series)} holding, for each rung that has one, its latest ok run
-    whose batch_size, seq_len, model, data, device and gpu_name equal those of the baseline's latest
-    ok run. Without an ok baseline the latest ok run overall sets that configuration (the latest run
-    of any status when none is ok). excluded: [Excluded(run_id, rung, reason)] for every run whose
-    configuration differs (reason like "batch 8 != 16") and, when steps_df is given, every ok run
-    whose step times are NaN, not positive, or absent; such runs are never chosen.
-    """
-    sel = select(runs_df, steps_df)
-    return sel.chosen, sel.excluded

@@ -96,11 +96,6 @@ class Breakdown:
         t = self.ms.get(COMPUTE, 0.0) / 1e3
         return self.flops_per_step / t if self.flops_per_step and t > 0 else None
 
-    @property
-    def compute_fraction_of_peak(self) -> "float | None":
-        achieved = self.compute_flops
-        return achieved / self.peak_flops if achieved and self.peak_flops else None
-
 
 def load_trace(path: str | os.PathLike) -> dict:
     """A Chrome trace file (JSON, or gzipped JSON as export_chrome_trace writes for a .gz path) as a dict."""

@@ -8,6 +8,7 @@ runs instead (the run records it), or raises Unavailable when the run would mean
 """
 import logging
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -53,14 +54,14 @@ class Build:
     sync_every: int = 1
     notes: list = field(default_factory=list)
 
-    def autocast(self):
+    def autocast(self) -> torch.autocast:
         if self.autocast_dtype is None:
             return torch.autocast(self.device.type, enabled=False)
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
 
-def build(additions, device: torch.device, config: GPTConfig, seed: int, loader, parallel: str = "",
-          make_model: Callable[[GPTConfig], nn.Module] = GPT) -> Build:
+def build(additions: Iterable[str], device: torch.device, config: GPTConfig, seed: int, loader: object,
+          parallel: str = "", make_model: Callable[[GPTConfig], nn.Module] = GPT) -> Build:
     """Apply `additions` (names; checked by registry.resolve) to a plain GPT-2 of `config` trained with AdamW as
     torch ships it, fed by `loader`, spread over the processes as `parallel` says (ddp, fsdp; '' for one).
     make_model makes the model (a peer's GPT-2 instead of the suite's: Utils.peers), which takes the step's
@@ -362,7 +363,7 @@ class Prefetcher:
         with torch.cuda.stream(self.stream):
             return self.loader.next_batch().to(self.device, non_blocking=True)
 
-    def next_batch(self):
+    def next_batch(self) -> torch.Tensor:
         current = torch.cuda.current_stream(self.device)
         current.wait_stream(self.stream)
         batch = self.ready

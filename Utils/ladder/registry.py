@@ -11,6 +11,7 @@ Additions apply in STAGES order, and within a stage in the order they are listed
   optimizer  the optimizer and the update step (gradient clip + optimizer step)
   loop       the step loop itself (where batches come from, how often the host reads results back)
 """
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 PILLARS = ("compute", "memory", "overhead")
@@ -127,7 +128,7 @@ class RegistryError(ValueError):
     """An unknown addition or an impossible combination; the message is one line and names the fix."""
 
 
-def resolve(names) -> tuple:
+def resolve(names: Iterable[str]) -> tuple:
     """The additions `names` (an iterable of names, in any order, repeats ignored) in the order they apply.
     Raises RegistryError for an unknown name or an impossible combination, naming the fix."""
     chosen = set(names)
@@ -161,7 +162,7 @@ PARALLEL_EXCLUDES = {
 }
 
 
-def check_parallel(additions, parallel: str) -> None:
+def check_parallel(additions: tuple, parallel: str) -> None:
     """Raise RegistryError, naming the fix, where `additions` cannot run under PARALLEL=`parallel`."""
     if not parallel:
         return
@@ -173,7 +174,7 @@ def check_parallel(additions, parallel: str) -> None:
                             f"PARALLEL={parallel}: {why}; use PARALLEL=ddp, or a run without it")
 
 
-def run_name(additions) -> str:
+def run_name(additions: Iterable[str]) -> str:
     """The name a run of these additions is recorded under: the rung's name where a rung has exactly these, else
     the largest rung they contain, then the rest in the order they apply: fused+loss, baseline+bf16+flash; or,
     where that takes more parts, a rung less the one addition it lacks: max-prefetch. Distinct sets get
@@ -207,7 +208,7 @@ def additions_of(name: str) -> tuple | None:
     return RUNGS[first].additions + tuple(rest)
 
 
-def rung_order(names) -> list:
+def rung_order(names: Iterable[str]) -> list:
     """Run names in ladder order; names the ladder does not know (fused+loss, custom runs) follow,
     alphabetically."""
     present = set(names)

@@ -12,6 +12,7 @@ NOISY_IQR of its median is flagged as noisy.
 MFU is shown two ways: against the datasheet's dense bf16 peak (Utils.results.gpus) and, where
 `make peak` measured this machine, against the rate it reached on a large bf16 matmul.
 """
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,20 +35,20 @@ SUMMARY_COLUMNS = ["run_id", "status", "message", "runs", "median_step_ms", "iqr
 TEXT_COLUMNS = ("run_id", "status", "message", "compile_cache")
 
 
-def trimmed_mean(values, trim: float = TRIM) -> float:
+def trimmed_mean(values: np.ndarray, trim: float = TRIM) -> float:
     """The mean of `values` without the lowest and highest `trim` share of them (as scipy.stats.trim_mean)."""
     v = np.sort(np.asarray(values, dtype=float))
     cut = int(trim * v.size)
     return float(v[cut:v.size - cut].mean())
 
 
-def noisy(ms) -> bool:
+def noisy(ms: np.ndarray) -> bool:
     """A run whose measured steps' IQR is over NOISY_IQR of their median."""
     q25, median, q75 = np.percentile(np.asarray(ms, dtype=float), [25, 50, 75])
     return bool(q75 - q25 > NOISY_IQR * median)
 
 
-def bootstrap_speedup(base_ms, rung_ms, resamples: int = BOOTSTRAP_RESAMPLES,
+def bootstrap_speedup(base_ms: np.ndarray, rung_ms: np.ndarray, resamples: int = BOOTSTRAP_RESAMPLES,
                       seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
     """95% bootstrap interval (2.5th, 97.5th percentile) of median(base_ms) / median(rung_ms)."""
     rng = np.random.default_rng(seed)
@@ -81,7 +82,7 @@ class Report:
 
 
 def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataFrame | None" = None) -> Report:
-    """Select the runs (see select_runs) and compute the table, notes and captions from load()'s frames;
+    """Select the runs (selection.select) and compute the table, notes and captions from load()'s frames;
     `peaks` (read.load_peak's frame) gives the measured peak for the second MFU."""
     sel = select(runs_df, steps_df)
     by_run = steps_by_run(steps_df)
@@ -288,7 +289,7 @@ def short_commit(commit: object) -> str:
     return text.removesuffix("-dirty")[:12] + ("-dirty" if dirty else "")
 
 
-def distinct(values, width: "int | None" = None) -> list[str]:
+def distinct(values: Iterable[object], width: "int | None" = None) -> list[str]:
     """The values as text, each cut to `width` characters, repeats dropped, first seen first; a blank one is
     "unknown", unless every one is blank (then the list is empty)."""
     texts = [norm(v)[:width] for v in values]

@@ -1,4 +1,6 @@
 """FLOPs per token, MFU and step-time statistics: the figures a run's rows carry (no torch)."""
+from collections.abc import Sequence
+
 import numpy as np
 
 
@@ -13,7 +15,7 @@ def mfu(flops_token: float, tokens_per_s: float, peak: float | None) -> float | 
     return None if not peak else flops_token * tokens_per_s / peak
 
 
-def median_iqr(values) -> tuple[float, float]:
+def median_iqr(values: Sequence[float]) -> tuple[float, float]:
     """(median, interquartile range) of the values."""
     values = np.asarray(values, dtype=float)
     q1, med, q3 = np.percentile(values, [25, 50, 75])

@@ -6,6 +6,7 @@ value and the fix, and exit status 2.
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -38,7 +39,7 @@ class RunConfig:
     cold: bool = False
     parallel: str = ""        # ddp or fsdp: one of several processes started by torchrun
 
-    def as_dict(self):
+    def as_dict(self) -> dict:
         return asdict(self)
 
 
@@ -47,7 +48,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} ({EXAMPLE})")
 
 
-def build_parser(prog=None):
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = _Parser(prog=prog, description="Train GPT-2 for STEPS steps under one rung of the ladder and "
                                        "append every step's timing to PREFIX/results.csv.")
     p.add_argument("--steps", required=True, help="training steps to run and time (STEPS)")
@@ -106,7 +107,7 @@ def _text(name, value):
     return value
 
 
-def parse_args(argv=None, prog=None):
+def parse_args(argv: Sequence[str] | None = None, prog: str | None = None) -> RunConfig:
     """Parse and validate; raises UsageError with a one-line message."""
     a = build_parser(prog).parse_args(argv)
     steps = _positive_int("STEPS", a.steps, f"pass the number of steps to time, {EXAMPLE}")
@@ -163,7 +164,7 @@ def parse_args(argv=None, prog=None):
                      profile=a.profile, cold=a.cold, parallel=parallel)
 
 
-def check(argv) -> int:
+def check(argv: Sequence[str]) -> int:
     """Validate a run's arguments and its PREFIX without running anything, for the targets that run several
     rungs (make all, ablation, profile). With DATA=auto, print the data every rung is then to use
     (shakespeare, or synthetic after one warning), so that the warning is not repeated by every rung."""

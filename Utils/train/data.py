@@ -8,11 +8,15 @@ import http.client
 import os
 import sys
 import urllib.request
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from Utils.results.files import write_atomic
+
+if TYPE_CHECKING:
+    import tiktoken
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -25,7 +29,7 @@ class DataError(Exception):
     """The requested data cannot be had; the message is one line and names the fix."""
 
 
-def default_data_dir():
+def default_data_dir() -> str:
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return os.environ.get("DATA_DIR") or os.path.join(repo, "data")
 
@@ -38,7 +42,7 @@ def _sha256(path):
     return h.hexdigest()
 
 
-def fetch_shakespeare(data_dir, url=None):
+def fetch_shakespeare(data_dir: str, url: str | None = None) -> str:
     """Path to tiny shakespeare in data_dir, downloaded and checked against its sha256 if missing."""
     url = url or os.environ.get("SHAKESPEARE_URL") or SHAKESPEARE_URL
     path = os.path.join(data_dir, SHAKESPEARE_FILE)
@@ -62,7 +66,7 @@ def fetch_shakespeare(data_dir, url=None):
     return path
 
 
-def gpt2_encoding():
+def gpt2_encoding() -> "tiktoken.Encoding":
     try:
         import tiktoken
         return tiktoken.get_encoding("gpt2")
@@ -71,11 +75,11 @@ def gpt2_encoding():
                         f"or set TIKTOKEN_CACHE_DIR to a folder holding its files")
 
 
-def tokenize(text):
+def tokenize(text: str) -> np.ndarray:
     return np.array(gpt2_encoding().encode_ordinary(text), dtype=np.uint16)   # 50257 tokens fit in 16 bits
 
 
-def shakespeare_tokens(data_dir):
+def shakespeare_tokens(data_dir: str) -> np.ndarray:
     cache = os.path.join(data_dir, TOKENS_FILE)
     if os.path.exists(cache):
         try:
@@ -92,12 +96,12 @@ def shakespeare_tokens(data_dir):
     return tokens
 
 
-def synthetic_tokens(vocab_size, seed, n=SYNTHETIC_TOKENS):
+def synthetic_tokens(vocab_size: int, seed: int, n: int = SYNTHETIC_TOKENS) -> np.ndarray:
     g = np.random.default_rng(seed)
     return g.integers(0, vocab_size, size=n, dtype=np.int64).astype(np.uint16 if vocab_size <= 65536 else np.int64)
 
 
-def load_tokens(data, vocab_size, seed, data_dir=None):
+def load_tokens(data: str, vocab_size: int, seed: int, data_dir: str | None = None) -> tuple[np.ndarray, str]:
     """(tokens, name): name is what the run records: shakespeare, synthetic, or the file's path."""
     data_dir = data_dir or default_data_dir()
     if data == "synthetic":
@@ -145,7 +149,7 @@ class TokenLoader:
         self.rank, self.world = rank, world
         self.pos = 0
 
-    def next_batch(self):
+    def next_batch(self) -> torch.Tensor:
         """This rank's (B*T + 1,) view of the stream; split it with `inputs_targets` once it is on the device."""
         stride = self.world * self.B * self.T
         if self.pos + stride + 1 > len(self.tokens):
@@ -156,7 +160,7 @@ class TokenLoader:
         return window
 
 
-def inputs_targets(window, batch_size, seq_len):
+def inputs_targets(window: torch.Tensor, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = window[:-1].view(batch_size, seq_len)
     y = window[1:].view(batch_size, seq_len)
     return x, y

@@ -10,8 +10,13 @@ holding the others forever. Rank 0 records the run; a rank that fails writes one
 """
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 PARALLEL_MODES = ("ddp", "fsdp")
 # A collective that waits longer than this ends the run. Ranks compile apart (each its own Inductor) before
@@ -58,7 +63,7 @@ def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def init(dist: Dist, device_type: str):
+def init(dist: Dist, device_type: str) -> "torch.device":
     """Join the process group (NCCL between GPUs, gloo between CPU processes) and return this rank's device."""
     import torch
     import torch.distributed as td
@@ -88,7 +93,8 @@ def close() -> None:
         td.destroy_process_group()
 
 
-def reduce_steps(step_ms: list, losses: list, window_s: float | None, device) -> tuple[list, list, float | None]:
+def reduce_steps(step_ms: list, losses: list, window_s: float | None,
+                 device: "torch.device") -> tuple[list, list, float | None]:
     """Each step's time as the slowest rank's, its loss as the mean over ranks (every rank trains on its own
     share of the global batch), and the measured window as the longest: one all-reduce of each, after the
     last step."""
@@ -104,7 +110,7 @@ def reduce_steps(step_ms: list, losses: list, window_s: float | None, device) ->
     return times[:-1], (loss / td.get_world_size()).tolist(), (times[-1] if window_s is not None else None)
 
 
-def broadcast_text(text: str, device) -> str:
+def broadcast_text(text: str, device: "torch.device") -> str:
     """Rank 0's `text` on every rank (the run's id, so that every rank names the same run)."""
     import torch.distributed as td
     if not td.is_initialized():
@@ -184,7 +190,7 @@ def check(nproc: str, parallel: str, device: str, gpus: int | None = None, addit
     return None
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) not in (4, 5) or argv[0] != "check":
         print("usage: python -m Utils.train.distributed check NPROC PARALLEL DEVICE [RUNG-OR-ADDITIONS]",

@@ -2,10 +2,12 @@
 
 Kept apart from Utils.train.run, which imports torch, so that a script installs the handler first.
 """
+from collections.abc import Iterable
+
 from Utils.train.interrupts import exit_on_signal
 
 
-def launch(additions, argv=None, command=None) -> int:
+def launch(additions: str | Iterable[str], argv: Iterable[str] | None = None, command: str | None = None) -> int:
     """A rung's name or a list of additions, the command line (sys.argv[1:] by default), and what the record
     says repeats the run (Utils.train.run.main); the exit status."""
     exit_on_signal()

@@ -12,6 +12,8 @@ import contextlib
 import functools
 import os
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +24,9 @@ from Utils.train import distributed, nvml
 from Utils.train.cli import PROFILE_STEPS, RunConfig
 from Utils.train.data import inputs_targets
 
+if TYPE_CHECKING:
+    from Utils.report.breakdown import Breakdown
+
 
 class StepClock:
     """mark() marks a step's end without waiting for the device; ms(earlier, later) is the time between two
@@ -30,26 +35,26 @@ class StepClock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def mark(self):
+    def mark(self) -> float | torch.cuda.Event:
         if not self.cuda:
             return time.perf_counter()
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         return end
 
-    def ms(self, earlier, later) -> float:
+    def ms(self, earlier: float | torch.cuda.Event, later: float | torch.cuda.Event) -> float:
         if self.cuda:
             later.synchronize()
             return earlier.elapsed_time(later)
         return (later - earlier) * 1e3
 
-    def wait(self, mark) -> float:
+    def wait(self, mark: float | torch.cuda.Event) -> float:
         if self.cuda:
             mark.synchronize()
         return time.perf_counter()
 
 
-def train(b: Build, cfg: RunConfig, run: dict, rows: list):
+def train(b: Build, cfg: RunConfig, run: dict, rows: list) -> "Breakdown | None":
     """Run cfg.steps timed steps of the built run `b`, appending a dict per step to rows. Returns the profiled
     breakdown with cfg.profile, else None."""
     device, source, optimizer, update, step_model, config = b.device, b.source, b.optimizer, b.update, b.step_model, b.config
@@ -178,7 +183,8 @@ def _host_scopes(device: torch.device):
         autograd_profiler._enable_profiler = enable
 
 
-def profile_steps(step, clock, cfg, device, run, flops_per_step, peak):
+def profile_steps(step: Callable[[], tuple[float | torch.cuda.Event, torch.Tensor]], clock: StepClock, cfg: RunConfig,
+                  device: torch.device, run: dict, flops_per_step: int, peak: float | None) -> "Breakdown":
     """PROFILE_STEPS more steps under torch.profiler (one more before them that the schedule discards),
     exported as a gzipped Chrome trace and split into compute, memory and overhead."""
     if device.type != "cuda":

@@ -11,8 +11,9 @@ import sys
 import tempfile
 import traceback
 import uuid
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 from torch.nn import Module
@@ -30,10 +31,14 @@ from Utils.train.loop import train
 from Utils.train.provenance import environment
 from Utils.train.usage import fail
 
+if TYPE_CHECKING:
+    from Utils.report.breakdown import Breakdown
+
 EXIT_FAILED, EXIT_OOM, EXIT_SKIPPED = 1, 3, 4   # 2: bad input, or results that cannot be written (fail)
 
 
-def main(additions, argv=None, command=None, peer: "Peer | None" = None) -> int:
+def main(additions: str | Iterable[str], argv: Iterable[str] | None = None, command: str | None = None,
+         peer: "Peer | None" = None) -> int:
     """Entry point of every rung script, of `make custom` and of a peer: `additions` is a rung's name or a list
     of addition names; `command` is what the record says repeats the run (the script and argv by default).
     Parse, check PREFIX, run, record; returns the exit status."""
@@ -71,7 +76,7 @@ def compile_cache(before: tuple[int, int]) -> str | None:
 
 
 @contextlib.contextmanager
-def cold_caches(cold: bool):
+def cold_caches(cold: bool) -> Iterator[None]:
     """With `cold`, Inductor and Triton compile into an empty folder of their own, removed afterwards: the
     compile time of a fresh machine (make ... COLD=1)."""
     if not cold:
@@ -92,7 +97,7 @@ def cold_caches(cold: bool):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def summarize(additions, cfg, run, rows, counts_before=(0, 0)):
+def summarize(additions: tuple, cfg: RunConfig, run: dict, rows: list, counts_before: tuple[int, int] = (0, 0)) -> None:
     measured = [r for r in rows if not r["warmup"]]
     if measured:
         med, iqr = metrics.median_iqr([r["step_ms"] for r in measured])
@@ -110,7 +115,7 @@ def summarize(additions, cfg, run, rows, counts_before=(0, 0)):
         run["final_loss"] = rows[-1]["loss"]
 
 
-def summary_line(run):
+def summary_line(run: dict) -> str:
     def num(key, fmt, unit=""):
         v = run.get(key)
         return f"{v:{fmt}}{unit}" if isinstance(v, (int, float)) else "n/a"
@@ -125,7 +130,7 @@ def summary_line(run):
     return "summary | " + " | ".join(parts)
 
 
-def write_breakdown(cfg, run, profiled):
+def write_breakdown(cfg: RunConfig, run: dict, profiled: "Breakdown") -> None:
     from Utils.report import breakdown   # pandas and matplotlib: only profiled runs pay their import
     breakdown.append_breakdown_csv(cfg.prefix, run["optimization"], run["run_id"], profiled, run.get("median_step_ms"))
     context = (f"{run['gpu_name']} · {cfg.model} ({run['n_params'] / 1e6:.0f}M params) · batch {cfg.batch_size} "
@@ -171,12 +176,12 @@ def _write_error_log(prefix, run_id, rank=0):
     return path
 
 
-def reset_peak_memory(device):
+def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def peak_memory_gib(device):
+def peak_memory_gib(device: torch.device) -> tuple[float | None, float | None]:
     """(max allocated, max reserved) in GiB since the last reset; None on a CPU."""
     if device.type != "cuda":
         return None, None
@@ -295,7 +300,7 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
         return code
 
 
-def record(cfg: RunConfig, run: dict, rows: list, code: int, profiled=None) -> int:
+def record(cfg: RunConfig, run: dict, rows: list, code: int, profiled: "Breakdown | None" = None) -> int:
     """Append the run (signals are held off meanwhile: Utils.results.store) and say how it ended; the exit
     status: `code`, or fail's where the results cannot be written."""
     status, message = run["status"], run["message"]

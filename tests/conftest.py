@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from Utils.model import GPT, PRESETS
+from Utils.results.schema import RUN_SCHEMA, STEP_SCHEMA, headers
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared"))
@@ -206,3 +207,14 @@ def model_pair(additions, dtype=None, batch=3, common=(), **fields):
     idx = torch.randint(0, plain.config.vocab_size, (batch, 24))
     return plain, changed, idx, torch.roll(idx, -1, 1)
 
+
+def rewrite_as_version_1(prefix):
+    """Rewrite prefix's results.csv and runs.csv with schema version 1's columns, as the suite wrote them then."""
+    for name, schema in (("results.csv", STEP_SCHEMA), ("runs.csv", RUN_SCHEMA)):
+        path = os.path.join(prefix, name)
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=headers(schema)[1], extrasaction="ignore", lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(rows)

@@ -2,7 +2,6 @@
 folders and its interval, statuses in place of numbers, what differs between folders, results written before
 schema version 2, bad input, and the files."""
 import contextlib
-import csv
 import io
 import os
 
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
-from conftest import clean_env, make, sticks_out
+from conftest import clean_env, make, rewrite_as_version_1, sticks_out
 from Utils.report.compare import COMPARE_MD, COMPARE_PNG, compare, folder_labels, main, plot_compare
 from Utils.results.read import load
 from Utils.results.schema import RUN_SCHEMA, STEP_SCHEMA, headers
@@ -174,20 +173,9 @@ def test_frames_without_the_version_2_columns_still_compare(tmp_path, monkeypatc
     assert "gpu_name" in c.differs and "gpu_uuid" in c.same
 
 
-def _rewrite_as_version_1(prefix):
-    for name, schema in (("results.csv", STEP_SCHEMA), ("runs.csv", RUN_SCHEMA)):
-        path = os.path.join(prefix, name)
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=headers(schema)[1], extrasaction="ignore", lineterminator="\n")
-            writer.writeheader()
-            writer.writerows(rows)
-
-
 def test_version_1_files_still_compare(tmp_path):
     a, b = two_folders(str(tmp_path))
-    _rewrite_as_version_1(b)
+    rewrite_as_version_1(b)
     with open(os.path.join(b, "runs.csv")) as f:
         assert f.readline().strip().split(",") == headers(RUN_SCHEMA)[1]
     rc, stdout, err = run_main(["--out", tmp_path / "out", a, b])

@@ -13,7 +13,7 @@ if REPO not in sys.path:
 
 from matplotlib.figure import Figure  # noqa: E402
 
-from conftest import run_main, sticks_out, summary_table, summary_text  # noqa: E402
+from conftest import rewrite_as_version_1, run_main, sticks_out, summary_table, summary_text  # noqa: E402
 from Utils.ladder.registry import rung_order  # noqa: E402
 from Utils.report.charts import CHARTS as CHART_PLOTS, plot_step_time  # noqa: E402
 from Utils.report.cli import main  # noqa: E402
@@ -232,6 +232,20 @@ def test_runs_of_several_commits_or_gpus_are_named_in_a_note(tmp_path):
     assert ("- the compared runs come from 2 commits (aaaaaaaaaaaa: baseline, tf32; bbbbbbbbbbbb-dirty: bf16): "
             "a speedup between two of them measures that difference too") in notes
     assert "- the compared runs come from 2 GPUs (GPU-1: baseline, tf32; GPU-2: bf16)" in notes
+
+
+def test_the_summary_says_how_the_compared_steps_were_timed(tmp_path):
+    now, then = str(tmp_path / "now"), str(tmp_path / "then")
+    for p in (now, then):
+        add_run(p, "baseline", [1, 100, 100, 100])
+        add_run(p, "tf32", [1, 50, 50, 50])
+    rewrite_as_version_1(then)
+    for p in (now, then):
+        assert run_main(p)[0] == 0
+    assert "from the previous step's end to its own end on the device" in summary_text(now)
+    assert "before schema version 2: each step was timed alone" not in summary_text(now)
+    assert "before schema version 2: each step was timed alone, by CUDA events around it" in summary_text(then)
+    assert "from the previous step's end" not in summary_text(then)
 
 
 def test_a_repeated_baseline_divides_by_the_median_of_its_runs(tmp_path):

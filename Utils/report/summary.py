@@ -9,6 +9,7 @@ from Utils.report.scaling import GOALS, Scaling
 from Utils.report.stats import BOOTSTRAP_RESAMPLES, NO_BASELINE_NOTE, NOISY_IQR, TRIM, Report
 from Utils.results.files import write_atomic
 from Utils.results.gpus import gpu_spec
+from Utils.results.schema import step_timing
 
 SUMMARY_FILE = "summary.md"
 TABLE_HEADER = ["rung", "runs", "median ms", "IQR ms", "trimmed mean ms", "spread", "noisy", "speedup", "tokens/s",
@@ -78,6 +79,17 @@ def scaling_section(scaling: "Scaling | None") -> list[str]:
     return lines
 
 
+def timing_sentence(report: Report) -> str:
+    """How the compared runs' steps were timed (their selection matches on it): end to end since schema
+    version 2, each step alone before."""
+    version = report.reference.get("schema_version") if report.reference is not None else None
+    if step_timing(version) == "end to end":
+        return ("A step's time runs from the previous step's end to its own end on the device, so that the "
+                "measured steps add up to the wall clock.")
+    return ("These runs were recorded before schema version 2: each step was timed alone, by CUDA events around "
+            "it, so that the measured steps leave out the host's time between them.")
+
+
 def render_summary(report: Report, scaling: "Scaling | None" = None) -> str:
     """summary.md's text: heading (what was measured, and where the figures come from), the table in ladder
     order, excluded runs, notes; and the scaling section where `scaling` (scaling.build_scaling) holds a rung
@@ -86,8 +98,7 @@ def render_summary(report: Report, scaling: "Scaling | None" = None) -> str:
     if not report.has_baseline:
         lines += [f"**{NO_BASELINE_NOTE}**", ""]
     lines += [markdown.table(table_rows(report.table), left=(0, len(TABLE_HEADER) - 1)), ""]
-    lines.append("A step's time runs from the previous step's end to its own end on the device, so that the "
-                 "measured steps add up to the wall clock. Median and IQR (75th minus 25th percentile) of the "
+    lines.append(f"{timing_sentence(report)} Median and IQR (75th minus 25th percentile) of the "
                  "step time over each run's measured steps, warm-up left out; a rung run several times from one "
                  "commit (REPEAT=n) shows the median of its runs' medians (the IQR is the latest run's), the spread between "
                  "those medians "

@@ -49,9 +49,10 @@ def test_under_bf16_autocast_it_multiplies_in_bf16_and_returns_fp32(small_chunks
     h = torch.randn(64, 32, generator=g)
     w = torch.randn(97, 32, generator=g)
     y = torch.randint(0, 90, (64,), generator=g)
-    # The bf16 logits made by the GEMMs the chunked loss makes (37 rows by all 97 columns): a CPU's bf16 GEMM
-    # may round a few logits the other way at another shape.
-    logits = torch.cat([h[i:i + 37].bfloat16() @ w.bfloat16().t() for i in range(0, 64, 37)])
+    # The bf16 logits made by the GEMMs the chunked loss makes (a chunk's rows by all 97 columns): a CPU's bf16
+    # GEMM may round a few logits the other way at another shape.
+    rows = chunked_loss.CHUNK_ROWS
+    logits = torch.cat([h[i:i + rows].bfloat16() @ w.bfloat16().t() for i in range(0, 64, rows)])
     in_bf16 = F.cross_entropy(logits[:, :90].float(), y)
     in_fp32 = chunked_loss.reference(h, w, y, 90)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from Utils.report.breakdown import Breakdown
 
 
+Mark = float | torch.cuda.Event   # a step's end: perf_counter's seconds on a CPU, a recorded event on a GPU
+
+
 class StepClock:
     """mark() marks a step's end without waiting for the device; ms(earlier, later) is the time between two
     marks and waits for the later one; wait(mark) waits for it and returns the host's perf_counter."""
@@ -35,20 +38,20 @@ class StepClock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def mark(self) -> float | torch.cuda.Event:
+    def mark(self) -> Mark:
         if not self.cuda:
             return time.perf_counter()
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         return end
 
-    def ms(self, earlier: float | torch.cuda.Event, later: float | torch.cuda.Event) -> float:
+    def ms(self, earlier: Mark, later: Mark) -> float:
         if self.cuda:
             later.synchronize()
             return earlier.elapsed_time(later)
         return (later - earlier) * 1e3
 
-    def wait(self, mark: float | torch.cuda.Event) -> float:
+    def wait(self, mark: Mark) -> float:
         if self.cuda:
             mark.synchronize()
         return time.perf_counter()
@@ -183,8 +186,8 @@ def _host_scopes(device: torch.device):
         autograd_profiler._enable_profiler = enable
 
 
-def profile_steps(step: Callable[[], tuple[float | torch.cuda.Event, torch.Tensor]], clock: StepClock, cfg: RunConfig,
-                  device: torch.device, run: dict, flops_per_step: int, peak: float | None) -> "Breakdown":
+def profile_steps(step: Callable[[], tuple[Mark, torch.Tensor]], clock: StepClock, cfg: RunConfig, device: torch.device,
+                  run: dict, flops_per_step: int, peak: float | None) -> "Breakdown":
     """PROFILE_STEPS more steps under torch.profiler (one more before them that the schedule discards),
     exported as a gzipped Chrome trace and split into compute, memory and overhead."""
     if device.type != "cuda":

@@ -1,8 +1,10 @@
 """Times the pieces of Utils.kernels.fp8_loss on a GPU, one chunk at a time (4,096 tokens x 50,304 logits,
 as the max rung makes them): the two Triton kernels at several launch shapes against a copy of the same
-bytes; the CUDA loss kernel of the bf16 path; and the three FP8 GEMMs and the casts at batch 16. Every launch
-shape's output must equal the module's own (the same arithmetic, in another order of tiles); the script
-exits non-zero where one does not.
+bytes; the CUDA pass that replaces them (one read of the logits, the gradient row-major) and the transpose
+after it, at several tile shapes; the CUDA loss kernel of the bf16 path; and the three FP8 GEMMs and the
+casts at batch 16. Every launch shape's output must equal the module's own (the same arithmetic, in another
+order of tiles), and the CUDA pass's the Triton kernels' within one FP8 step; the script exits non-zero
+where one does not.
 
     python3 bench/fp8_kernels.py
 """
@@ -19,6 +21,7 @@ from Utils.kernels import chunked_loss, fp8_loss, loss_kernel  # noqa: E402
 VOCAB, PADDED, WIDTH, ROWS = 50257, 50304, 768, chunked_loss.CHUNK_ROWS
 TOKENS = 16 * 1024   # batch 16: the buffer of transposed gradients spans every token
 LSE_SHAPES = [(2048, 8), (4096, 8), (4096, 16), (1024, 4), (1024, 8)]
+T_SHAPES = [(128, 128, 8), (128, 128, 4), (64, 128, 4), (128, 64, 4), (64, 64, 4), (256, 128, 8), (128, 256, 8)]
 TILE_SHAPES = [(128, 128, 8), (128, 128, 16), (128, 64, 4), (64, 128, 4), (64, 64, 4), (64, 64, 2), (32, 64, 2),
                (64, 32, 2), (32, 32, 1), (32, 128, 4), (128, 32, 4), (16, 128, 2), (32, 256, 8)]
 
@@ -35,7 +38,7 @@ def main() -> None:
     if not torch.cuda.is_available() or fp8_loss.unavailable(torch.device("cuda")):
         sys.exit("error: this benchmark needs an Ada or Hopper GPU")
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
-    row_lse, grad_fp8 = fp8_loss._kernels
+    row_lse, grad_fp8, transpose = fp8_loss._kernels
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(ROWS, PADDED, device="cuda", generator=g) * 2.8).bfloat16()
     targets = torch.randint(0, VOCAB, (ROWS,), device="cuda", generator=g)
@@ -80,7 +83,31 @@ def main() -> None:
         line(f"{tr:3d} x {tc:3d}, {w:2d} warps{'' if same else ' DIFFERS'}", us(lambda: run_grad(grad, tr, tc, w)),
              4 * n)
 
-    if loss_kernel.prepare(torch.device("cuda"), PADDED) is None:   # None: the CUDA kernel is built
+    if loss_kernel.prepare(torch.device("cuda"), PADDED) is None:   # None: the CUDA kernels are built
+        print("one-pass form: the CUDA pass (reads 2 B, writes 1 B a logit), then the transpose (1 B each way)")
+        one, loss1 = torch.empty_like(grad), torch.empty_like(loss_ref)
+        assert loss_kernel.grad_e5m2(logits, targets, VOCAB, loss1, one, fp8_loss.GRAD_SCALE)
+        t_pass = us(lambda: loss_kernel.grad_e5m2(logits, targets, VOCAB, loss1, one, fp8_loss.GRAD_SCALE))
+        step = (one.float() - ref.float()).abs() / ref.float().abs().clamp(min=2.0 ** -16)
+        differ = (one.view(torch.uint8) != ref.view(torch.uint8)).float().mean().item()
+        same = (loss1 - loss_ref).abs().max().item() < 1e-3 and differ < 1e-3 and step.max().item() <= 0.25
+        failed |= not same
+        line(f"CUDA pass ({differ:.2e} of bytes one step off){'' if same else ' DIFFERS'}", t_pass, 3 * n)
+        best = None
+        for tr, tc, w in T_SHAPES:
+            grad_t.zero_()
+            run = lambda: transpose[(triton.cdiv(ROWS, tr), triton.cdiv(PADDED, tc))](
+                one.view(torch.uint8), grad_t[:, :ROWS].view(torch.uint8), ROWS, PADDED, grad_t.stride(0),
+                TILE_R=tr, TILE_C=tc, num_warps=w)
+            run()
+            same = torch.equal(grad_t[:, :ROWS].view(torch.uint8), one.t().view(torch.uint8))
+            failed |= not same
+            t = us(run)
+            best = min(best or (t, tr, tc, w), (t, tr, tc, w))
+            line(f"transpose {tr:3d} x {tc:3d}, {w:2d} warps{'' if same else ' DIFFERS'}", t, 2 * n)
+        line("transpose by copy_ (PyTorch)", us(lambda: grad_t[:, :ROWS].copy_(one.t())), 2 * n)
+        line("one-pass form, module's shape", t_pass + us(lambda: fp8_loss.transpose(one, grad_t[:, :ROWS])), 5 * n)
+        print(f"fastest transpose: {best[1]} x {best[2]}, {best[3]} warps, {best[0]:.1f} us")
         work = logits.clone()
         line("bf16 path's CUDA loss kernel (2 B in, 2 B out)",
              us(lambda: loss_kernel.cross_entropy_grad(work.copy_(logits), targets, VOCAB)) - us(

@@ -155,6 +155,30 @@ def test_the_triton_kernels_write_the_scaled_gradient_in_both_layouts(repo_root,
     assert r["target"] < 0   # the one-hot: the target's gradient is p - 1
 
 
+TRANSPOSE_CHECK = """
+    import json
+    import torch
+    from Utils.kernels import fp8_loss
+
+    fp8_loss.T_ROWS, fp8_loss.T_COLS = SHAPE
+    g = torch.Generator().manual_seed(0)
+    rows, cols, before = 150, 200, 7                      # neither a multiple of any tile tried
+    src = (torch.randn(rows, cols, generator=g) * 100).to(fp8_loss.E5M2)
+    wide = torch.full((cols, before + rows + 5), 1.0).to(fp8_loss.E5M2)   # the chunk's columns of the buffer
+    fp8_loss.transpose(src, wide[:, before:before + rows])
+    print(json.dumps(dict(
+        transposed=torch.equal(wide[:, before:before + rows].view(torch.uint8), src.t().view(torch.uint8)),
+        untouched=bool((wide[:, :before].float() == 1).all() and (wide[:, before + rows:].float() == 1).all()))))
+"""
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (64, 32)], ids=["module", "64x32"])
+def test_the_transpose_copies_every_byte_into_the_chunks_columns_only(repo_root, shape):
+    # the one-pass form's second kernel: after the CUDA pass, on a GPU
+    r = run_interpreted(f"\n    SHAPE = {shape!r}" + TRANSPOSE_CHECK, repo_root)
+    assert r["transposed"] and r["untouched"]
+
+
 # ---------------------------------------------------------------------------------------------
 # On a GPU: the kernels' cast is the hardware's, and the whole loss runs through cuBLASLt's FP8 GEMMs.
 
@@ -176,3 +200,37 @@ def test_on_a_gpu_it_is_the_reference_within_fp8_rounding(monkeypatch):
     assert abs(loss.item() - want.item()) < 0.01
     assert _rel(hh.grad.cpu(), want_h) < 0.08 and _rel(ww.grad[:990].cpu(), want_w[:990]) < 0.08
     assert torch.count_nonzero(ww.grad[990:]) == 0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_cuda_pass_writes_what_the_triton_kernels_write(monkeypatch):
+    # The one-pass form (CUDA pass, then the transpose) against the two Triton kernels, on one chunk of
+    # logits with padded columns and a transposed buffer wider than the chunk.
+    if not torch.cuda.is_available() or fp8_loss.unavailable(torch.device("cuda")):
+        pytest.skip("needs an Ada or Hopper GPU")
+    from Utils.kernels import loss_kernel
+    rows, cols, vocab, before = 300, 1024, 1000, 16
+    assert loss_kernel.prepare(torch.device("cuda"), cols) is None, "the CUDA kernels did not build"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(rows, cols, device="cuda", generator=g) * 3).bfloat16()
+    targets = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
+
+    def run():
+        loss, lse = torch.empty(rows, device="cuda"), torch.empty(rows, device="cuda")
+        grad = torch.empty(rows, cols, dtype=fp8_loss.E5M2, device="cuda")
+        wide = torch.full((cols, before + rows + 16), 1.0, device="cuda").to(fp8_loss.E5M2)
+        fp8_loss._softmax_grad_fp8(logits, targets, vocab, loss, lse, grad, wide[:, before:before + rows])
+        return loss, grad, wide
+
+    loss1, grad1, wide1 = run()
+    assert loss_kernel.grad_e5m2(logits, targets, vocab, torch.empty(rows, device="cuda"), grad1.clone(), 1.0)
+    monkeypatch.setattr(loss_kernel, "USE_CUDA", False)   # the two Triton kernels
+    loss2, grad2, wide2 = run()
+    assert (loss1 - loss2).abs().max().item() < 1e-4
+    # exp2 of the CUDA kernel against Triton's exp: a value on a rounding boundary may land one step apart
+    step = (grad1.float() - grad2.float()).abs() / grad2.float().abs().clamp(min=2.0 ** -16)
+    assert (grad1.view(torch.uint8) != grad2.view(torch.uint8)).float().mean().item() < 1e-3
+    assert step.max().item() <= 0.25 and grad1[:, vocab:].float().abs().max().item() == 0
+    assert torch.equal(wide1[:, before:before + rows].view(torch.uint8), grad1.t().view(torch.uint8))
+    assert torch.equal(wide1[:, :before].view(torch.uint8), wide2[:, :before].view(torch.uint8))
+    assert torch.equal(wide1[:, before + rows:].view(torch.uint8), wide2[:, before + rows:].view(torch.uint8))

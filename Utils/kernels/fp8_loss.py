@@ -10,10 +10,13 @@ a fixed scale of 2^15 fits it under e5m2's largest value (57,344) and keeps prob
 
 Hopper's FP8 GEMMs read both operands along the summed dimension, so each operand is cast in the layout
 its GEMM reads: the weight twice (vocabulary-major for the logits, width-major for h's gradient), the
-gradient twice (row-major for h's gradient, transposed for the weight's). Two Triton kernels make the
-gradient from each chunk's bf16 logits: one finds each row's log-sum-exp and loss, the other writes the
-FP8 gradient in both layouts, the transposed one straight into the columns of a buffer for all tokens
-(1 byte per logit: 3.3 GB at batch 64), which the weight's gradient then reads in one GEMM.
+gradient twice (row-major for h's gradient, transposed for the weight's). The transposed gradient goes
+straight into the columns of a buffer for all tokens (1 byte per logit: 3.3 GB at batch 64), which the
+weight's gradient then reads in one GEMM. On an Ada or Hopper GPU, the loss kernel's CUDA pass
+(Utils.kernels.loss_kernel.grad_e5m2) reads each chunk's bf16 logits once, staged in shared memory, and
+writes each row's loss and its FP8 gradient row-major; a Triton kernel copies that into the transposed
+buffer, 1 byte a logit each way. Where that pass cannot run, two Triton kernels read the logits twice: one
+finds each row's log-sum-exp and loss, the other writes the FP8 gradient in both layouts.
 
 The whole forward pass is one operator, so that torch.compile and CUDA graphs see one opaque call; the
 casts around it are Inductor's. On a CPU the gradient is PyTorch operations; under Triton's interpreter
@@ -45,6 +48,9 @@ ALIGN = 16                                   # FP8 GEMMs need every dimension a 
 # took 329 us a chunk where 128 x 128 with 8 took 616, whose transpose through shared memory bounds it.
 LSE_BLOCK, LSE_WARPS = loss_kernel.BLOCK, loss_kernel.NUM_WARPS
 TILE_R, TILE_C, TILE_WARPS = 32, 128, 4
+# The transpose's tile (rows, columns of the row-major gradient) and warps: 128 bytes each way, whole lines
+# of 128 bytes read and written. Timed against other shapes by bench/fp8_kernels.py.
+T_ROWS, T_COLS, T_WARPS = 128, 128, 8
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -104,7 +110,18 @@ def _define_triton():
         tl.store(grad_ptr + rows64[:, None] * n_cols + cols64[None, :], g, mask=mask)
         tl.store(grad_t_ptr + cols64[:, None] * grad_t_stride + rows64[None, :], tl.trans(g), mask=tl.trans(mask))
 
-    return _row_lse_kernel, _grad_fp8_kernel
+    # --- A TILE_R x TILE_C block of src [n_rows, n_cols] (contiguous) copied transposed into dst [n_cols, n_rows]
+    # (its rows strided): bytes, whatever they encode.
+    @triton.jit
+    def _transpose_kernel(src_ptr, dst_ptr, n_rows, n_cols, dst_stride, TILE_R: tl.constexpr, TILE_C: tl.constexpr):
+        rows = tl.program_id(0) * TILE_R + tl.arange(0, TILE_R)
+        cols = tl.program_id(1) * TILE_C + tl.arange(0, TILE_C)
+        mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+        rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+        x = tl.load(src_ptr + rows64[:, None] * n_cols + cols64[None, :], mask=mask)
+        tl.store(dst_ptr + cols64[:, None] * dst_stride + rows64[None, :], tl.trans(x), mask=tl.trans(mask))
+
+    return _row_lse_kernel, _grad_fp8_kernel, _transpose_kernel
 
 
 _kernels = None
@@ -121,8 +138,12 @@ def _softmax_grad_fp8(logits: Tensor, targets: Tensor, vocab_size: int, row_loss
     e5m2, into grad [rows, cols] and grad_t [cols, rows] (its rows may be strided), and each row's loss
     into row_loss [rows]; lse [rows] is room for each row's log-sum-exp."""
     rows, cols = logits.shape
+    if _kernels is not None and logits.is_cuda and loss_kernel.grad_e5m2(logits, targets, vocab_size, row_loss,
+                                                                        grad, GRAD_SCALE):
+        transpose(grad, grad_t)
+        return
     if _kernels is not None and (logits.is_cuda or INTERPRETED):
-        row_lse, grad_fp8 = _kernels
+        row_lse, grad_fp8, _ = _kernels
         row_lse[(rows,)](logits, targets, lse, row_loss, vocab_size, logits.stride(0), BLOCK=LSE_BLOCK,
                          num_warps=LSE_WARPS)
         grid = (triton.cdiv(rows, TILE_R), triton.cdiv(cols, TILE_C))
@@ -133,6 +154,15 @@ def _softmax_grad_fp8(logits: Tensor, targets: Tensor, vocab_size: int, row_loss
     row_loss.copy_(loss)
     grad.copy_((g.float() * GRAD_SCALE).to(E5M2))
     grad_t.copy_(grad.t())
+
+
+def transpose(src: Tensor, dst: Tensor) -> None:
+    """Copy src [rows, cols] (contiguous) transposed into dst [cols, rows] (rows may be strided), byte for byte.
+    Needs the Triton kernels (a GPU, or Triton's interpreter)."""
+    rows, cols = src.shape
+    grid = (triton.cdiv(rows, T_ROWS), triton.cdiv(cols, T_COLS))
+    _kernels[2][grid](src.view(torch.uint8), dst.view(torch.uint8), rows, cols, dst.stride(0), TILE_R=T_ROWS,
+                      TILE_C=T_COLS, num_warps=T_WARPS)
 
 
 # One operator, so that torch.compile and CUDA graphs see one opaque call: inside it, buffers are written in

@@ -30,9 +30,11 @@ NUM_WARPS = 8
 # Threads per block of the CUDA kernel: whole warps only, at most the 256 of its __launch_bounds__; 256 was
 # the fastest tried (BENCHMARKS.md).
 CUDA_THREADS = 256
-USE_CUDA = True      # False: the Triton kernel on a GPU too, to compare the two
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "loss_kernel.cu"), encoding="utf-8") as _source:
-    _CUDA = nvrtc.Kernel(_source.read(), "cross_entropy_grad_rows")
+USE_CUDA = True      # False: the Triton kernels on a GPU too (the FP8 loss's two passes among them), to compare
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "loss_kernel.cu"), encoding="utf-8") as _file:
+    _source = _file.read()
+_CUDA = nvrtc.Kernel(_source, "cross_entropy_grad_rows")
+_CUDA_E5M2 = nvrtc.Kernel(_source, "cross_entropy_grad_rows_e5m2")   # the FP8 loss's pass (Utils.kernels.fp8_loss)
 
 # Read once, as @triton.jit reads it when the kernel is defined below.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -73,6 +75,8 @@ def prepare(device: torch.device, n_cols: int) -> str | None:
         return None
     try:
         _CUDA.prepare(device, shared_bytes=2 * n_cols)
+        if _fp8_capable(device):
+            _CUDA_E5M2.prepare(device, shared_bytes=2 * n_cols)
     except RuntimeError as e:
         _cuda_failure = str(e).splitlines()[0]
         return f"the CUDA loss kernel could not be built here ({_cuda_failure}): the Triton kernel instead"
@@ -88,6 +92,25 @@ def _cuda_takes(logits: Tensor, targets: Tensor) -> bool:
     return (logits.dtype == torch.bfloat16 and targets.dtype == torch.int64 and cols % 8 == 0
             and logits.stride(0) % 8 == 0 and logits.data_ptr() % 16 == 0 and 0 < rows < 2 ** 31
             and logits.stride(0) < 2 ** 31 and _shared_fits(logits.device, cols))
+
+
+def _fp8_capable(device: torch.device) -> bool:
+    # conversions to FP8 need compute capability 8.9 (Ada) or newer
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def grad_e5m2(logits: Tensor, targets: Tensor, vocab_size: int, row_loss: Tensor, grad: Tensor, scale: float) -> bool:
+    """Where the CUDA kernel can take these logits on an Ada or Hopper GPU: write each row's loss into row_loss
+    and (softmax - one-hot) * scale, in e5m2, into grad (contiguous, the logits' shape), reading the logits
+    once, and return True. Else return False, having written nothing."""
+    if not (_cuda_takes(logits, targets) and _fp8_capable(logits.device) and grad.is_contiguous()
+            and grad.shape == logits.shape and grad.dtype == torch.float8_e5m2 and row_loss.is_contiguous()):
+        return False
+    rows, cols = logits.shape
+    _CUDA_E5M2.launch((rows, 1, 1), (CUDA_THREADS, 1, 1),
+                      [logits, targets, row_loss, grad, ctypes.c_float(scale), ctypes.c_int(cols),
+                       ctypes.c_int(vocab_size), ctypes.c_int(logits.stride(0))], logits.device, shared_bytes=2 * cols)
+    return True
 
 
 def _define_triton():

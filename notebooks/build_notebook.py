@@ -385,8 +385,8 @@ CELLS = [
     H200, did not slow the others down, and keep the model's mathematics (bf16 rounding aside, and FP8's in
     the output layer): the vocabulary padded to 50,304 rows (`vocab_multiple`), a cross-entropy that never
     holds the whole B×T×vocab logits and computes the output layer's three GEMMs in FP8 on an Ada or Hopper
-    GPU (`fp8_head`: e4m3 inputs, an e5m2 gradient, the softmax gradient from two Triton kernels; elsewhere
-    the softmax gradient as one hand-written kernel in bf16, `loss_kernel`), the next batch copied on a side stream
+    GPU (`fp8_head`: e4m3 inputs, an e5m2 gradient written by the loss kernel in one read of the logits;
+    elsewhere the softmax gradient as the same hand-written kernel in bf16, `loss_kernel`), the next batch copied on a side stream
     (`prefetch`), losses and timings read back every 10 steps instead of every step (`sync_every`), CUDA
     graphs (`cudagraphs`, `torch.compile`'s `reduce-overhead` mode), a residual stream kept in bf16
     (`bf16_residual`), the MLP's bias and GELU applied by cuBLASLt as its GEMMs store their outputs

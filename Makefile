@@ -83,8 +83,14 @@ define repeat
 	@run=0; while [ $$run -lt $(REPEAT) ]; do run=$$((run + 1)); \
 		if [ $(REPEAT) -gt 1 ]; then echo "=== $(1), run $$run of $(REPEAT) ==="; fi; \
 		$(call wait_for,$(2)); [ $$rc -eq 0 ] || exit $$rc; \
+		$(call split_traces,exit $$?) \
 	done
 endef
+
+# With PROFILE=1, the report splits the trace a run left into breakdown.csv, breakdown.md and breakdown.png:
+# the training loop writes the trace only (Utils.report.breakdown).
+# $(call split_traces,ON-FAILURE): that command, then ON-FAILURE if it fails; nothing without PROFILE=1.
+split_traces = $(if $(filter 1 yes true,$(PROFILE)),$(PYTHON) -m Utils.report.breakdown --prefix $(call q,PREFIX) || $(1);)
 
 # $(call wait_for,COMMAND): COMMAND in the background, waited for, its status in $$rc; SIGTERM and SIGINT
 # are passed on to it and it is waited for again: killed alone, the shell would return to make (and make
@@ -151,7 +157,7 @@ ablation: require-run
 	@case '$(ABLATION_FROM)' in fused|max) ;; *) echo "error: FROM='$(ABLATION_FROM)': use FROM=fused (each addition alone on the fused rung, the default) or FROM=max (max without each addition)" >&2; exit 2;; esac
 	@for x in $(ADDITIONS); do case " $(ABLATION_TRIES) " in *" $$x "*) ;; *) echo "error: ADDITIONS names $$x, which make ablation FROM=$(ABLATION_FROM) does not try: use some of $(ABLATION_TRIES)" >&2; exit 2;; esac; done
 	$(call check_parallel,$(ABLATION_FROM))
-	$(call each,ablation,$(ABLATION_FROM) $(if $(ADDITIONS),$(ADDITIONS),$(ABLATION_TRIES)),if [ $$x = $(ABLATION_FROM) ]; then run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(MAKE) --no-print-directory plots || failed="$$failed plots";)
+	$(call each,ablation,$(ABLATION_FROM) $(if $(ADDITIONS),$(ADDITIONS),$(ABLATION_TRIES)),if [ $$x = $(ABLATION_FROM) ]; then run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(call split_traces,failed="$$failed profile") $(MAKE) --no-print-directory plots || failed="$$failed plots";)
 
 # The peers (Utils/peers): llm.c built from source, and Hugging Face's GPT-2, recorded as peer-<name>.
 PEER_NAMES := $(shell $(PYTHON) -c "from Utils.peers import PEERS; print(*PEERS)")

@@ -6,10 +6,13 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from conftest import REPO_ROOT
 from Utils.ladder.registry import LADDER
 from Utils.report import breakdown
 from Utils.report.breakdown import (KERNEL_CLASSES, TraceError, append_breakdown_csv, classify, load_breakdown,
@@ -618,3 +621,73 @@ def test_on_a_gpu_the_profiler_records_only_user_ranges_on_the_host(tmp_path):
         assert autograd_profiler._enable_profiler is shipped
     assert {"ProfilerStep#1", "ProfilerStep#2"} <= names["cuda"] and "aten::tanh" not in names["cuda"]
     assert "aten::tanh" in names["cpu"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Splitting the traces that profiled runs leave (add_traces, python -m Utils.report.breakdown)
+
+def _profiled_run_trace(prefix, rung, run_id, started_at, shift=0.0, **meta):
+    """A trace as a profiled run writes it: hand_trace's steps, and in its metadata what the split needs."""
+    trace = hand_trace(shift)
+    trace.update(run_id=run_id, rung=rung, started_at=started_at, git_commit="abc", torch_version="2.x",
+                 context=f"NVIDIA H200 · gpt2 (124M params) · batch 16 × seq_len 1024 · data {rung}-data",
+                 flops_per_step="1000000000.0", peak_flops="989400000000000.0", median_step_ms="0.74", **meta)
+    with gzip.open(os.path.join(prefix, f"trace_{rung}.json.gz"), "wt") as f:
+        json.dump(trace, f)
+    return trace
+
+
+def test_add_traces_splits_each_new_trace_once_with_the_figures_its_metadata_carries(tmp_path):
+    prefix = str(tmp_path)
+    _profiled_run_trace(prefix, "flash", "flash-1", "2026-01-02T00:00:00")
+    _profiled_run_trace(prefix, "baseline", "baseline-1", "2026-01-01T00:00:00", shift=5)
+    split_now = breakdown.add_traces(prefix)
+    assert [rung for rung, _ in split_now] == ["baseline", "flash"]   # oldest run first, as runs append
+    rows = _rows(tmp_path / "breakdown.csv")
+    flash = [r for r in rows if r["run_id"] == "flash-1"]
+    want = split(load_trace(os.path.join(prefix, "trace_flash.json.gz")), flops_per_step=1e9, peak_flops=989.4e12)
+    assert {r["rung"] for r in flash} == {"flash"} and {r["median_step_ms"] for r in flash} == {"0.74"}
+    assert float(flash[0]["compute_tflops"]) == pytest.approx(want.compute_flops / 1e12)
+    assert float(flash[0]["peak_tflops"]) == pytest.approx(989.4)
+    assert "flash-data" in (tmp_path / "breakdown.md").read_text()   # the newest trace's context
+    assert (tmp_path / "breakdown.png").stat().st_size > 0
+    assert breakdown.add_traces(prefix) == [] and len(_rows(tmp_path / "breakdown.csv")) == len(rows)
+
+
+def test_add_traces_leaves_a_trace_without_a_run_alone(tmp_path):
+    trace = hand_trace()   # no run_id: not written by a profiled run
+    with open(tmp_path / "trace_flash.json", "w") as f:
+        json.dump(trace, f)
+    assert breakdown.add_traces(str(tmp_path)) == []
+    assert not (tmp_path / "breakdown.csv").exists() and not (tmp_path / "breakdown.md").exists()
+
+
+def _split_cli(*args):
+    return subprocess.run([sys.executable, "-m", "Utils.report.breakdown", *args], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=120)
+
+
+def test_the_command_prints_a_line_per_trace_split_and_nothing_twice(tmp_path):
+    _profiled_run_trace(str(tmp_path), "fused", "fused-1", "2026-01-01T00:00:00")
+    r = _split_cli("--prefix", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^profile \| fused: compute [\d.]+ ms, memory", r.stdout, re.M)
+    again = _split_cli("--prefix", str(tmp_path))
+    assert again.returncode == 0 and "profile |" not in again.stdout
+
+
+@pytest.mark.parametrize("case", ["no folder", "foreign csv", "broken trace"])
+def test_the_command_refuses_bad_input_in_one_line_and_keeps_breakdown_csv(tmp_path, case):
+    prefix = tmp_path / "out"
+    if case != "no folder":
+        prefix.mkdir()
+        _profiled_run_trace(str(prefix), "fused", "fused-1", "2026-01-01T00:00:00")
+    if case == "foreign csv":
+        (prefix / "breakdown.csv").write_text("a,b\n1,2\n")
+    if case == "broken trace":
+        (prefix / "trace_flash.json").write_text("{not json")
+    before = (prefix / "breakdown.csv").read_bytes() if (prefix / "breakdown.csv").exists() else None
+    r = _split_cli("--prefix", str(prefix))
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+    after = (prefix / "breakdown.csv").read_bytes() if (prefix / "breakdown.csv").exists() else None
+    assert after == before

@@ -19,7 +19,7 @@ ALLOWED = {
     "kernels": {"kernels"},
     "model": {"model"},
     "ladder": {"ladder", "model", "kernels"},
-    "train": {"train", "ladder", "model", "results", "report"},
+    "train": {"train", "ladder", "model", "results"},
     "peers": {"peers", "train", "ladder", "model", "results"},
     "results": {"results"},
     "report": {"report", "results", "ladder.registry"},

@@ -13,19 +13,14 @@ import functools
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import torch
 
 from Utils.ladder.apply import Build
 from Utils.results import metrics
-from Utils.results.gpus import peak_bandwidth, peak_bf16_flops
+from Utils.results.gpus import peak_bf16_flops
 from Utils.train import distributed, nvml
 from Utils.train.cli import PROFILE_STEPS, RunConfig
 from Utils.train.data import inputs_targets
-
-if TYPE_CHECKING:
-    from Utils.report.breakdown import Breakdown
 
 
 Mark = float | torch.cuda.Event   # a step's end: perf_counter's seconds on a CPU, a recorded event on a GPU
@@ -57,9 +52,9 @@ class StepClock:
         return time.perf_counter()
 
 
-def train(b: Build, cfg: RunConfig, run: dict, rows: list) -> "Breakdown | None":
-    """Run cfg.steps timed steps of the built run `b`, appending a dict per step to rows. Returns the profiled
-    breakdown with cfg.profile, else None."""
+def train(b: Build, cfg: RunConfig, run: dict, rows: list) -> str | None:
+    """Run cfg.steps timed steps of the built run `b`, appending a dict per step to rows. With cfg.profile,
+    then profiles a few more and returns the trace's path (on the main process), else None."""
     device, source, optimizer, update, step_model, config = b.device, b.source, b.optimizer, b.update, b.step_model, b.config
     flops_token = metrics.flops_per_token(b.model.num_params(), config.n_layer, config.n_head,
                                           config.n_embd // config.n_head, cfg.seq_len)
@@ -149,7 +144,10 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list) -> "Breakdown | None"
             clock.wait(step()[0])
         return None
     if cfg.profile:
-        return profile_steps(step, clock, cfg, device, run, flops_token * cfg.batch_size * cfg.seq_len, peak)
+        measured = [r["step_ms"] for r in rows if not r["warmup"]]
+        return profile_steps(step, clock, cfg, device, run, {
+            "flops_per_step": flops_token * cfg.batch_size * cfg.seq_len, "peak_flops": peak,
+            "median_step_ms": metrics.median_iqr(measured)[0] if measured else None})
     return None
 
 
@@ -187,16 +185,17 @@ def _host_scopes(device: torch.device):
 
 
 def profile_steps(step: Callable[[], tuple[Mark, torch.Tensor]], clock: StepClock, cfg: RunConfig, device: torch.device,
-                  run: dict, flops_per_step: int, peak: float | None) -> "Breakdown":
+                  run: dict, figures: dict) -> str:
     """PROFILE_STEPS more steps under torch.profiler (one more before them that the schedule discards),
-    exported as a gzipped Chrome trace and split into compute, memory and overhead."""
+    exported as a gzipped Chrome trace, its path returned. The trace's metadata names the run and carries
+    `figures` (flops_per_step, peak_flops, median_step_ms), all that the report's split of it into compute,
+    memory and overhead needs (Utils.report.breakdown.add_traces): the loop knows nothing of that split."""
     if device.type != "cuda":
         # A CUDA build of torch profiling a CPU run: Kineto still asks for the GPUs and logs each failure
         # (gpuGetDeviceCount); its log level 5 keeps only fatal messages.
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from Utils.report import breakdown
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     path = os.path.join(cfg.prefix, f"trace_{run['optimization']}.json.gz")
     tmp = os.path.join(cfg.prefix, f".tmp-trace_{run['optimization']}.json.gz")
@@ -208,8 +207,13 @@ def profile_steps(step: Callable[[], tuple[Mark, torch.Tensor]], clock: StepCloc
     # ProfilerStep#N windows exist only under a schedule; run_id metadata must be added inside the context.
     with _host_scopes(device), profile(activities=activities, on_trace_ready=export,
                                        schedule=schedule(wait=0, warmup=1, active=PROFILE_STEPS, repeat=1)) as prof:
-        for key in ("run_id", "git_commit", "started_at", "torch_version"):   # the breakdown chart's provenance
-            prof.add_metadata(key, str(run.get(key) or ""))
+        context = (f"{run['gpu_name']} · {cfg.model} ({run['n_params'] / 1e6:.0f}M params) · batch {cfg.batch_size} "
+                   f"× seq_len {cfg.seq_len} · data {run['data']}")
+        # the breakdown chart's provenance, the run's name and context, and the figures its split needs
+        meta = {**{key: run.get(key) for key in ("run_id", "git_commit", "started_at", "torch_version")},
+                "rung": run["optimization"], "context": context, **figures}
+        for key, value in meta.items():
+            prof.add_metadata(key, "" if value is None else str(value))
         # While a profiler runs, Inductor wraps each Triton launch in a host-side range of its own (its runtime
         # reads this flag, which the profiler has just set). The breakdown reads the kernels, which CUPTI traces
         # either way; that host work made the compiled rungs without CUDA graphs 13-21% slower under the
@@ -219,5 +223,4 @@ def profile_steps(step: Callable[[], tuple[Mark, torch.Tensor]], clock: StepCloc
             end, _ = step()
             clock.wait(end)   # waits for the step, so that each profiler window holds one whole step
             prof.step()
-    return breakdown.split(breakdown.load_trace(path), flops_per_step=flops_per_step, peak_flops=peak,
-                           peak_bandwidth=peak_bandwidth(run["gpu_name"]))
+    return path

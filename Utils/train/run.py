@@ -13,7 +13,7 @@ import traceback
 import uuid
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch.nn import Module
@@ -30,9 +30,6 @@ from Utils.train import distributed
 from Utils.train.loop import train
 from Utils.train.provenance import environment
 from Utils.train.usage import fail
-
-if TYPE_CHECKING:
-    from Utils.report.breakdown import Breakdown
 
 EXIT_FAILED, EXIT_OOM, EXIT_SKIPPED = 1, 3, 4   # 2: bad input, or results that cannot be written (fail)
 
@@ -130,17 +127,6 @@ def summary_line(run: dict) -> str:
     return "summary | " + " | ".join(parts)
 
 
-def write_breakdown(cfg: RunConfig, run: dict, profiled: "Breakdown") -> None:
-    from Utils.report import breakdown   # pandas and matplotlib: only profiled runs pay their import
-    breakdown.append_breakdown_csv(cfg.prefix, run["optimization"], run["run_id"], profiled, run.get("median_step_ms"))
-    context = (f"{run['gpu_name']} · {cfg.model} ({run['n_params'] / 1e6:.0f}M params) · batch {cfg.batch_size} "
-               f"× seq_len {cfg.seq_len} · data {run['data']}")
-    breakdown.write_report(cfg.prefix, context=context)
-    split = ", ".join(f"{name} {ms:.1f} ms" for name, ms in profiled.ms.items())
-    print(f"profile | {run['optimization']}: {split} per profiled step of {profiled.step_ms:.1f} ms"
-          + ("" if profiled.gpu else " (CPU run: the compute/memory split is GPU-only)"))
-
-
 def _compile_failure(e):
     return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
 
@@ -234,7 +220,7 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
     rows, held = [], {}
     status, message, code = "ok", "", 0
     reset_peak_memory(device)
-    profiled, counts_before = None, compile_counts()
+    trace, counts_before = None, compile_counts()
     with Interrupts() as interrupts, cold_caches(cfg.cold):
         try:
             try:   # the only place a signal raises; every handler below runs with it disarmed
@@ -248,7 +234,7 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
                 run["notes"] = "; ".join(([peer.about()] if peer else []) + held["build"].notes)
                 for note in held["build"].notes if dist.main else ():
                     print(f"note: {note}")
-                profiled = train(held["build"], cfg, run, rows)
+                trace = train(held["build"], cfg, run, rows)
             finally:
                 interrupts.disarm()
         except Unavailable as e:
@@ -295,23 +281,25 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
                 print(f"error: rank {dist.rank}: {run['optimization']} {status}: {message}", file=sys.stderr)
             distributed.close()
             return code
-        code = record(cfg, run, rows, code, profiled)
+        code = record(cfg, run, rows, code, trace)
         distributed.close()
         return code
 
 
-def record(cfg: RunConfig, run: dict, rows: list, code: int, profiled: "Breakdown | None" = None) -> int:
+def record(cfg: RunConfig, run: dict, rows: list, code: int, trace: str | None = None) -> int:
     """Append the run (signals are held off meanwhile: Utils.results.store) and say how it ended; the exit
-    status: `code`, or fail's where the results cannot be written."""
+    status: `code`, or fail's where the results cannot be written. A profiled run leaves results.csv and
+    runs.csv alone: its record is its trace, which the report splits (Utils.report.breakdown)."""
     status, message = run["status"], run["message"]
     try:
-        if profiled is not None:
-            write_breakdown(cfg, run, profiled)
-        elif not cfg.profile:
+        if not cfg.profile:
             append_run(cfg.prefix, run, rows)
     except (ResultsError, OSError) as e:
         return fail(f"results not written: {e}")
     print(summary_line(run))
+    if trace is not None:
+        print(f"profile | {run['optimization']}: {os.path.basename(trace)} written; python -m Utils.report.breakdown "
+              f"--prefix {shlex.quote(cfg.prefix)} splits it into breakdown.md (make does after PROFILE=1)")
     if status != "ok":
         print(f"error: {run['optimization']} {status}: {message}", file=sys.stderr)
     return code

@@ -1,7 +1,10 @@
-"""The breakdown's files in PREFIX: breakdown.csv, a row per class appended for each profiled run (columns in
-Utils.results.schema); trace_<rung>.json.gz, each rung's latest trace; and breakdown.md and breakdown.png,
-redrawn from the latest run of each rung in breakdown.csv and its trace."""
+"""The breakdown's files in PREFIX: trace_<rung>.json.gz, each rung's latest trace, which a profiled run
+writes (Utils.train.loop.profile_steps) with what its split needs in the trace's metadata; breakdown.csv,
+a row per class appended for each profiled run once its trace is split (add_traces; columns in
+Utils.results.schema); and breakdown.md and breakdown.png, redrawn from the latest run of each rung in
+breakdown.csv and its trace."""
 import contextlib
+import glob
 import os
 
 import pandas as pd
@@ -41,6 +44,45 @@ def append_breakdown_csv(prefix: str | os.PathLike, rung: str, run_id: str, brea
     shares = breakdown.shares
     rows = [{**common, "class": c, "ms_per_step": breakdown.ms[c], "share": shares[c]} for c in breakdown.classes]
     append_rows(prefix, BREAKDOWN_FILE, BREAKDOWN_COLUMNS, rows)
+
+
+def _number(trace: dict, key: str) -> "float | None":
+    value = trace.get(key)
+    try:
+        return float(value) if value not in (None, "") else None
+    except (TypeError, ValueError):
+        return None
+
+
+def add_traces(prefix: str | os.PathLike) -> list[tuple[str, Breakdown]]:
+    """Split every trace in PREFIX whose run is not yet in breakdown.csv, append its rows, and redraw
+    breakdown.md and breakdown.png; return (rung, Breakdown) for each trace split, oldest run first. A trace
+    without a run_id in its metadata (not written by a profiled run) is left alone. Raises ResultsError
+    where breakdown.csv cannot be read or written, TraceError where a new trace cannot be split."""
+    path = os.path.join(prefix, BREAKDOWN_FILE)
+    done = set()
+    if os.path.isfile(path) and os.path.getsize(path) > 0:
+        check_file(path, BREAKDOWN_COLUMNS)
+        done = set(read_table(path, BREAKDOWN_COLUMNS, ())["run_id"])
+    new = []
+    for file in sorted(glob.glob(os.path.join(glob.escape(str(prefix)), "trace_*.json*"))):
+        if not file.endswith((".json", ".json.gz")):
+            continue
+        trace = load_trace(file)
+        run_id = trace.get("run_id")
+        if not run_id or str(run_id) in done:
+            continue
+        rung = str(trace.get("rung") or os.path.basename(file).removeprefix("trace_").split(".json")[0])
+        bd = split(trace, flops_per_step=_number(trace, "flops_per_step"), peak_flops=_number(trace, "peak_flops"),
+                   peak_bandwidth=peak_bandwidth(trace_gpu_name(trace)))
+        new.append((str(trace.get("started_at") or ""), rung, bd, _number(trace, "median_step_ms"),
+                    trace.get("context")))
+    new.sort(key=lambda item: item[0])
+    for _, rung, bd, median, _ in new:
+        append_breakdown_csv(prefix, rung, bd.run_id, bd, median)
+    if new:
+        write_report(prefix, context=new[-1][4] or None)
+    return [(rung, bd) for _, rung, bd, _, _ in new]
 
 
 def load_breakdown(prefix: str | os.PathLike) -> pd.DataFrame:

@@ -1,0 +1,41 @@
+"""python -m Utils.report.breakdown --prefix DIR: split the traces that profiled runs left in DIR and that
+breakdown.csv does not hold yet, append their rows and redraw breakdown.md and breakdown.png (make runs it
+after every run with PROFILE=1). Prints one `profile | ...` line per trace split. Exit codes: 0, also
+when there was nothing new; 2 for a missing folder, a trace that cannot be split or results that cannot
+be written, with one "error: ..." line on stderr."""
+import os
+import sys
+from collections.abc import Sequence
+
+from Utils.report.breakdown.files import REPORT_FILE, add_traces
+from Utils.report.breakdown.trace import TraceError
+from Utils.report.cli import Parser
+from Utils.results.store import ResultsError
+
+
+def main(argv: "Sequence[str] | None" = None) -> int:
+    parser = Parser(prog="python -m Utils.report.breakdown", description=__doc__.splitlines()[0])
+    parser.add_argument("--prefix", required=True, help="the results folder the profiled runs wrote into")
+    args = parser.parse_or_status(argv)
+    if isinstance(args, int):
+        return args
+    if not os.path.isdir(args.prefix):
+        print(f"error: PREFIX={args.prefix} is not a folder: profile a rung into it first, e.g. "
+              f"make fused PROFILE=1 STEPS=20 BATCH_SIZE=8 PREFIX={args.prefix}", file=sys.stderr)
+        return 2
+    try:
+        split = add_traces(args.prefix)
+    except (ResultsError, TraceError, OSError, ValueError) as e:
+        print(f"error: the profile in {args.prefix} was not split: {e}", file=sys.stderr)
+        return 2
+    for rung, bd in split:
+        parts = ", ".join(f"{name} {ms:.1f} ms" for name, ms in bd.ms.items())
+        print(f"profile | {rung}: {parts} per profiled step of {bd.step_ms:.1f} ms"
+              + ("" if bd.gpu else " (CPU run: the compute/memory split is GPU-only)"))
+    if split:
+        print(f"wrote {REPORT_FILE} and its chart into {args.prefix}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

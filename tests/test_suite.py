@@ -139,6 +139,8 @@ def test_profile_writes_the_breakdown_and_leaves_results_alone(tmp_path, suite_e
     r = make(["fused", "STEPS=3", "BATCH_SIZE=2", "SEQ_LEN=32", "DATA=synthetic", f"PREFIX={tmp_path}",
               "PROFILE=1"], suite_env, timeout=600)
     assert r.returncode == 0, r.stderr
+    # the run writes the trace and says so; the report's command, which make runs next, splits it
+    assert f"trace | fused: the profiled steps are in {tmp_path / 'trace_fused.json.gz'}" in r.stdout
     assert "profile | fused: cpu_ops" in r.stdout and "the compute/memory split is GPU-only" in r.stdout
     assert not (tmp_path / "results.csv").exists() and not (tmp_path / "runs.csv").exists()
     rows = read_csv(tmp_path / "breakdown.csv")

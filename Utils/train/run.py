@@ -298,8 +298,8 @@ def record(cfg: RunConfig, run: dict, rows: list, code: int, trace: str | None =
         return fail(f"results not written: {e}")
     print(summary_line(run))
     if trace is not None:
-        print(f"profile | {run['optimization']}: {os.path.basename(trace)} written; python -m Utils.report.breakdown "
-              f"--prefix {shlex.quote(cfg.prefix)} splits it into breakdown.md (make does after PROFILE=1)")
+        print(f"trace | {run['optimization']}: the profiled steps are in {trace}; python -m Utils.report.breakdown "
+              f"--prefix {shlex.quote(cfg.prefix)} splits them into breakdown.md (make does, after PROFILE=1)")
     if status != "ok":
         print(f"error: {run['optimization']} {status}: {message}", file=sys.stderr)
     return code

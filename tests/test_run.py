@@ -132,3 +132,18 @@ def test_make_custom_runs_exactly_its_additions_and_records_how_to_repeat_it(tmp
     errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
     assert bad.returncode != 0 and len(errors) == 1 and "unknown addition turbo" in errors[0]
     assert len(read_csv(tmp_path / "runs.csv")) == 1
+
+
+@pytest.mark.parametrize("status", ["ok", "interrupted", "failed"])
+def test_a_profiled_run_keeps_its_trace_only_when_it_ended_well(tmp_path, capsys, status):
+    # A trace left by a run that did not end well would be split later as if it had.
+    from Utils.train.cli import parse_args
+    from Utils.train.run import record
+    cfg = parse_args(["--steps", "2", "--batch-size", "1", "--prefix", str(tmp_path), "--profile"])
+    trace = tmp_path / "trace_fused.json.gz"
+    trace.write_bytes(b"")
+    run = {"optimization": "fused", "status": status, "message": "" if status == "ok" else "stopped"}
+    record(cfg, run, [], 0, str(trace))
+    assert trace.exists() == (status == "ok")
+    assert ("trace | fused:" in capsys.readouterr().out) == (status == "ok")
+    assert not (tmp_path / "runs.csv").exists()   # a profiled run is recorded by its trace only

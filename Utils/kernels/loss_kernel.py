@@ -5,7 +5,9 @@ the row with its gradient, softmax minus one-hot, in place (`cross_entropy_grad`
 mathematics in PyTorch operations, out of place).
 
 On a GPU of compute capability 8.0 or newer it is loss_kernel.cu, compiled at first use by NVRTC
-(Utils.kernels.nvrtc), which reads the logits once and writes them once. The Triton kernel below is the
+(Utils.kernels.nvrtc), which reads the logits once and writes them once. Its twin in the same source
+(`grad_e5m2`, Ada or Hopper) writes the gradient scaled, in FP8, into a buffer of its own: the FP8 loss's
+pass (Utils.kernels.fp8_loss). The Triton kernel below is the
 fallback (no NVRTC, or a row that the CUDA kernel cannot take) and what the tests run on a CPU, through
 Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported); it reads each row twice.
 Their times, and those of the variants tried, are in BENCHMARKS.md (kernel tuning history).
@@ -104,7 +106,9 @@ def grad_e5m2(logits: Tensor, targets: Tensor, vocab_size: int, row_loss: Tensor
     and (softmax - one-hot) * scale, in e5m2, into grad (contiguous, the logits' shape), reading the logits
     once, and return True. Else return False, having written nothing."""
     if not (_cuda_takes(logits, targets) and _fp8_capable(logits.device) and grad.is_contiguous()
-            and grad.shape == logits.shape and grad.dtype == torch.float8_e5m2 and row_loss.is_contiguous()):
+            and grad.shape == logits.shape and grad.dtype == torch.float8_e5m2 and grad.data_ptr() % 8 == 0
+            and row_loss.is_contiguous() and row_loss.shape == (logits.size(0),)
+            and row_loss.dtype == torch.float32):
         return False
     rows, cols = logits.shape
     _CUDA_E5M2.launch((rows, 1, 1), (CUDA_THREADS, 1, 1),

@@ -184,6 +184,14 @@ def _host_scopes(device: torch.device):
         autograd_profiler._enable_profiler = enable
 
 
+def _metadata_text(value: object) -> str:
+    """value as a trace's metadata can hold it: torch.profiler escapes a quote with a backslash and Kineto then
+    turns every backslash into a slash, which undoes the escape, and a control character breaks the JSON
+    too; so quotes, backslashes and control characters (a DATA path may hold any) become plain ones."""
+    text = "" if value is None else str(value)
+    return "".join(" " if ord(c) < 32 else c for c in text).replace('"', "'").replace("\\", "/")
+
+
 def profile_steps(step: Callable[[], tuple[Mark, torch.Tensor]], clock: StepClock, cfg: RunConfig, device: torch.device,
                   run: dict, figures: dict) -> str:
     """PROFILE_STEPS more steps under torch.profiler (one more before them that the schedule discards),
@@ -213,7 +221,7 @@ def profile_steps(step: Callable[[], tuple[Mark, torch.Tensor]], clock: StepCloc
         meta = {**{key: run.get(key) for key in ("run_id", "git_commit", "started_at", "torch_version")},
                 "rung": run["optimization"], "context": context, **figures}
         for key, value in meta.items():
-            prof.add_metadata(key, "" if value is None else str(value))
+            prof.add_metadata(key, _metadata_text(value))
         # While a profiler runs, Inductor wraps each Triton launch in a host-side range of its own (its runtime
         # reads this flag, which the profiler has just set). The breakdown reads the kernels, which CUPTI traces
         # either way; that host work made the compiled rungs without CUDA graphs 13-21% slower under the

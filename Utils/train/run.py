@@ -291,6 +291,11 @@ def record(cfg: RunConfig, run: dict, rows: list, code: int, trace: str | None =
     status: `code`, or fail's where the results cannot be written. A profiled run leaves results.csv and
     runs.csv alone: its record is its trace, which the report splits (Utils.report.breakdown)."""
     status, message = run["status"], run["message"]
+    if trace is not None and status != "ok":
+        # a run that did not end well is not recorded, and its trace would be split as if it had
+        with contextlib.suppress(OSError):
+            os.remove(trace)
+        trace = None
     try:
         if not cfg.profile:
             append_run(cfg.prefix, run, rows)

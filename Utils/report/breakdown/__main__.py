@@ -1,8 +1,8 @@
 """python -m Utils.report.breakdown --prefix DIR: split the traces that profiled runs left in DIR and that
 breakdown.csv does not hold yet, append their rows and redraw breakdown.md and breakdown.png (make runs it
 after every run with PROFILE=1). Prints one `profile | ...` line per trace split. Exit codes: 0, also
-when there was nothing new; 2 for a missing folder, a trace that cannot be split or results that cannot
-be written, with one "error: ..." line on stderr."""
+when there was nothing new; 2 for a missing folder, results that cannot be written, or a trace that cannot
+be split (the others are split all the same), with one "error: ..." line on stderr."""
 import os
 import sys
 from collections.abc import Sequence
@@ -24,9 +24,9 @@ def main(argv: "Sequence[str] | None" = None) -> int:
               f"make fused PROFILE=1 STEPS=20 BATCH_SIZE=8 PREFIX={args.prefix}", file=sys.stderr)
         return 2
     try:
-        split = add_traces(args.prefix)
+        split, problems = add_traces(args.prefix)
     except (ResultsError, TraceError, OSError, ValueError) as e:
-        print(f"error: the profile in {args.prefix} was not split: {e}", file=sys.stderr)
+        print(f"error: the profiles in {args.prefix} were not split: {e}", file=sys.stderr)
         return 2
     for rung, bd in split:
         parts = ", ".join(f"{name} {ms:.1f} ms" for name, ms in bd.ms.items())
@@ -34,6 +34,10 @@ def main(argv: "Sequence[str] | None" = None) -> int:
               + ("" if bd.gpu else " (CPU run: the compute/memory split is GPU-only)"))
     if split:
         print(f"wrote {REPORT_FILE} and its chart into {args.prefix}")
+    if problems:
+        print(f"error: {len(problems)} trace(s) in {args.prefix} cannot be split (move or remove them): "
+              + "; ".join(problems), file=sys.stderr)
+        return 2
     return 0
 
 

@@ -4,6 +4,7 @@ a row per class appended for each profiled run once its trace is split (add_trac
 Utils.results.schema); and breakdown.md and breakdown.png, redrawn from the latest run of each rung in
 breakdown.csv and its trace."""
 import contextlib
+import dataclasses
 import glob
 import os
 
@@ -54,35 +55,40 @@ def _number(trace: dict, key: str) -> "float | None":
         return None
 
 
-def add_traces(prefix: str | os.PathLike) -> list[tuple[str, Breakdown]]:
-    """Split every trace in PREFIX whose run is not yet in breakdown.csv, append its rows, and redraw
-    breakdown.md and breakdown.png; return (rung, Breakdown) for each trace split, oldest run first. A trace
-    without a run_id in its metadata (not written by a profiled run) is left alone. Raises ResultsError
-    where breakdown.csv cannot be read or written, TraceError where a new trace cannot be split."""
+def add_traces(prefix: str | os.PathLike) -> tuple[list[tuple[str, Breakdown]], list[str]]:
+    """Split every trace in PREFIX that a profiled run wrote and whose run is not yet in breakdown.csv, append
+    its rows, and redraw breakdown.md and breakdown.png; return ((rung, Breakdown) for each trace split, oldest
+    run first; a problem per trace that could not be split, which the others do not wait for). A trace
+    without the run's metadata (none, or from before traces carried their figures) is left alone. Raises
+    ResultsError where breakdown.csv cannot be read or written."""
     path = os.path.join(prefix, BREAKDOWN_FILE)
     done = set()
     if os.path.isfile(path) and os.path.getsize(path) > 0:
         check_file(path, BREAKDOWN_COLUMNS)
         done = set(read_table(path, BREAKDOWN_COLUMNS, ())["run_id"])
-    new = []
+    new, problems = [], []
     for file in sorted(glob.glob(os.path.join(glob.escape(str(prefix)), "trace_*.json*"))):
         if not file.endswith((".json", ".json.gz")):
             continue
-        trace = load_trace(file)
-        run_id = trace.get("run_id")
-        if not run_id or str(run_id) in done:
+        try:
+            trace = load_trace(file)
+            run_id, rung = trace.get("run_id"), trace.get("rung")
+            if not run_id or not rung or str(run_id) in done:
+                continue
+            bd = split(trace, flops_per_step=_number(trace, "flops_per_step"), peak_flops=_number(trace, "peak_flops"))
+        except (TraceError, TypeError, AttributeError, KeyError, ValueError) as e:
+            problems.append(f"{os.path.basename(file)}: {e}")
             continue
-        rung = str(trace.get("rung") or os.path.basename(file).removeprefix("trace_").split(".json")[0])
-        bd = split(trace, flops_per_step=_number(trace, "flops_per_step"), peak_flops=_number(trace, "peak_flops"),
-                   peak_bandwidth=peak_bandwidth(trace_gpu_name(trace)))
-        new.append((str(trace.get("started_at") or ""), rung, bd, _number(trace, "median_step_ms"),
+        # the HBM peak of the GPU whose activities were split
+        bd = dataclasses.replace(bd, peak_bandwidth=peak_bandwidth(bd.gpu_name))
+        new.append((str(trace.get("started_at") or ""), str(rung), bd, _number(trace, "median_step_ms"),
                     trace.get("context")))
     new.sort(key=lambda item: item[0])
     for _, rung, bd, median, _ in new:
         append_breakdown_csv(prefix, rung, bd.run_id, bd, median)
-    if new:
-        write_report(prefix, context=new[-1][4] or None)
-    return [(rung, bd) for _, rung, bd, _, _ in new]
+    if new or (done and not os.path.exists(os.path.join(prefix, REPORT_FILE))):   # a report that failed before
+        write_report(prefix, context=new[-1][4] or None if new else None)
+    return [(rung, bd) for _, rung, bd, _, _ in new], problems
 
 
 def load_breakdown(prefix: str | os.PathLike) -> pd.DataFrame:
@@ -104,7 +110,7 @@ def load_breakdown(prefix: str | os.PathLike) -> pd.DataFrame:
 
 def _recorded_runs(prefix, df):
     """runs.csv's rows (as text) of the runs in df, or None when runs.csv cannot be read. A profiled run
-    records itself in breakdown.csv only, so most have none."""
+    is recorded by its trace, and so in breakdown.csv only: most have none."""
     with contextlib.suppress(ResultsError, OSError, ValueError):
         runs = read_table(os.path.join(prefix, RUNS_FILE), RUN_COLUMNS, ())
         return runs[runs["run_id"].isin(set(df["run_id"]))]

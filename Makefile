@@ -87,6 +87,9 @@ define repeat
 	done
 endef
 
+# The charts after several runs; with PROFILE=1 none, since profiled runs are recorded in breakdown.md only.
+charts = $(if $(filter 1 yes true,$(PROFILE)),echo "PROFILE=1: no charts (the profiled runs are in breakdown.md only)";,$(MAKE) --no-print-directory plots || failed="$$failed plots";)
+
 # With PROFILE=1, the report splits the trace a run left into breakdown.csv, breakdown.md and breakdown.png:
 # the training loop writes the trace only (Utils.report.breakdown).
 # $(call split_traces,ON-FAILURE): that command, then ON-FAILURE if it fails; nothing without PROFILE=1.
@@ -141,11 +144,11 @@ scaling: require-run
 	@if [ $(words $(RUNG)) != 1 ] || [ -z "$(filter $(strip $(RUNG)),$(RUNGS))" ]; then echo 'error: RUNG must name one rung ($(RUNGS)), e.g. make scaling RUNG=max NPROC="1 2" STEPS=60 BATCH_SIZE=16 PREFIX=./out' >&2; exit 2; fi
 	@if [ -z "$(strip $(NPROC))" ]; then echo 'error: NPROC is required: the GPU counts to run, e.g. NPROC="1 2 4 8"' >&2; exit 2; fi
 	@for n in $(NPROC); do $(PYTHON) -m Utils.train.distributed check "$$n" '$(or $(PARALLEL),ddp)' '$(or $(DEVICE),auto)' $(RUNG) || exit $$?; done
-	$(call each,scaling,$(NPROC),$(MAKE) --no-print-directory $(RUNG) NPROC=$$x PARALLEL=$(or $(PARALLEL),ddp) $${data:+DATA=$$data},$(MAKE) --no-print-directory plots || failed="$$failed plots";)
+	$(call each,scaling,$(NPROC),$(MAKE) --no-print-directory $(RUNG) NPROC=$$x PARALLEL=$(or $(PARALLEL),ddp) $${data:+DATA=$$data},$(charts))
 
 all: require-run
 	$(call check_parallel,)
-	$(call each,all,$(RUNGS),$(MAKE) --no-print-directory $$x $${data:+DATA=$$data},$(MAKE) --no-print-directory plots || failed="$$failed plots";)
+	$(call each,all,$(RUNGS),$(MAKE) --no-print-directory $$x $${data:+DATA=$$data},$(charts))
 
 # Each addition tried for the max rung alone on top of the fused rung, as rungs fused+<addition>, after a
 # run of the fused rung itself: every "vs fused" then divides runs of one commit on one machine, back to
@@ -157,7 +160,7 @@ ablation: require-run
 	@case '$(ABLATION_FROM)' in fused|max) ;; *) echo "error: FROM='$(ABLATION_FROM)': use FROM=fused (each addition alone on the fused rung, the default) or FROM=max (max without each addition)" >&2; exit 2;; esac
 	@for x in $(ADDITIONS); do case " $(ABLATION_TRIES) " in *" $$x "*) ;; *) echo "error: ADDITIONS names $$x, which make ablation FROM=$(ABLATION_FROM) does not try: use some of $(ABLATION_TRIES)" >&2; exit 2;; esac; done
 	$(call check_parallel,$(ABLATION_FROM))
-	$(call each,ablation,$(ABLATION_FROM) $(if $(ADDITIONS),$(ADDITIONS),$(ABLATION_TRIES)),if [ $$x = $(ABLATION_FROM) ]; then run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(call split_traces,failed="$$failed profile") $(MAKE) --no-print-directory plots || failed="$$failed plots";)
+	$(call each,ablation,$(ABLATION_FROM) $(if $(ADDITIONS),$(ADDITIONS),$(ABLATION_TRIES)),if [ $$x = $(ABLATION_FROM) ]; then run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(call split_traces,failed="$$failed profile") $(charts))
 
 # The peers (Utils/peers): llm.c built from source, and Hugging Face's GPT-2, recorded as peer-<name>.
 PEER_NAMES := $(shell $(PYTHON) -c "from Utils.peers import PEERS; print(*PEERS)")

@@ -257,3 +257,23 @@ def test_make_ablation_refuses_an_unknown_addition_before_running_any(tmp_path, 
              timeout=120)
     assert r.returncode == 2 and r.stderr.splitlines()[0].startswith("error: ADDITIONS names nonsense")
     assert not (tmp_path / "runs.csv").exists()
+
+
+def test_make_all_with_profile_splits_each_rungs_trace_and_draws_no_charts(tmp_path, suite_env):
+    # Profiled runs are recorded in breakdown.md only: charts of results.csv would show none of them (and
+    # in a fresh folder there is no results.csv to draw). The rungs and the split are stand-ins here.
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\ncase "$1 $2" in\n'
+                    f'  "-m Utils.report.breakdown") echo "split into breakdown.md"; exit 0;;\n'
+                    f'  -m*) exec {sys.executable} "$@";;\n'
+                    f'  plot_results.py*) echo "charts drawn"; exit 0;;\n'
+                    f'  *) echo "passed by: $1"; exit 0;;\nesac\n')
+    fake.chmod(0o755)
+    r = subprocess.run(["make", "--no-print-directory", "all", f"PYTHON={fake}", "STEPS=2", "BATCH_SIZE=1",
+                        "DATA=synthetic", f"PREFIX={tmp_path / 'out'}", "PROFILE=1"], cwd=REPO, env=suite_env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("passed by: ") == len(LADDER) and all("--profile" in line for line in
+                                                                  r.stdout.splitlines() if "--prefix" in line)
+    assert r.stdout.count("split into breakdown.md") == len(LADDER)
+    assert "charts drawn" not in r.stdout and "PROFILE=1: no charts" in r.stdout

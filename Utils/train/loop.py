@@ -13,6 +13,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
+
 import torch
 
 from Utils.ladder.apply import Build

@@ -4,7 +4,6 @@ a row per class appended for each profiled run once its trace is split (add_trac
 Utils.results.schema); and breakdown.md and breakdown.png, redrawn from the latest run of each rung in
 breakdown.csv and its trace."""
 import contextlib
-import dataclasses
 import glob
 import os
 
@@ -13,11 +12,10 @@ import pandas as pd
 from Utils.ladder.registry import rung_order
 from Utils.report.breakdown.chart import plot_breakdown
 from Utils.report.breakdown.render import MATCH_TOLERANCE, off_median, render_report
-from Utils.report.breakdown.trace import Breakdown, TraceError, load_trace, split, trace_gpu_name
+from Utils.report.breakdown.trace import Breakdown, TraceError, load_trace, split
 from Utils.report.figures import save_figure
 from Utils.report.stats import provenance
 from Utils.results.files import write_atomic
-from Utils.results.gpus import peak_bandwidth
 from Utils.results.read import read_table
 from Utils.results.schema import (BREAKDOWN_COLUMNS, BREAKDOWN_FILE, BREAKDOWN_NUMERIC, RUN_COLUMNS, RUNS_FILE)
 from Utils.results.store import ResultsError, append_rows, check_file
@@ -79,15 +77,14 @@ def add_traces(prefix: str | os.PathLike) -> tuple[list[tuple[str, Breakdown]], 
         except (TraceError, TypeError, AttributeError, KeyError, ValueError) as e:
             problems.append(f"{os.path.basename(file)}: {e}")
             continue
-        # the HBM peak of the GPU whose activities were split
-        bd = dataclasses.replace(bd, peak_bandwidth=peak_bandwidth(bd.gpu_name))
         new.append((str(trace.get("started_at") or ""), str(rung), bd, _number(trace, "median_step_ms"),
                     trace.get("context")))
     new.sort(key=lambda item: item[0])
     for _, rung, bd, median, _ in new:
         append_breakdown_csv(prefix, rung, bd.run_id, bd, median)
     if new or (done and not os.path.exists(os.path.join(prefix, REPORT_FILE))):   # a report that failed before
-        write_report(prefix, context=new[-1][4] or None if new else None)
+        newest_context = new[-1][4] if new else None
+        write_report(prefix, context=newest_context or None)   # None: from runs.csv
     return [(rung, bd) for _, rung, bd, _, _ in new], problems
 
 
@@ -167,7 +164,7 @@ def write_report(prefix: str | os.PathLike, context: "str | None" = None) -> lis
             continue
         try:
             trace = load_trace(path)
-            bd = split(trace, peak_bandwidth=peak_bandwidth(trace_gpu_name(trace)))
+            bd = split(trace)
         except TraceError as e:
             breakdowns[rung] = None
             notes.append(f"{rung}: {e}")

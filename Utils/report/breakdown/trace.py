@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from Utils.report.breakdown.kernels import (COMPUTE, CPU_CLASSES, CPU_OPS, GPU_CLASSES, MEMORY, OVERHEAD, UNKNOWN,
                                             classify)
+from Utils.results.gpus import peak_bandwidth as gpu_peak_bandwidth
 
 # Chrome-trace categories of GPU activity (Kineto's names, lower-cased).
 _KERNEL_CAT = "kernel"
@@ -159,7 +160,8 @@ def split(trace: dict, flops_per_step: "float | None" = None, peak_flops: "float
     Breakdown holds their means over the windows, per-kernel totals, and the copies' bytes.
 
     flops_per_step (model FLOPs of one step), peak_flops (FLOP/s) and peak_bandwidth (bytes/s) are
-    carried for the achieved-throughput figures. device picks one GPU's activities when a trace holds
+    carried for the achieved-throughput figures; peak_bandwidth defaults to the HBM peak of the GPU whose
+    activities were split (Utils.results.gpus). device picks one GPU's activities when a trace holds
     several. A trace without GPU activity gives gpu=False and cpu_ops (the union of CPU operator
     events) / overhead instead. Raises TraceError when there is no ProfilerStep window.
     """
@@ -239,5 +241,6 @@ def split(trace: dict, flops_per_step: "float | None" = None, peak_flops: "float
     return Breakdown(gpu=gpu, gpu_name=gpu_name, steps=n, step_ms=sum(s["window_ms"] for s in per_step) / n,
                      ms=ms, per_step=per_step, kernels=kernels,
                      unknown=[k.name for k in kernels if k.cls is None], transfers=transfers,
-                     flops_per_step=flops_per_step, peak_flops=peak_flops, peak_bandwidth=peak_bandwidth,
+                     flops_per_step=flops_per_step, peak_flops=peak_flops,
+                     peak_bandwidth=peak_bandwidth if peak_bandwidth is not None else gpu_peak_bandwidth(gpu_name),
                      **meta)

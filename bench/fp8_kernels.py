@@ -90,7 +90,7 @@ def main() -> None:
         t_pass = us(lambda: loss_kernel.grad_e5m2(logits, targets, VOCAB, loss1, one, fp8_loss.GRAD_SCALE))
         step = (one.float() - ref.float()).abs() / ref.float().abs().clamp(min=2.0 ** -16)
         differ = (one.view(torch.uint8) != ref.view(torch.uint8)).float().mean().item()
-        same = (loss1 - loss_ref).abs().max().item() < 1e-3 and differ < 1e-3 and step.max().item() <= 0.25
+        same = (loss1 - loss_ref).abs().max().item() < 1e-3 and differ < 3e-3 and step.max().item() <= 0.25
         failed |= not same
         line(f"CUDA pass ({differ:.2e} of bytes one step off){'' if same else ' DIFFERS'}", t_pass, 3 * n)
         best = None

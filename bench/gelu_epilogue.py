@@ -103,6 +103,20 @@ def main():
         grad_bias, grad_w = torch.empty(N, device="cuda", dtype=torch.bfloat16), torch.empty(N, K, device="cuda", dtype=torch.bfloat16)
         forward = candidates("GELU_AUX_BIAS", L.CUBLASLT_EPILOGUE_GELU_AUX_BIAS, x, w, out, b, aux, y_t=True)
         backward = candidates("DGELU", L.CUBLASLT_EPILOGUE_DGELU, g, w2, out, None, h)
+        # the same product with the weight stored transposed: both operands then run along the summed
+        # dimension (cuBLAS's "TN"), the layout for which Hopper's newer GEMM kernels are offered
+        w2_t, aux2 = w2.t().contiguous(), torch.empty_like(h)
+        transposed = candidates("DGELU, weight transposed", L.CUBLASLT_EPILOGUE_DGELU, g, w2_t, aux2, None, h, y_t=True)
+        L._matmul(L.CUBLASLT_EPILOGUE_DGELU, g, w2, out, None, h)
+        L._matmul(L.CUBLASLT_EPILOGUE_DGELU, g, w2_t, aux2, None, h, y_t=True)
+        print(f"  DGELU, weight transposed: max difference {(aux2.float() - out.float()).abs().max().item():.2e} "
+              f"(largest {out.float().abs().max().item():.2e}); {backward - transposed:+.1f} us faster")
+        print(f"  GEMM g @ w2, weight transposed (PyTorch): {bench(lambda: g @ w2_t.t()):8.1f}")
+        # the bias as a column of the weight, against a column of ones beside x (as gemm_bias_grad stores x):
+        # the GELU epilogue without its bias
+        x1 = torch.cat([x, torch.ones(M, 1, device="cuda", dtype=x.dtype), torch.zeros(M, 7, device="cuda", dtype=x.dtype)], 1)
+        w1 = torch.cat([w, b[:, None], torch.zeros(N, 7, device="cuda", dtype=w.dtype)], 1)
+        candidates("GELU_AUX, bias as a column", L.CUBLASLT_EPILOGUE_GELU_AUX, x1, w1, out, None, aux, y_t=True)
         # timed for comparison only: the bias gradient summed by the epilogue, and no epilogue at all
         candidates("DGELU_BGRAD", L.CUBLASLT_EPILOGUE_DGELU_BGRAD, g, w2, out, grad_bias, h)
         candidates("weight gradient", L.CUBLASLT_EPILOGUE_DEFAULT, gh, x, grad_w, None, None, x_t=True)

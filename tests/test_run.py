@@ -117,6 +117,32 @@ def test_the_run_builds_and_steps_what_the_rung_says(tmp_path, monkeypatch):
     assert len(updates) == 3                      # and one clip + optimizer step after each
 
 
+def test_a_loss_that_turns_nan_fails_the_run_and_keeps_its_steps(tmp_path, capsys, monkeypatch):
+    # A wrong kernel can train at a fine speed on a loss of nan: such a speed is no result.
+    from Utils.ladder import apply
+    real_build = apply.build
+
+    def nan_from_the_third_step(*args):
+        b = real_build(*args)
+        step_model, calls = b.step_model, []
+
+        def stepped(*a, **kw):
+            calls.append(1)
+            logits, loss = step_model(*a, **kw)
+            return logits, loss * float("nan") if len(calls) >= 3 else loss
+
+        b.step_model = stepped
+        return b
+
+    monkeypatch.setattr("Utils.train.run.build", nan_from_the_third_step)
+    assert main("baseline", ["--steps", "5", "--prefix", str(tmp_path)] + ARGS) == 1
+    (run,) = read_csv(tmp_path / "runs.csv")
+    assert run["status"] == "failed" and run["message"].startswith("the loss is nan from step 2:")
+    assert [r["step"] for r in read_csv(tmp_path / "results.csv")] == ["0", "1", "2", "3", "4"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: baseline failed: the loss is nan from step 2:")
+
+
 def test_make_custom_runs_exactly_its_additions_and_records_how_to_repeat_it(tmp_path, suite_env):
     r = subprocess.run(["make", "--no-print-directory", f"PYTHON={sys.executable}", "custom", "WITH=flash bf16",
                         "STEPS=2", "BATCH_SIZE=2", "SEQ_LEN=16", "DATA=synthetic", f"PREFIX={tmp_path}"],

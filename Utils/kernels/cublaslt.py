@@ -42,7 +42,6 @@ CUBLASLT_EPILOGUE_GELU_AUX_BIAS = CUBLASLT_EPILOGUE_GELU_AUX | CUBLASLT_EPILOGUE
 CUBLASLT_EPILOGUE_DGELU = 64 | 128                                            # times GELU'(auxiliary input)
 CUBLASLT_EPILOGUE_DGELU_BGRAD = CUBLASLT_EPILOGUE_DGELU | 16                  # and the bias gradient
 
-DGELU_WEIGHT_T = True
 CANDIDATES = 8                 # up to this many heuristic algorithms are timed on a shape's first call
 WORKSPACE_BYTES = 32 << 20     # what cuBLAS asks for on Hopper
 _DTYPES = {torch.bfloat16: CUDA_R_16BF, torch.float16: CUDA_R_16F}
@@ -257,10 +256,7 @@ def linear_dgelu(grad: Tensor, weight: Tensor, h: Tensor) -> Tensor:
     """grad_h = (grad @ weight) * gelu'(h) in one GEMM, the gradient through a = gelu(h) and y = a @ weight.T;
     grad [M, N2], weight [N2, N], h [M, N]."""
     grad_h = torch.empty_like(h)
-    if DGELU_WEIGHT_T:
-        _matmul(CUBLASLT_EPILOGUE_DGELU, grad, weight.t().contiguous(), grad_h, None, h, y_t=True)
-    else:
-        _matmul(CUBLASLT_EPILOGUE_DGELU, grad, weight, grad_h, None, h)
+    _matmul(CUBLASLT_EPILOGUE_DGELU, grad, weight, grad_h, None, h)
     return grad_h
 
 

@@ -168,9 +168,10 @@ __device__ __forceinline__ float exp_vector(uint4& v, float shift, int valid) {
     return s;
 }
 
-// grad: [rows, n_cols] e5m2, contiguous. The three passes over the row touch only the vectors each thread
-// copied in, so that they need no barrier but the reductions'; the vectors wholly inside the vocabulary
-// (all but the last few) go without per-column checks.
+// grad: [rows, n_cols] e5m2, contiguous. Each thread reads only the vectors it copied in (i = tid, tid +
+// blockDim.x, ...; where a pass is split in two loops, the second goes on from where the first stopped):
+// cp.async's wait covers a thread's own copies only, and the passes then need no barrier but the
+// reductions'. The vectors wholly inside the vocabulary (all but the last few) go without per-column checks.
 extern "C" __global__ void __launch_bounds__(256, 2)
 cross_entropy_grad_rows_e5m2(const unsigned short* logits, const long long* targets, float* row_loss, uint2* grad,
                              float scale, int n_cols, int vocab_size, int row_stride) {
@@ -184,12 +185,13 @@ cross_entropy_grad_rows_e5m2(const unsigned short* logits, const long long* targ
 
     // The maximum: bf16 pairs compared as they are, two columns an instruction.
     unsigned pair_max = 0xff80ff80u;   // two bf16 -inf
-    for (int i = tid; i < n_full; i += blockDim.x) {
+    int i = tid;
+    for (; i < n_full; i += blockDim.x) {
         const uint4 v = row_buf[i];
         pair_max = max_bf16x2(pair_max, max_bf16x2(max_bf16x2(v.x, v.y), max_bf16x2(v.z, v.w)));
     }
     float m = fmaxf(__uint_as_float(pair_max << 16), __uint_as_float(pair_max & 0xffff0000u));
-    for (int i = n_full + tid; i < n_vec; i += blockDim.x) {
+    for (; i < n_vec; i += blockDim.x) {   // on from where the loop above stopped: still this thread's vectors
         const uint4 v = row_buf[i];
         const unsigned w[4] = {v.x, v.y, v.z, v.w};
         #pragma unroll
@@ -203,8 +205,8 @@ cross_entropy_grad_rows_e5m2(const unsigned short* logits, const long long* targ
     // e = exp(x - m) * 2^EXP_SHIFT, summed in fp32 and kept in fp16 over the vector it came from.
     const float shift = EXP_SHIFT - m * LOG2E;
     float s = 0.f;
-    for (int i = tid; i < n_full; i += blockDim.x) s += exp_vector<false>(row_buf[i], shift, 0);
-    for (int i = n_full + tid; i < n_vec; i += blockDim.x) s += exp_vector<true>(row_buf[i], shift, vocab_size - i * 8);
+    for (i = tid; i < n_full; i += blockDim.x) s += exp_vector<false>(row_buf[i], shift, 0);
+    for (; i < n_vec; i += blockDim.x) s += exp_vector<true>(row_buf[i], shift, vocab_size - i * 8);
     s = block_reduce(s, false, scratch);
     const float lse = m + logf(s) - EXP_SHIFT * LN2;
     const float x_target = __uint_as_float((unsigned)base[target] << 16);   // the logits are never written
@@ -213,7 +215,7 @@ cross_entropy_grad_rows_e5m2(const unsigned short* logits, const long long* targ
     // The gradient, softmax times scale: e times scale / s. The target's, p - 1, is computed again in fp32
     // from its logit, since p - 1 loses to cancellation what e's fp16 rounding costs p.
     const float r = scale / s, g_target = (exp2f((x_target - lse) * LOG2E) - 1.f) * scale;
-    for (int i = tid; i < n_vec; i += blockDim.x) {
+    for (i = tid; i < n_vec; i += blockDim.x) {
         const uint4 v = row_buf[i];
         const unsigned e[4] = {v.x, v.y, v.z, v.w};
         float g[8];

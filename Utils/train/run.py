@@ -4,6 +4,7 @@ result with its status (ok, oom, skipped, failed, interrupted) whatever happened
 import contextlib
 import gc
 import json
+import math
 import os
 import shlex
 import shutil
@@ -258,6 +259,8 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
                     status, code = "failed", EXIT_FAILED
                     message = f"{_first_line(e)}{where}"
         interrupts.disarm()
+        if status == "ok" and (diverged := first_non_finite_loss(rows)):
+            status, message, code = "failed", diverged, EXIT_FAILED
         run["peak_mem_allocated_gib"], run["peak_mem_reserved_gib"] = peak_memory_gib(device)
         held.clear()
         gc.collect()
@@ -284,6 +287,16 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
         code = record(cfg, run, rows, code, trace)
         distributed.close()
         return code
+
+
+def first_non_finite_loss(rows: list) -> str | None:
+    """Why a run whose loss became nan or inf is not a result (its steps are still recorded), else None: a speed
+    measured on a loss that no longer means anything is no speed of training."""
+    bad = next((r for r in rows if not math.isfinite(r["loss"])), None)
+    if bad is None:
+        return None
+    return (f"the loss is {bad['loss']} from step {bad['step']}: the run diverged, or one of its kernels computes "
+            f"wrongly; its steps are recorded, its speed is not a result")
 
 
 def record(cfg: RunConfig, run: dict, rows: list, code: int, trace: str | None = None) -> int:

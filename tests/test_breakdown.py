@@ -157,6 +157,8 @@ REAL_KERNELS = [
     ("cross_entropy_grad_rows", "memory", "cross-entropy loss"),   # its CUDA kernel
     ("_row_lse_kernel", "memory", "cross-entropy loss"),           # Utils.kernels.fp8_loss's two Triton kernels
     ("_grad_fp8_kernel", "memory", "cross-entropy loss"),
+    ("cross_entropy_grad_rows_e5m2", "memory", "cross-entropy loss"),   # and the CUDA pass with the transpose after it
+    ("_transpose_kernel", "memory", "transpose"),
     ("memcpy128", "memory", "copy"),                               # as the H200's traces of the max rung name it
     # embedding, indexing, sort, cat, the causal mask
     ("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int, 2, 2, -2, true>(at::"

@@ -45,6 +45,7 @@ KERNEL_CLASSES = [
     (r"layer_norm|LayerNorm|GammaBeta|RowwiseMoments", MEMORY, "layer norm"),
     (r"nll_loss|cross_entropy", MEMORY, "cross-entropy loss"),          # and Utils.kernels.loss_kernel's kernels
     (r"^_row_lse_kernel$|^_grad_fp8_kernel$", MEMORY, "cross-entropy loss"),   # Utils.kernels.fp8_loss's
+    (r"^_transpose_kernel$", MEMORY, "transpose"),   # fp8_loss's byte transpose of the loss's FP8 gradient
     (r"indexSelect|index_select", MEMORY, "embedding (index select)"),
     (r"embedding_backward|compute_grad_weight|sum_and_scatter|krn_partial|compute_num_of_partial_segments|renorm",
      MEMORY, "embedding backward"),

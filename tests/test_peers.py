@@ -89,6 +89,23 @@ def test_llmc_on_a_cpu_is_skipped_with_the_reason_and_exit_status_4(tmp_path):
     assert not read_csv(tmp_path / "results.csv")
 
 
+def test_a_peer_whose_loss_turns_nan_is_recorded_failed_with_its_steps(tmp_path, capsys):
+    # llm.c prints "loss nan" when it diverges; its speed is then no result, as a rung's is not.
+    from Utils.peers.record import run_external
+
+    def diverging(cfg, tokens, run, log, start_sampling):
+        start_sampling()
+        return [(0, 10.9, 5.0), (1, 10.2, 5.0), (2, float("nan"), 5.0)], None
+
+    args = ["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--data", "synthetic", "--device", "cpu",
+            "--warmup", "1", "--prefix", str(tmp_path)]
+    assert run_external("peer-llmc", args, "make peers PEERS=llmc", diverging) == 1
+    (run,) = read_csv(tmp_path / "runs.csv")
+    assert run["status"] == "failed" and run["message"].startswith("the loss is nan from step 2:")
+    assert [r["loss"] for r in read_csv(tmp_path / "results.csv")] == ["10.9", "10.2", ""]   # nan: an empty field
+    assert "error: peer-llmc failed: the loss is nan from step 2:" in capsys.readouterr().err
+
+
 def test_make_peers_goes_on_past_a_skipped_peer_and_names_it(both):
     prefix, done = both
     assert done.returncode != 0

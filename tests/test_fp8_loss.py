@@ -224,6 +224,10 @@ def test_on_a_gpu_the_cuda_pass_writes_what_the_triton_kernels_write(monkeypatch
 
     loss1, grad1, wide1 = run()
     assert loss_kernel.grad_e5m2(logits, targets, vocab, torch.empty(rows, device="cuda"), grad1.clone(), 1.0)
+    # what it refuses, having written nothing: a vocabulary wider than the row, rows that overlap
+    assert not loss_kernel.grad_e5m2(logits, targets, cols + 8, torch.empty(rows, device="cuda"), grad1.clone(), 1.0)
+    assert not loss_kernel.grad_e5m2(logits[:1].expand(rows, cols), targets, vocab, torch.empty(rows, device="cuda"),
+                                     grad1.clone(), 1.0)
     monkeypatch.setattr(loss_kernel, "USE_CUDA", False)   # the two Triton kernels
     loss2, grad2, wide2 = run()
     assert (loss1 - loss2).abs().max().item() < 1e-4

@@ -20,7 +20,7 @@
 #define LOG2E 1.4426950408889634f
 #define NEG_INF __int_as_float(0xff800000)
 #define LN2 0.6931471805599453f
-// exp(x - max) * 2^EXP_SHIFT is at most 2^15, under fp16's largest value (65,504), and fp16's smallest (2^-24)
+// exp(x - max) * 2^EXP_SHIFT is at most about 2^15 (fp32 rounding), under fp16's largest value (65,504), and fp16's smallest (2^-24)
 // is then 2^-39 of the row's largest term: every gradient e5m2 holds (down to 2^-16 at a scale of 2^15) is kept.
 #define EXP_SHIFT 15.f
 
@@ -83,7 +83,8 @@ __device__ __forceinline__ float f16_hi(unsigned h) {
     return r;
 }
 
-// Copies the block's row into shared memory, 16 bytes a copy, each thread the vectors it reads first.
+// Copies the block's row into shared memory, 16 bytes a copy: thread t the vectors t, t + blockDim.x, ..., the
+// ones it reads later.
 __device__ __forceinline__ void stage_row(uint4* row_buf, const uint4* row_vec, int n_vec) {
     for (int i = threadIdx.x; i < n_vec; i += blockDim.x) {
         unsigned dst = (unsigned)__cvta_generic_to_shared(row_buf + i);
@@ -126,7 +127,7 @@ __device__ __forceinline__ void grad_row(unsigned short* logits, const long long
     const int tid = threadIdx.x;
     unsigned short* base = logits + (long long)blockIdx.x * row_stride;
     uint4* row_vec = reinterpret_cast<uint4*>(base);
-    const int n_vec = n_cols >> 3, n_full = vocab_size >> 3;
+    const int n_vec = n_cols >> 3, n_full = min(vocab_size, n_cols) >> 3;
     stage_row(row_buf, row_vec, n_vec);
     const int target = (int)targets[blockIdx.x];
     // Read before the first reduction, whose barrier orders it before the bf16 kernel's writes over the row.
@@ -181,8 +182,8 @@ __device__ __forceinline__ void grad_row(unsigned short* logits, const long long
             for (int k = 0; k < 8; k++) g[k] = d == k ? g_target : g[k];   // constant indices keep g in registers
         }
         if (TO_E5M2)
-            grad[(long long)blockIdx.x * n_vec + i] = make_uint2(to_e5m2x2(g[0], g[1]) | (to_e5m2x2(g[2], g[3]) << 16),
-                                                                 to_e5m2x2(g[4], g[5]) | (to_e5m2x2(g[6], g[7]) << 16));
+            grad[(long long)blockIdx.x * n_vec + i] = make_uint2(to_e5m2x2(g[0], g[1]) | ((unsigned)to_e5m2x2(g[2], g[3]) << 16),
+                                                                 to_e5m2x2(g[4], g[5]) | ((unsigned)to_e5m2x2(g[6], g[7]) << 16));
         else
             row_vec[i] = make_uint4(to_bf16x2(g[0], g[1]), to_bf16x2(g[2], g[3]), to_bf16x2(g[4], g[5]),
                                     to_bf16x2(g[6], g[7]));

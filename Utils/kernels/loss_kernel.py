@@ -86,14 +86,15 @@ def prepare(device: torch.device, n_cols: int) -> str | None:
 
 
 def _cuda_takes(logits: Tensor, targets: Tensor) -> bool:
-    """Whether the CUDA kernel can take these logits: 16-byte vectors, int64 targets, a row that fits in shared
-    memory, and sizes that fit the kernel's 32-bit arguments."""
+    """Whether the CUDA kernel can take these logits: 16-byte vectors, int64 targets, rows that do not overlap
+    (the bf16 kernel writes over them), a row that fits in shared memory, and sizes that fit the kernel's 32-bit
+    arguments."""
     if not (logits.is_cuda and _cuda_usable(logits.device)):
         return False
     rows, cols = logits.shape
     return (logits.dtype == torch.bfloat16 and targets.dtype == torch.int64 and cols % 8 == 0
-            and logits.stride(0) % 8 == 0 and logits.data_ptr() % 16 == 0 and 0 < rows < 2 ** 31
-            and logits.stride(0) < 2 ** 31 and _shared_fits(logits.device, cols))
+            and logits.stride(0) % 8 == 0 and cols <= logits.stride(0) < 2 ** 31 and logits.data_ptr() % 16 == 0
+            and 0 < rows < 2 ** 31 and _shared_fits(logits.device, cols))
 
 
 def _fp8_capable(device: torch.device) -> bool:
@@ -105,7 +106,8 @@ def grad_e5m2(logits: Tensor, targets: Tensor, vocab_size: int, row_loss: Tensor
     """Where the CUDA kernel can take these logits on an Ada or Hopper GPU: write each row's loss into row_loss
     and (softmax - one-hot) * scale, in e5m2, into grad (contiguous, the logits' shape), reading the logits
     once, and return True. Else return False, having written nothing."""
-    if not (_cuda_takes(logits, targets) and _fp8_capable(logits.device) and grad.is_contiguous()
+    if not (_cuda_takes(logits, targets) and _fp8_capable(logits.device) and 0 < vocab_size <= logits.size(1)
+            and grad.is_contiguous()
             and grad.shape == logits.shape and grad.dtype == torch.float8_e5m2 and grad.data_ptr() % 8 == 0
             and row_loss.is_contiguous() and row_loss.shape == (logits.size(0),)
             and row_loss.dtype == torch.float32):

@@ -20,8 +20,9 @@
 #define LOG2E 1.4426950408889634f
 #define NEG_INF __int_as_float(0xff800000)
 #define LN2 0.6931471805599453f
-// exp(x - max) * 2^EXP_SHIFT is at most about 2^15 (fp32 rounding), under fp16's largest value (65,504), and fp16's smallest (2^-24)
-// is then 2^-39 of the row's largest term: every gradient e5m2 holds (down to 2^-16 at a scale of 2^15) is kept.
+// exp(x - max) * 2^EXP_SHIFT is at most about 2^15 (fp32 rounding), under fp16's largest value (65,504), and
+// fp16's smallest (2^-24) is then 2^-39 of the row's largest term: every gradient e5m2 holds (down to 2^-16 at
+// a scale of 2^15) is kept.
 #define EXP_SHIFT 15.f
 
 __device__ __forceinline__ float block_reduce(float v, bool is_max, float* scratch) {
@@ -173,7 +174,8 @@ __device__ __forceinline__ void grad_row(unsigned short* logits, const long long
             } else {
                 const int c0 = i * 8 + 2 * k;
                 g[2 * k] = c0 < vocab_size ? exp2f(fmaf(__uint_as_float(w[k] << 16), LOG2E, -lse2)) : 0.f;
-                g[2 * k + 1] = c0 + 1 < vocab_size ? exp2f(fmaf(__uint_as_float(w[k] & 0xffff0000u), LOG2E, -lse2)) : 0.f;
+                g[2 * k + 1] = c0 + 1 < vocab_size
+                               ? exp2f(fmaf(__uint_as_float(w[k] & 0xffff0000u), LOG2E, -lse2)) : 0.f;
             }
         }
         const unsigned d = (unsigned)(target - i * 8);
@@ -182,8 +184,9 @@ __device__ __forceinline__ void grad_row(unsigned short* logits, const long long
             for (int k = 0; k < 8; k++) g[k] = d == k ? g_target : g[k];   // constant indices keep g in registers
         }
         if (TO_E5M2)
-            grad[(long long)blockIdx.x * n_vec + i] = make_uint2(to_e5m2x2(g[0], g[1]) | ((unsigned)to_e5m2x2(g[2], g[3]) << 16),
-                                                                 to_e5m2x2(g[4], g[5]) | ((unsigned)to_e5m2x2(g[6], g[7]) << 16));
+            grad[(long long)blockIdx.x * n_vec + i] =
+                make_uint2(to_e5m2x2(g[0], g[1]) | ((unsigned)to_e5m2x2(g[2], g[3]) << 16),
+                           to_e5m2x2(g[4], g[5]) | ((unsigned)to_e5m2x2(g[6], g[7]) << 16));
         else
             row_vec[i] = make_uint4(to_bf16x2(g[0], g[1]), to_bf16x2(g[2], g[3]), to_bf16x2(g[4], g[5]),
                                     to_bf16x2(g[6], g[7]));

@@ -107,9 +107,8 @@ def grad_e5m2(logits: Tensor, targets: Tensor, vocab_size: int, row_loss: Tensor
     and (softmax - one-hot) * scale, in e5m2, into grad (contiguous, the logits' shape), reading the logits
     once, and return True. Else return False, having written nothing."""
     if not (_cuda_takes(logits, targets) and _fp8_capable(logits.device) and 0 < vocab_size <= logits.size(1)
-            and grad.is_contiguous()
-            and grad.shape == logits.shape and grad.dtype == torch.float8_e5m2 and grad.data_ptr() % 8 == 0
-            and row_loss.is_contiguous() and row_loss.shape == (logits.size(0),)
+            and grad.is_contiguous() and grad.shape == logits.shape and grad.dtype == torch.float8_e5m2
+            and grad.data_ptr() % 8 == 0 and row_loss.is_contiguous() and row_loss.shape == (logits.size(0),)
             and row_loss.dtype == torch.float32):
         return False
     rows, cols = logits.shape

@@ -17,7 +17,7 @@ from Utils.train import nvml
 from Utils.train.cli import UsageError, parse_args
 from Utils.train.data import DataError, load_tokens
 from Utils.train.provenance import environment, gpu_uuid
-from Utils.train.run import EXIT_FAILED, EXIT_SKIPPED, first_non_finite_loss, record, summarize
+from Utils.train.run import EXIT_FAILED, EXIT_SKIPPED, record, summarize
 from Utils.train.usage import fail
 
 # train(cfg, tokens, run, log path, start_sampling) -> ([(step from 0, loss, ms)], peak memory GiB or None), calling
@@ -65,8 +65,6 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
     n_params, flops = _counts(cfg.model, cfg.seq_len)
     peak = peak_bf16_flops(run["gpu_name"]) if device.type == "cuda" else None
     rows = _rows(name, run_id, cfg, steps, flops, peak)
-    if status == "ok" and (diverged := first_non_finite_loss(rows)):
-        status, message, code = "failed", diverged, EXIT_FAILED
     run.update(status=status, message=message, n_params=n_params, peak_mem_reserved_gib=memory,
                flops_per_token=flops)
     summarize((), cfg, run, rows)

@@ -259,8 +259,6 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
                     status, code = "failed", EXIT_FAILED
                     message = f"{_first_line(e)}{where}"
         interrupts.disarm()
-        if status == "ok" and (diverged := first_non_finite_loss(rows)):
-            status, message, code = "failed", diverged, EXIT_FAILED
         run["peak_mem_allocated_gib"], run["peak_mem_reserved_gib"] = peak_memory_gib(device)
         held.clear()
         gc.collect()
@@ -301,8 +299,12 @@ def first_non_finite_loss(rows: list) -> str | None:
 
 def record(cfg: RunConfig, run: dict, rows: list, code: int, trace: str | None = None) -> int:
     """Append the run (signals are held off meanwhile: Utils.results.store) and say how it ended; the exit
-    status: `code`, or fail's where the results cannot be written. A profiled run leaves results.csv and
-    runs.csv alone: its record is its trace, which the report splits (Utils.report.breakdown)."""
+    status: `code`, or fail's where the results cannot be written. A run whose loss turned nan or inf is
+    recorded failed, a rung's or a peer's alike. A profiled run leaves results.csv and runs.csv alone: its
+    record is its trace, which the report splits (Utils.report.breakdown)."""
+    if run["status"] == "ok" and (diverged := first_non_finite_loss(rows)):
+        run.update(status="failed", message=diverged)
+        code = EXIT_FAILED
     status, message = run["status"], run["message"]
     if trace is not None and status != "ok":
         # a run that did not end well is not recorded, and its trace would be split as if it had

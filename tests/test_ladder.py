@@ -78,8 +78,9 @@ def test_max_is_the_fused_rung_and_what_measured_faster_on_the_h200():
     # What the ablation tried and max left out (BENCHMARKS.md says why), and autotune, not yet measured. "loss"
     # (the chunked loss as Inductor compiles it) and "loss_kernel" (its softmax in one kernel) are superseded
     # by "fp8_head", which cannot run with either and falls back to loss_kernel where FP8 cannot run.
+    # "fp8_qkv_fc" is not yet measured against max.
     assert set(ABLATION) - set(MAX_ADDITIONS) == {"loss", "loss_kernel", "cudnn_attention", "fp8", "compiled_update",
-                                                  "autotune"}
+                                                  "autotune", "fp8_qkv_fc"}
 
 
 def test_ablation_is_every_addition_beyond_the_seven_rungs_in_registry_order():

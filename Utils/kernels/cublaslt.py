@@ -22,7 +22,7 @@ from Utils.kernels.native import INT, INT64, POINTER, SIZE, UINT64
 
 # Enum values, each under its name in cublasLt.h, cublas_api.h or library_types.h.
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1                        # cublasOperation_t
-CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14         # cudaDataType_t
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 2, 14, 28   # cudaDataType_t
 CUBLAS_COMPUTE_32F = 68                                # cublasComputeType_t
 # cublasLtMatmulDescAttributes_t
 CUBLASLT_MATMUL_DESC_TRANSA = 3
@@ -31,6 +31,9 @@ CUBLASLT_MATMUL_DESC_EPILOGUE = 7
 CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8
 CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER = 11
 CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12
+CUBLASLT_MATMUL_DESC_A_SCALE_POINTER = 17
+CUBLASLT_MATMUL_DESC_B_SCALE_POINTER = 18
+CUBLASLT_MATMUL_DESC_FAST_ACCUM = 25
 # cublasLtMatmulPreferenceAttributes_t
 CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1
 # cublasLtEpilogue_t
@@ -44,7 +47,7 @@ CUBLASLT_EPILOGUE_DGELU_BGRAD = CUBLASLT_EPILOGUE_DGELU | 16                  # 
 
 CANDIDATES = 8                 # up to this many heuristic algorithms are timed on a shape's first call
 WORKSPACE_BYTES = 32 << 20     # what cuBLAS asks for on Hopper
-_DTYPES = {torch.bfloat16: CUDA_R_16BF, torch.float16: CUDA_R_16F}
+_DTYPES = {torch.bfloat16: CUDA_R_16BF, torch.float16: CUDA_R_16F, torch.float8_e4m3fn: CUDA_R_8F_E4M3}
 
 
 class _HeuristicResult(ctypes.Structure):
@@ -121,11 +124,11 @@ def _layout(lib, dtype, rows, cols, ld):
     return layout
 
 
-def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b):
-    """Descriptors and the heuristic's algorithms for column-major D[m, n] = op(A) @ op(B), B's columns ld_b
-    elements apart, made once per shape: the bias and auxiliary pointers are set on the descriptor at each
-    call."""
-    key = device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b
+def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dtype):
+    """Descriptors and the heuristic's algorithms for column-major D[m, n] = op(A) @ op(B), A and B of dtype,
+    D of out_dtype, B's columns ld_b elements apart, made once per shape: the bias, auxiliary and scale
+    pointers are set on the descriptor at each call."""
+    key = device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dtype
     if key in _plans:
         return _plans[key]
     lib, (handle, _) = _library(), _handle(device_index)
@@ -136,9 +139,13 @@ def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b):
     _set(lib, desc, CUBLASLT_MATMUL_DESC_TRANSB, ctypes.c_int32(trans_b))
     _set(lib, desc, CUBLASLT_MATMUL_DESC_EPILOGUE, ctypes.c_int32(epilogue))
     _set(lib, desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ctypes.c_int64(m))
+    if dtype == CUDA_R_8F_E4M3:
+        # Hopper's fast FP8 accumulation never promotes partial sums to fp32: fine for sums over a layer's
+        # 768 features, as the FP8 output layer's logits GEMM takes it (fp8_loss).
+        _set(lib, desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, ctypes.c_int8(1))
     a = _layout(lib, dtype, k, m, k) if trans_a == CUBLAS_OP_T else _layout(lib, dtype, m, k, m)
     b = _layout(lib, dtype, n, k, ld_b) if trans_b == CUBLAS_OP_T else _layout(lib, dtype, k, n, ld_b)
-    d = _layout(lib, dtype, m, n, m)
+    d = _layout(lib, out_dtype, m, n, m)
     preference = ctypes.c_void_p()
     native.check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "cublasLtMatmulPreferenceCreate")
     limit = ctypes.c_uint64(WORKSPACE_BYTES)
@@ -172,13 +179,23 @@ def _fastest(launch, candidates):
 
 
 def _matmul(epilogue: int, x: Tensor, y: Tensor, out: Tensor, bias: Tensor | None, aux: Tensor | None,
-            x_t: bool = False, y_t: bool = False, algo: int | None = None) -> None:
+            x_t: bool = False, y_t: bool = False, algo: int | None = None,
+            scales: tuple[Tensor, Tensor] | None = None) -> None:
     """out = op(x) @ op(y), op transposing where x_t / y_t, with `epilogue`; `bias` (one entry per column of
     out) and `aux` (out's shape) as the epilogue uses them. `algo` picks a heuristic candidate; by default,
     the one found fastest on the shape's first call (the heuristic's first while a CUDA graph is captured).
+    With e4m3 x and y, `scales` are x's and y's inverse scales (0-d fp32 tensors that the product is
+    multiplied by), out, bias and aux are bf16, and y must be transposed (Hopper's FP8 GEMMs read both
+    operands along the summed dimension).
     """
     tensors = [t for t in (x, y, out, bias, aux) if t is not None]
-    if x.dtype not in _DTYPES or any(t.dtype != x.dtype for t in tensors):
+    if x.dtype == torch.float8_e4m3fn:
+        if (y.dtype != x.dtype or any(t.dtype != torch.bfloat16 for t in (out, bias, aux) if t is not None)
+                or scales is None or any(s.dtype != torch.float32 or s.numel() != 1 for s in scales)
+                or x_t or not y_t):
+            raise ValueError("cuBLASLt FP8 GEMMs take e4m3 x and y.T, bf16 out, bias and auxiliary, and two "
+                             "fp32 scales")
+    elif x.dtype not in _DTYPES or any(t.dtype != x.dtype for t in tensors) or scales is not None:
         raise ValueError(f"cuBLASLt epilogue GEMMs take bf16 or fp16 tensors of one dtype, got "
                          f"{', '.join(str(t.dtype) for t in tensors)}")
     # x may also be the first columns of a wider matrix, rows 16 bytes aligned: gemm_bias_grad's inputs,
@@ -201,7 +218,7 @@ def _matmul(epilogue: int, x: Tensor, y: Tensor, out: Tensor, bias: Tensor | Non
                          f"{None if aux is None else tuple(aux.shape)}")
     if aux is not None and columns % 8:
         raise ValueError(f"cuBLASLt's GELU epilogues need a multiple of 8 output columns, got {columns}")
-    if any(t.device.type != "cuda" or t.device != x.device for t in tensors):
+    if any(t.device.type != "cuda" or t.device != x.device for t in tensors + list(scales or ())):
         raise ValueError(f"cuBLASLt GEMMs take tensors on one CUDA device, got "
                          f"{', '.join(str(t.device) for t in tensors)}")
     if _library() is None:
@@ -210,12 +227,15 @@ def _matmul(epilogue: int, x: Tensor, y: Tensor, out: Tensor, bias: Tensor | Non
     device_index = x.device.index
     ld_x = x.stride(0) if x.size(0) > 1 else x.size(1)   # a 1-row x's stride is arbitrary
     plan = _plan(device_index, epilogue, CUBLAS_OP_T if y_t else CUBLAS_OP_N, CUBLAS_OP_T if x_t else CUBLAS_OP_N,
-                 columns, rows, k, _DTYPES[x.dtype], ld_x)
+                 columns, rows, k, _DTYPES[x.dtype], ld_x, _DTYPES[out.dtype])
     desc, a_layout, b_layout, d_layout, results, fastest = plan
     lib, (handle, workspace) = _library(), _handle(device_index)
     _set(lib, desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr() if bias is not None else 0))
     _set(lib, desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
          ctypes.c_void_p(aux.data_ptr() if aux is not None else 0))
+    if scales is not None:   # A is y, B is x
+        _set(lib, desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, ctypes.c_void_p(scales[1].data_ptr()))
+        _set(lib, desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, ctypes.c_void_p(scales[0].data_ptr()))
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
     stream = torch.cuda.current_stream(x.device).cuda_stream
 
@@ -241,11 +261,13 @@ def _matmul(epilogue: int, x: Tensor, y: Tensor, out: Tensor, bias: Tensor | Non
 
 # --- GELU_AUX_BIAS: fuses the bias add, GELU and the store of GELU's input into the GEMM's epilogue, so
 # that no separate pass reads the pre-activation to apply GELU.
-def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
-    """(gelu(x @ weight.T + bias), x @ weight.T + bias) in one GEMM; x [M, K], weight [N, K], bias [N]."""
-    h = torch.empty(x.size(0), weight.size(0), dtype=x.dtype, device=x.device)
+def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor,
+                scales: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """(gelu(x @ weight.T + bias), x @ weight.T + bias) in one GEMM; x [M, K], weight [N, K], bias [N]. With
+    e4m3 x and weight, `scales` are their inverse scales, and the outputs are in bias's dtype (bf16)."""
+    h = torch.empty(x.size(0), weight.size(0), dtype=bias.dtype, device=x.device)
     a = torch.empty_like(h)
-    _matmul(CUBLASLT_EPILOGUE_GELU_AUX_BIAS, x, weight, a, bias, h, y_t=True)
+    _matmul(CUBLASLT_EPILOGUE_GELU_AUX_BIAS, x, weight, a, bias, h, y_t=True, scales=scales)
     return a, h
 
 

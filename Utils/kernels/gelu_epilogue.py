@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from Utils.kernels import cublaslt, gemm_bias_grad
+from Utils.kernels import cublaslt, fp8_linear, gemm_bias_grad
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -61,14 +61,18 @@ def _(grad, weight, h):
 
 # --- The MLP around the two epilogue GEMMs: c_fc's bias and GELU fused into c_fc's GEMM, GELU's
 # derivative into c_proj's input-gradient GEMM, so that neither the GELU nor its backward is a pass of
-# its own over the tokens x 3072 activations.
+# its own over the tokens x 3072 activations. With a LayerNorm's weights, x is that LayerNorm's output and
+# c_fc's forward GEMM runs in FP8 (Utils.kernels.fp8_linear); the backward stays bf16.
 class _GeluMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc_weight, fc_bias, proj_weight, proj_bias, ones):
+    def forward(ctx, x, fc_weight, fc_bias, proj_weight, proj_bias, ones, norm_weight, norm_bias):
         # With `ones`, x is kept beside a column of ones, and c_fc's bias gradient comes out of its
         # weight-gradient GEMM (Utils.kernels.gemm_bias_grad).
         saved = gemm_bias_grad.with_ones(x) if ones else x
-        a, h = linear_gelu(saved[:, :x.size(1)], fc_weight, fc_bias)
+        if norm_weight is not None and fp8_linear.fits(x):
+            a, h = fp8_linear.linear_gelu_normed(x, norm_weight, norm_bias, fc_weight, fc_bias)
+        else:
+            a, h = linear_gelu(saved[:, :x.size(1)], fc_weight, fc_bias)
         ctx.save_for_backward(saved, fc_weight, proj_weight, a, h)
         ctx.ones = ones
         return torch.addmm(proj_bias, a, proj_weight.t())
@@ -82,14 +86,16 @@ class _GeluMLP(torch.autograd.Function):
             fc_grads = gemm_bias_grad.weight_and_bias_grad(grad_h, saved)
         else:
             fc_grads = grad_h.t() @ saved, grad_h.sum(0)
-        return grad_h @ fc_weight, *fc_grads, grad.t() @ a, grad.sum(0), None
+        return grad_h @ fc_weight, *fc_grads, grad.t() @ a, grad.sum(0), None, None, None
 
 
-def gelu_mlp(x: Tensor, fc: nn.Linear, proj: nn.Linear, ones: bool = False) -> Tensor:
+def gelu_mlp(x: Tensor, fc: nn.Linear, proj: nn.Linear, ones: bool = False, norm: nn.LayerNorm | None = None) -> Tensor:
     """proj(gelu(fc(x))) for nn.Linear layers fc and proj, x [..., fc.in_features]. Under autocast, in the
     autocast dtype, as the plain MLP's matmuls would be. With ones, fc's bias gradient comes out of its
-    weight-gradient GEMM (Utils.kernels.gemm_bias_grad)."""
-    return gemm_bias_grad.apply_in_autocast_dtype(_GeluMLP, x, (fc.weight, fc.bias, proj.weight, proj.bias), ones)
+    weight-gradient GEMM (Utils.kernels.gemm_bias_grad). With `norm`, the LayerNorm whose output x is, fc's
+    forward GEMM runs in FP8 where fp8_linear fits x (Utils.kernels.fp8_linear)."""
+    return gemm_bias_grad.apply_in_autocast_dtype(_GeluMLP, x, (fc.weight, fc.bias, proj.weight, proj.bias), ones,
+                                                  *gemm_bias_grad.norm_weights(norm))
 
 
 def reference(x: Tensor, fc: nn.Linear, proj: nn.Linear) -> Tensor:

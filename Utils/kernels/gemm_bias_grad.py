@@ -16,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from Utils.kernels import fp8_linear
+
 ONES = 8   # columns of ones: 16 bytes of bf16, so that the rows of [X 1] stay 16-byte aligned
 
 
@@ -38,17 +40,21 @@ def weight_and_bias_grad(grad: Tensor, x_ones: Tensor) -> tuple[Tensor, Tensor]:
 
 # --- Bias gradient from the weight-gradient GEMM: fuses the bias gradient's sum over the tokens into the
 # GEMM dY^T [X 1] as its last column, so that no pass of its own reads dY.
+# With a LayerNorm's weights, x is that LayerNorm's output and the forward GEMM runs in FP8
+# (Utils.kernels.fp8_linear); the backward stays bf16.
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, norm_weight, norm_bias):
         x_ones = with_ones(x)
         ctx.save_for_backward(x_ones, weight)
+        if norm_weight is not None and fp8_linear.fits(x):
+            return fp8_linear.linear_normed(x, norm_weight, norm_bias, weight, bias)
         return torch.addmm(bias, x_ones[:, :x.size(1)], weight.t())
 
     @staticmethod
     def backward(ctx, grad):
         x_ones, weight = ctx.saved_tensors
-        return (grad @ weight, *weight_and_bias_grad(grad, x_ones))
+        return (grad @ weight, *weight_and_bias_grad(grad, x_ones), None, None)
 
 
 def apply_in_autocast_dtype(function: type[torch.autograd.Function], x: Tensor, params: tuple[Tensor, ...],
@@ -63,10 +69,16 @@ def apply_in_autocast_dtype(function: type[torch.autograd.Function], x: Tensor, 
     return y.view(*x.shape[:-1], y.size(-1))
 
 
-def linear(x: Tensor, layer: nn.Linear) -> Tensor:
+def linear(x: Tensor, layer: nn.Linear, norm: nn.LayerNorm | None = None) -> Tensor:
     """layer(x) for an nn.Linear with a bias, x [..., in_features], its bias gradient made by its weight-gradient
-    GEMM. Under autocast, in the autocast dtype, as layer(x) would be."""
-    return apply_in_autocast_dtype(_Linear, x, (layer.weight, layer.bias))
+    GEMM. Under autocast, in the autocast dtype, as layer(x) would be. With `norm`, the LayerNorm whose output x
+    is, the forward GEMM runs in FP8 where fp8_linear fits x (Utils.kernels.fp8_linear)."""
+    return apply_in_autocast_dtype(_Linear, x, (layer.weight, layer.bias), *norm_weights(norm))
+
+
+def norm_weights(norm: nn.LayerNorm | None) -> tuple[Tensor | None, Tensor | None]:
+    """(weight, bias) of `norm`, (None, None) without one: the arguments that select the FP8 forward GEMM."""
+    return (None, None) if norm is None else (norm.weight, norm.bias)
 
 
 def reference(x: Tensor, layer: nn.Linear) -> Tensor:

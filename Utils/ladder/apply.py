@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from Utils.kernels import chunked_loss, cublaslt, fp8_loss, gelu_epilogue, loss_kernel, packed_attention
+from Utils.kernels import chunked_loss, cublaslt, fp8_linear, fp8_loss, gelu_epilogue, loss_kernel, packed_attention
 from Utils.ladder import modules
 from Utils.ladder.parallel import wrap
 from Utils.ladder.registry import ADDITIONS, STAGES, check_parallel, resolve
@@ -214,6 +214,20 @@ def apply_fp8_head(b: Build) -> str | None:
     if why:
         return f"{why}: the output layer in bf16 instead" + (f"; {note}" if note else ", through the loss kernel")
     b.model.loss.fp8 = True
+    return None
+
+
+def apply_fp8_qkv_fc(b: Build) -> str | None:
+    """c_attn's and c_fc's forward GEMMs in FP8: the two GEMMs that read a LayerNorm's output, which casts to
+    e4m3 in the LayerNorm's own kernel with a scale bounded by its weights (no amax pass). Backward in bf16."""
+    why = fp8_linear.unavailable(b.device) or fp8_loss.width_problem(b.config.n_embd)
+    if why:
+        return f"{why}: c_attn and c_fc in bf16 instead"
+    if not all(isinstance(block.mlp, modules.EpilogueMLP) for block in modules.blocks(b.model)):
+        return "c_fc's GELU epilogue is not running (gelu_epilogue's note says why): c_attn and c_fc in bf16 instead"
+    for block in modules.blocks(b.model):
+        modules.read_normed(block.attn.c_attn, block.ln_1)
+        modules.read_normed(block.mlp, block.ln_2)
     return None
 
 

@@ -14,22 +14,34 @@ from Utils.model import GPT, CausalSelfAttention, OutputLoss
 
 
 class OnesLinear(nn.Linear):
-    """nn.Linear whose bias gradient comes out of its weight-gradient GEMM (kernels.gemm_bias_grad)."""
+    """nn.Linear whose bias gradient comes out of its weight-gradient GEMM (kernels.gemm_bias_grad); its forward
+    GEMM in FP8 once `read_normed` has named the LayerNorm that makes its input."""
+    norm: nn.LayerNorm | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm_bias_grad.linear(x, self)
+        return gemm_bias_grad.linear(x, self, self.norm)
 
 
 class EpilogueMLP(nn.Module):
     """The block's MLP with c_fc's bias and GELU, and GELU's derivative, in GEMM epilogues
-    (kernels.gelu_epilogue); c_fc's bias gradient from its GEMM too where c_fc is a OnesLinear."""
+    (kernels.gelu_epilogue); c_fc's bias gradient from its GEMM too where c_fc is a OnesLinear; c_fc's forward
+    GEMM in FP8 once `read_normed` has named the LayerNorm that makes the MLP's input."""
+    norm: nn.LayerNorm | None = None
 
     def __init__(self, mlp: nn.Module):
         super().__init__()
         self.c_fc, self.c_proj = mlp.c_fc, mlp.c_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gelu_epilogue.gelu_mlp(x, self.c_fc, self.c_proj, ones=isinstance(self.c_fc, OnesLinear))
+        return gelu_epilogue.gelu_mlp(x, self.c_fc, self.c_proj, ones=isinstance(self.c_fc, OnesLinear),
+                                      norm=self.norm)
+
+
+def read_normed(module: OnesLinear | EpilogueMLP, norm: nn.LayerNorm) -> None:
+    """Name `norm` as the LayerNorm whose output `module` reads, so that its forward GEMM casts that output to FP8
+    with a scale bounded by norm's weights (kernels.fp8_linear). A reference, not a submodule: norm's parameters
+    stay registered once, where the model has them, and the state dict is unchanged."""
+    object.__setattr__(module, "norm", norm)
 
 
 class CudnnAttention(CausalSelfAttention):

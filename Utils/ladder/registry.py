@@ -65,6 +65,9 @@ _ADDITIONS = [
     Addition("fp8_head", "model", "compute",
              "the output layer's three GEMMs in FP8 inside the chunked loss (e4m3 inputs, e5m2 gradient)",
              needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("loss", "loss_kernel")),
+    Addition("fp8_qkv_fc", "model", "compute",
+             "c_attn's and c_fc's forward GEMMs in FP8, their LayerNorm's output cast with a scale its weights bound",
+             needs="an Ada or Hopper GPU", requires=("gemm_bias_grad", "gelu_epilogue"), excludes=("fp8",)),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
              needs="torchao and an Ada or Hopper GPU", requires=("bf16",)),
     # compile
@@ -154,7 +157,8 @@ def resolve(names: Iterable[str]) -> tuple:
 PARALLEL_EXCLUDES = {
     "ddp": {},
     "fsdp": {name: "its kernel takes whole tensors, not FSDP's DTensor shards"
-             for name in ("gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel", "fp8_head")}
+             for name in ("gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel", "fp8_head",
+                          "fp8_qkv_fc")}
     | {"fold_clip": "its grad_scale from the gradients' norm has not been tried on FSDP's DTensor shards",
        "8bit": "bitsandbytes' optimizer takes whole tensors, not FSDP's DTensor shards",
        "cudagraphs": "a CUDA graph cannot hold FSDP's all-gathers and reduce-scatters",

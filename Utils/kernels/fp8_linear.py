@@ -1,0 +1,104 @@
+"""The forward GEMMs that read a LayerNorm's output (c_attn's, and c_fc's with its GELU epilogue) in FP8.
+
+Hopper's tensor cores multiply e4m3 at twice bf16's rate, but a cast to FP8 needs a scale, and a scale
+from the tensor's amax costs a reduction over it before the cast can start: at GPT-2's width that pass
+is as long as the GEMM's saving (torchao's casts made the fused rung 9% slower, BENCHMARKS.md). A
+LayerNorm's output needs no amax. Each normalized row x̂ has mean 0 and mean square at most 1, so no
+entry exceeds sqrt(C - 1) for C features (the largest entry of such a row is sqrt(C - 1) when the other
+C - 1 are equal), and y = γ x̂ + β is bounded by max|γ| sqrt(C - 1) + max|β|: a bound from the weights
+alone. The cast then needs nothing from the tensor, and Inductor writes it from the LayerNorm's kernel,
+one byte an element more. The bound costs range, not precision: e4m3 keeps 3 mantissa bits for every
+normal value, and at C = 768 the bound (27.7 max|γ|) lies some three binades above a typical row's
+largest entry, so only entries below about 2^-9 of the bound lose bits as subnormals.
+
+The weights' scales come from their amax (fp8_loss.to_e4m3): 2.4M elements, a few microseconds a step.
+The backward pass stays in bf16, from the saved bf16 input and weight: its GEMMs would need FP8 copies
+of the gradients in both layouts (Hopper's FP8 GEMMs read both operands along the summed dimension).
+Accumulation is Hopper's fast FP8 mode, as for the output layer's logits: the sums run over 768 features.
+
+Reference: `reference`, the same GEMMs on the dequantized FP8 operands in fp32 (tests/test_fp8_linear.py).
+"""
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from Utils.kernels import cublaslt
+from Utils.kernels.fp8_loss import ALIGN, E4M3, E4M3_MAX, to_e4m3
+
+
+def unavailable(device: torch.device) -> str | None:
+    """None on an Ada or Hopper GPU with cuBLASLt, else why not."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return "FP8 GEMMs need an Ada or Hopper GPU (compute capability 8.9 or newer)"
+    return cublaslt.unavailable(device)
+
+
+def fits(x: Tensor) -> bool:
+    """Whether FP8 GEMMs take x [M, K] as their input: M and K multiples of 16. Where they do not (a step's
+    tokens not a multiple of 16), the layers run in bf16."""
+    return x.size(0) % ALIGN == 0 and x.size(1) % ALIGN == 0
+
+
+def norm_bound(norm_weight: Tensor, norm_bias: Tensor | None) -> Tensor:
+    """The largest |y| a LayerNorm with these weights can output over rows of norm_weight.numel() features, as
+    a 0-d fp32 tensor: max|γ| sqrt(C - 1) + max|β|."""
+    bound = norm_weight.detach().float().abs().amax() * (norm_weight.numel() - 1) ** 0.5
+    return bound + norm_bias.detach().float().abs().amax() if norm_bias is not None else bound
+
+
+def normed_to_e4m3(y: Tensor, norm_weight: Tensor, norm_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(y, a LayerNorm's output, scaled by 448 / norm_bound and cast to e4m3; the scale's inverse, 0-d fp32).
+    The clamp keeps rounding at the bound (y rounded to bf16 may exceed it by half a step) from overflowing."""
+    inv = norm_bound(norm_weight, norm_bias).clamp(min=1e-12) / E4M3_MAX
+    return (y.detach().float() / inv).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), inv
+
+
+def linear_normed(x: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, weight: Tensor, bias: Tensor) -> Tensor:
+    """x @ weight.T + bias, x being the output of a LayerNorm with norm_weight and norm_bias, the GEMM in FP8."""
+    x8, x_inv = normed_to_e4m3(x, norm_weight, norm_bias)
+    w8, w_inv = to_e4m3(weight)
+    return linear(x8, x_inv, w8, w_inv, bias)
+
+
+def linear_gelu_normed(x: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, weight: Tensor,
+                       bias: Tensor) -> tuple[Tensor, Tensor]:
+    """(gelu(h), h) with h = x @ weight.T + bias, x being a LayerNorm's output as for linear_normed, in FP8."""
+    x8, x_inv = normed_to_e4m3(x, norm_weight, norm_bias)
+    w8, w_inv = to_e4m3(weight)
+    return linear_gelu(x8, x_inv, w8, w_inv, bias)
+
+
+def linear(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, bias: Tensor) -> Tensor:
+    """x @ w.T + bias in bf16 from e4m3 x8 [M, K] and w8 [N, K] with their inverse scales, bias [N] bf16."""
+    return torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, bias=bias, out_dtype=torch.bfloat16,
+                            use_fast_accum=True)
+
+
+@torch.library.custom_op("gpt_suite::fp8_linear_gelu", mutates_args=())
+def linear_gelu(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """(gelu(h), h) with h = x @ w.T + bias, from e4m3 x8 [M, K] and w8 [N, K] with their inverse scales, in
+    bias's dtype; GELU's tanh approximation, as GPT-2's. On a GPU, one cuBLASLt GEMM with the GELU_AUX_BIAS
+    epilogue (cublaslt.linear_gelu); elsewhere, `reference`."""
+    return reference_gelu(x8, x_inv, w8, w_inv, bias)
+
+
+@linear_gelu.register_kernel("cuda")
+def _(x8, x_inv, w8, w_inv, bias):
+    return cublaslt.linear_gelu(x8, w8, bias, scales=(x_inv, w_inv))
+
+
+@linear_gelu.register_fake
+def _(x8, x_inv, w8, w_inv, bias):
+    h = bias.new_empty(x8.size(0), w8.size(0))
+    return torch.empty_like(h), h
+
+
+def reference(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, bias: Tensor) -> Tensor:
+    """What `linear` computes: the product of the dequantized operands in fp32, plus bias, in bias's dtype."""
+    return (x8.float() @ w8.float().t() * (x_inv * w_inv) + bias.float()).to(bias.dtype)
+
+
+def reference_gelu(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """What `linear_gelu` computes, GELU applied to the fp32 sum as the epilogue applies it."""
+    h = x8.float() @ w8.float().t() * (x_inv * w_inv) + bias.float()
+    return F.gelu(h, approximate="tanh").to(bias.dtype), h.to(bias.dtype)

@@ -1,0 +1,94 @@
+"""Checks and times the FP8 forward GEMMs of Utils.kernels.fp8_linear (the `fp8_qkv_fc` addition) on a GPU, at
+GPT-2 124M's shapes for batch 16 and 64 (16,384 and 65,536 tokens): each against its fp32 reference on the
+same FP8 operands and against the bf16 GEMM it replaces in `max` (c_fc: cuBLASLt's GELU_AUX_BIAS epilogue on
+the input beside its columns of ones; c_attn: addmm on the same view), with every cuBLASLt candidate timed.
+The casts are timed too: the input's alone (in `max` Inductor writes it from the LayerNorm's kernel) and
+the weight's (amax and cast, every step).
+
+    python3 bench/fp8_qkv_fc.py
+"""
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from Utils.kernels import cublaslt as L  # noqa: E402
+from Utils.kernels import fp8_linear, gemm_bias_grad  # noqa: E402
+from Utils.kernels.fp8_loss import to_e4m3  # noqa: E402
+
+C = 768
+
+
+def bench(fn, reps=40) -> float:
+    """Median µs of fn on the GPU."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main() -> None:
+    why = fp8_linear.unavailable(torch.device("cuda")) if torch.cuda.is_available() else "no CUDA GPU"
+    if why:
+        sys.exit(f"error: this benchmark needs a GPU that runs FP8 GEMMs ({why})")
+    torch.manual_seed(0)
+    print(torch.__version__, torch.cuda.get_device_name())
+    norm = torch.nn.LayerNorm(C, device="cuda")
+    ok = True
+    for M in (16384, 65536):
+        y = norm(torch.randn(M, C, device="cuda") * 2 + 0.5).detach().bfloat16()
+        y_ones = gemm_bias_grad.with_ones(y)
+        x8, x_inv = fp8_linear.normed_to_e4m3(y, norm.weight, norm.bias)
+        print(f"\ntokens {M}: |y| max {y.abs().max().item():.2f}, bound {fp8_linear.norm_bound(norm.weight, norm.bias).item():.2f}")
+        for name, n in (("c_attn", 3 * C), ("c_fc", 4 * C)):
+            w = (torch.randn(n, C, device="cuda") * 0.02).bfloat16()
+            b = (torch.randn(n, device="cuda") * 0.1).bfloat16()
+            w8, w_inv = to_e4m3(w)
+            exact = y.float() @ w.float().t() + b.float()
+            if name == "c_fc":
+                a, h = fp8_linear.linear_gelu(x8, x_inv, w8, w_inv, b)
+                a_ref, h_ref = fp8_linear.reference_gelu(x8, x_inv, w8, w_inv, b)
+                errors = rel(h, h_ref), rel(a, a_ref), rel(h, exact)
+                fp8 = bench(lambda: fp8_linear.linear_gelu(x8, x_inv, w8, w_inv, b))
+                bf16 = bench(lambda: L.linear_gelu(y_ones[:, :C], w, b))
+                print(f"  c_fc candidates, FP8 GELU_AUX_BIAS (µs):")
+                out, aux = torch.empty(M, n, dtype=torch.bfloat16, device="cuda"), torch.empty(M, n, dtype=torch.bfloat16, device="cuda")
+                times = []
+                for i in range(L.CANDIDATES):
+                    try:
+                        times.append(bench(lambda: L._matmul(L.CUBLASLT_EPILOGUE_GELU_AUX_BIAS, x8, w8, out, b, aux,
+                                                             y_t=True, algo=i, scales=(x_inv, w_inv))))
+                    except IndexError:
+                        break
+                print("   " + "".join(f"{t:8.1f}" for t in times))
+            else:
+                h = fp8_linear.linear(x8, x_inv, w8, w_inv, b)
+                errors = rel(h, fp8_linear.reference(x8, x_inv, w8, w_inv, b)), 0.0, rel(h, exact)
+                fp8 = bench(lambda: fp8_linear.linear(x8, x_inv, w8, w_inv, b))
+                bf16 = bench(lambda: torch.addmm(b, y_ones[:, :C], w.t()))
+            cast_x = bench(lambda: fp8_linear.normed_to_e4m3(y, norm.weight, norm.bias))
+            cast_w = bench(lambda: to_e4m3(w))
+            good = errors[0] < 1e-2 and errors[1] < 1e-2 and errors[2] < 0.1
+            ok &= good
+            print(f"  {name:7s} bf16 {bf16:7.1f} µs   FP8 {fp8:7.1f} µs ({fp8 / bf16:.2f})   input cast alone "
+                  f"{cast_x:6.1f}   weight cast {cast_w:5.1f}   rel. error vs reference {errors[0]:.1e} "
+                  f"(GELU {errors[1]:.1e}), vs bf16 operands {errors[2]:.1e} {'ok' if good else 'FAILED'}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

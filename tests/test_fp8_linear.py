@@ -1,0 +1,160 @@
+"""Utils.kernels.fp8_linear: the forward GEMMs that read a LayerNorm's output, in FP8 with a scale the
+LayerNorm's weights bound; and their use in gemm_bias_grad's linear and gelu_epilogue's MLP."""
+import pytest
+import torch
+import torch.nn as nn
+
+from Utils.kernels import cublaslt, fp8_linear, gelu_epilogue, gemm_bias_grad
+from Utils.kernels.fp8_loss import E4M3, E4M3_MAX, to_e4m3
+from Utils.ladder import modules
+
+C = 64
+
+
+def norm_with_weights(seed: int) -> nn.LayerNorm:
+    torch.manual_seed(seed)
+    norm = nn.LayerNorm(C)
+    with torch.no_grad():
+        norm.weight.uniform_(-1.5, 1.5)
+        norm.bias.uniform_(-0.3, 0.3)
+    return norm
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_no_layernorm_output_exceeds_the_bound_and_a_spike_nearly_reaches_it(seed):
+    norm = norm_with_weights(seed)
+    bound = fp8_linear.norm_bound(norm.weight, norm.bias).item()
+    # Random rows, and rows that are one spike among equal entries: x̂ = sqrt(C - 1) at the spike.
+    spikes = torch.zeros(C, C).fill_diagonal_(1000.0)
+    y = norm(torch.cat([torch.randn(256, C) * 5 + 2, spikes])).detach()
+    assert y.abs().max().item() <= bound * (1 + 1e-6)
+    big = norm.weight.abs().argmax()
+    spike_at_big = y[256 + big, big].abs().item()
+    assert spike_at_big >= norm.weight.abs().max().item() * (C - 1) ** 0.5 - norm.bias.abs().max().item() - 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cast_keeps_e4m3s_precision_and_never_overflows(dtype):
+    norm = norm_with_weights(3)
+    spikes = torch.zeros(C, C).fill_diagonal_(1000.0)
+    y = norm(torch.cat([torch.randn(128, C), spikes])).detach().to(dtype)
+    y8, inv = fp8_linear.normed_to_e4m3(y, norm.weight, norm.bias)
+    assert y8.dtype == E4M3 and inv.dtype == torch.float32 and inv.dim() == 0
+    back = y8.float() * inv
+    assert torch.isfinite(back).all() and y8.float().abs().max().item() <= E4M3_MAX
+    normal = y.float().abs() >= 2.0 ** -6 * inv   # entries whose scaled value is a normal e4m3 number
+    assert normal.float().mean() > 0.9
+    # Round to nearest with 3 mantissa bits: at most half a step, 2^-4 of the value.
+    assert ((back - y.float()).abs() <= y.float().abs() * 2.0 ** -4 + 1e-12)[normal].all()
+
+
+def operands(m=48, n=96, seed=4):
+    norm = norm_with_weights(seed)
+    y = norm(torch.randn(m, C) * 3).detach().bfloat16()
+    w = (torch.randn(n, C) * 0.05).bfloat16()
+    b = (torch.randn(n) * 0.1).bfloat16()
+    return norm, y, w, b
+
+
+def test_the_linear_and_gelu_ops_compute_their_references_on_the_fp8_operands():
+    norm, y, w, b = operands()
+    y8, y_inv = fp8_linear.normed_to_e4m3(y, norm.weight, norm.bias)
+    w8, w_inv = to_e4m3(w)
+    out = fp8_linear.linear(y8, y_inv, w8, w_inv, b)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, fp8_linear.reference(y8, y_inv, w8, w_inv, b), atol=1e-2, rtol=1e-2)
+    a, h = fp8_linear.linear_gelu(y8, y_inv, w8, w_inv, b)
+    a_ref, h_ref = fp8_linear.reference_gelu(y8, y_inv, w8, w_inv, b)
+    assert torch.equal(a, a_ref) and torch.equal(h, h_ref)
+    # And FP8's answer is near the bf16 operands' (a wrong scale would be off by a factor).
+    exact = y.float() @ w.float().t() + b.float()
+    assert ((h.float() - exact).norm() / exact.norm()).item() < 0.08
+
+
+def test_the_fp8_linear_changes_the_forward_only():
+    norm, y, w, b = operands()
+    layer = nn.Linear(C, w.size(0)).bfloat16()
+    with torch.no_grad():
+        layer.weight.copy_(w), layer.bias.copy_(b)
+    grad = torch.randn(y.size(0), w.size(0)).bfloat16()
+    results = []
+    for with_norm in (None, norm):
+        x = y.clone().requires_grad_()
+        layer.zero_grad()
+        out = gemm_bias_grad.linear(x, layer, with_norm)
+        out.backward(grad)
+        results.append((out.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()))
+    (bf16, *grads_bf16), (fp8, *grads_fp8) = results
+    assert not torch.equal(bf16, fp8)
+    assert ((fp8.float() - bf16.float()).norm() / bf16.float().norm()).item() < 0.08
+    for g_bf16, g_fp8 in zip(grads_bf16, grads_fp8):   # backward reads the saved bf16 input and weight
+        assert torch.equal(g_bf16, g_fp8)
+    assert norm.weight.grad is None   # the bound is not differentiated through
+
+
+def test_the_fp8_mlp_changes_the_forward_only_and_tokens_not_a_multiple_of_16_run_in_bf16():
+    norm, y, _, _ = operands(m=48)
+    torch.manual_seed(5)
+    fc, proj = nn.Linear(C, 4 * C).bfloat16(), nn.Linear(4 * C, C).bfloat16()
+    grad = torch.randn(48, C).bfloat16()
+    results = []
+    for with_norm in (None, norm):
+        x = y.clone().requires_grad_()
+        fc.zero_grad(), proj.zero_grad()
+        out = gelu_epilogue.gelu_mlp(x, fc, proj, ones=True, norm=with_norm)
+        out.backward(grad)
+        results.append((out.detach(), x.grad))
+    (bf16, gx_bf16), (fp8, gx_fp8) = results
+    assert not torch.equal(bf16, fp8)
+    assert ((fp8.float() - bf16.float()).norm() / bf16.float().norm()).item() < 0.1
+    assert torch.isfinite(gx_fp8).all() and gx_fp8.shape == gx_bf16.shape
+    # 40 tokens: FP8 GEMMs need multiples of 16, so the MLP runs its bf16 GEMMs, output for output.
+    odd = y[:40]
+    assert not fp8_linear.fits(odd)
+    assert torch.equal(gelu_epilogue.gelu_mlp(odd, fc, proj, ones=True, norm=norm),
+                       gelu_epilogue.gelu_mlp(odd, fc, proj, ones=True))
+
+
+def test_read_normed_keeps_the_models_parameters_and_state_dict():
+    block = nn.ModuleDict(dict(ln=nn.LayerNorm(C), fc=modules.OnesLinear(C, 3 * C)))
+    names = list(block.state_dict())
+    modules.read_normed(block["fc"], block["ln"])
+    assert block["fc"].norm is block["ln"]
+    assert list(block.state_dict()) == names and len(list(block.parameters())) == 4
+    assert modules.OnesLinear(C, C).norm is None   # unnamed: bf16, as before
+
+
+def test_cublaslt_refuses_fp8_operands_it_cannot_take():
+    y8 = torch.zeros(32, C, dtype=E4M3)
+    w8 = torch.zeros(96, C, dtype=E4M3)
+    out = torch.empty(32, 96, dtype=torch.bfloat16)
+    s = torch.ones((), dtype=torch.float32)
+    for bad in (dict(x=y8, y=w8, out=out, scales=None, y_t=True),                     # no scales
+                dict(x=y8, y=w8, out=out.float(), scales=(s, s), y_t=True),           # fp32 output
+                dict(x=y8, y=w8.t().contiguous(), out=out, scales=(s, s), y_t=False),  # not "TN"
+                dict(x=y8.bfloat16(), y=w8.bfloat16(), out=out, scales=(s, s), y_t=True)):  # bf16 with scales
+        with pytest.raises(ValueError, match="cuBLASLt"):
+            cublaslt._matmul(cublaslt.CUBLASLT_EPILOGUE_DEFAULT, bad["x"], bad["y"], bad["out"], None, None,
+                             y_t=bad["y_t"], scales=bad["scales"])
+
+
+def test_the_addition_says_what_runs_instead_where_fp8_cannot_run():
+    assert fp8_linear.unavailable(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_cublaslts_fp8_gelu_epilogue_matches_its_reference_on_the_gpu():
+    why = fp8_linear.unavailable(torch.device("cuda")) if torch.cuda.is_available() else "no CUDA GPU"
+    if why:
+        pytest.skip(why)
+    norm, y, w, b = operands(m=4096, n=3072)
+    norm, y, w, b = norm.cuda(), y.cuda(), w.cuda(), b.cuda()
+    y8, y_inv = fp8_linear.normed_to_e4m3(y, norm.weight, norm.bias)
+    w8, w_inv = to_e4m3(w)
+    a, h = fp8_linear.linear_gelu(y8, y_inv, w8, w_inv, b)
+    a_ref, h_ref = fp8_linear.reference_gelu(y8, y_inv, w8, w_inv, b)
+    for got, ref in ((a, a_ref), (h, h_ref)):
+        assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+    out = fp8_linear.linear(y8, y_inv, w8, w_inv, b)
+    ref = fp8_linear.reference(y8, y_inv, w8, w_inv, b)
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2

@@ -71,7 +71,8 @@ def test_the_linear_and_gelu_ops_compute_their_references_on_the_fp8_operands():
     assert ((h.float() - exact).norm() / exact.norm()).item() < 0.08
 
 
-def test_the_fp8_linear_changes_the_forward_only():
+@pytest.mark.parametrize("ones", [True, False], ids=["gemm_bias_grad", "sum"])
+def test_the_fp8_linear_changes_the_forward_only(ones):
     norm, y, w, b = operands()
     layer = nn.Linear(C, w.size(0)).bfloat16()
     with torch.no_grad():
@@ -81,7 +82,7 @@ def test_the_fp8_linear_changes_the_forward_only():
     for with_norm in (None, norm):
         x = y.clone().requires_grad_()
         layer.zero_grad()
-        out = gemm_bias_grad.linear(x, layer, with_norm)
+        out = gemm_bias_grad.linear(x, layer, with_norm, ones=ones)
         out.backward(grad)
         results.append((out.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()))
     (bf16, *grads_bf16), (fp8, *grads_fp8) = results

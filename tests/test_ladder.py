@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from conftest import REPO_ROOT, model_pair
-from Utils.kernels import chunked_loss, cublaslt, fp8_loss, loss_kernel, packed_attention
+from Utils.kernels import chunked_loss, cublaslt, fp8_linear, fp8_loss, loss_kernel, packed_attention
 from Utils.ladder import apply, modules, registry
 from Utils.ladder.apply import GRAD_CLIP, Build, Unavailable, build
 from Utils.ladder.registry import (ABLATION, ADDITIONS, additions_of, LADDER, LEAVE_ONE_OUT, MAX_ADDITIONS, RUNGS, STAGES, Addition, RegistryError,
@@ -73,14 +73,13 @@ def test_the_ladder_is_cumulative_one_change_per_rung():
 def test_max_is_the_fused_rung_and_what_measured_faster_on_the_h200():
     assert set(MAX_ADDITIONS) == {"vocab_multiple", "fp8_head", "prefetch", "sync_every", "cudagraphs",
                                   "bf16_residual", "gelu_epilogue", "fold_clip", "packed_attention",
-                                  "gemm_bias_grad"}
+                                  "gemm_bias_grad", "fp8_qkv_fc"}
     assert set(MAX_ADDITIONS) < set(ABLATION)
     # What the ablation tried and max left out (BENCHMARKS.md says why), and autotune, not yet measured. "loss"
     # (the chunked loss as Inductor compiles it) and "loss_kernel" (its softmax in one kernel) are superseded
     # by "fp8_head", which cannot run with either and falls back to loss_kernel where FP8 cannot run.
-    # "fp8_qkv_fc" is not yet measured against max.
     assert set(ABLATION) - set(MAX_ADDITIONS) == {"loss", "loss_kernel", "cudnn_attention", "fp8", "compiled_update",
-                                                  "autotune", "fp8_qkv_fc"}
+                                                  "autotune"}
 
 
 def test_ablation_is_every_addition_beyond_the_seven_rungs_in_registry_order():
@@ -414,6 +413,11 @@ def _plain_mlp(b, base):
     assert all(type(block.mlp) is MLP for block in b.model.transformer.h)
 
 
+def _bf16_layers(b, base):
+    for block in b.model.transformer.h:
+        assert type(block.attn.c_attn) is type(block.mlp.c_fc) is nn.Linear
+
+
 def _plain_sdpa(b, base):
     assert all(type(block.attn) is CausalSelfAttention and block.attn.flash for block in b.model.transformer.h)
 
@@ -477,6 +481,7 @@ CPU_EFFECTS = {
     # On a CPU FP8 is only emulated, and the loss kernel needs a GPU: the plain chunked loss, and both reasons.
     "fp8_head": (r"FP8 matmuls are fast on an Ada or Hopper GPU only .+: the output layer in bf16 instead; "
                  r"the loss kernel needs .+: the plain chunked loss instead", _chunked_loss),
+    "fp8_qkv_fc": (r"FP8 GEMMs need an Ada or Hopper GPU .+: c_attn and c_fc in bf16 instead", _bf16_layers),
     "fp8": (None, None),   # refused on a CPU: test_fp8_is_refused_where_it_cannot_run
     "torch_compile": (None, _torch_compile),
     "cudagraphs": (r"CUDA graphs need a GPU: compiled in the default mode", _cudagraphs),
@@ -591,6 +596,23 @@ def test_where_fp8_runs_fp8_head_is_the_fp8_loss_and_bf16_for_tokens_it_cannot_t
             assert torch.allclose(got, want, rtol=1e-5)
         else:   # e4m3 keeps 3 mantissa bits: close, and measurably not exact
             assert 0 < abs(got.item() - want.item()) < 0.01 * want.item()
+
+
+@pytest.mark.parametrize("bases", [(), ("gemm_bias_grad", "gelu_epilogue")], ids=["plain", "max"])
+def test_where_fp8_runs_fp8_qkv_fc_names_each_layernorm_to_the_layer_that_reads_it(kernels_available, monkeypatch,
+                                                                                  bases):
+    monkeypatch.setattr(fp8_linear, "unavailable", lambda device: None)
+    b = make(("bf16",) + bases + ("fp8_qkv_fc",))
+    assert b.notes == []
+    for block in b.model.transformer.h:
+        if bases:   # the modules gemm_bias_grad and gelu_epilogue swapped in take the LayerNorm
+            assert type(block.attn.c_attn) is modules.OnesLinear and type(block.mlp) is modules.EpilogueMLP
+            assert block.mlp.norm is block.ln_2 and block.mlp.c_fc.norm is None
+        else:       # plain layers become Fp8Linear, keeping their parameters
+            assert type(block.attn.c_attn) is type(block.mlp.c_fc) is modules.Fp8Linear
+            assert block.mlp.c_fc.norm is block.ln_2
+        assert block.attn.c_attn.norm is block.ln_1
+    assert set(b.model.state_dict()) == set(make(("bf16",) + bases).model.state_dict())
 
 
 def test_where_fp8_cannot_run_fp8_head_is_the_loss_kernel_in_bf16(kernels_available, monkeypatch):

@@ -40,21 +40,23 @@ def weight_and_bias_grad(grad: Tensor, x_ones: Tensor) -> tuple[Tensor, Tensor]:
 
 # --- Bias gradient from the weight-gradient GEMM: fuses the bias gradient's sum over the tokens into the
 # GEMM dY^T [X 1] as its last column, so that no pass of its own reads dY.
-# With a LayerNorm's weights, x is that LayerNorm's output and the forward GEMM runs in FP8
-# (Utils.kernels.fp8_linear); the backward stays bf16.
+# Without `ones`, autograd's sum makes the bias gradient. With a LayerNorm's weights, x is that LayerNorm's
+# output and the forward GEMM runs in FP8 (Utils.kernels.fp8_linear); the backward stays bf16.
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, norm_weight, norm_bias):
-        x_ones = with_ones(x)
-        ctx.save_for_backward(x_ones, weight)
+    def forward(ctx, x, weight, bias, ones, norm_weight, norm_bias):
+        saved = with_ones(x) if ones else x
+        ctx.save_for_backward(saved, weight)
+        ctx.ones = ones
         if norm_weight is not None and fp8_linear.fits(x):
             return fp8_linear.linear_normed(x, norm_weight, norm_bias, weight, bias)
-        return torch.addmm(bias, x_ones[:, :x.size(1)], weight.t())
+        return torch.addmm(bias, saved[:, :x.size(1)], weight.t())
 
     @staticmethod
     def backward(ctx, grad):
-        x_ones, weight = ctx.saved_tensors
-        return (grad @ weight, *weight_and_bias_grad(grad, x_ones), None, None)
+        saved, weight = ctx.saved_tensors
+        grads = weight_and_bias_grad(grad, saved) if ctx.ones else (grad.t() @ saved, grad.sum(0))
+        return (grad @ weight, *grads, None, None, None)
 
 
 def apply_in_autocast_dtype(function: type[torch.autograd.Function], x: Tensor, params: tuple[Tensor, ...],
@@ -69,11 +71,12 @@ def apply_in_autocast_dtype(function: type[torch.autograd.Function], x: Tensor, 
     return y.view(*x.shape[:-1], y.size(-1))
 
 
-def linear(x: Tensor, layer: nn.Linear, norm: nn.LayerNorm | None = None) -> Tensor:
+def linear(x: Tensor, layer: nn.Linear, norm: nn.LayerNorm | None = None, ones: bool = True) -> Tensor:
     """layer(x) for an nn.Linear with a bias, x [..., in_features], its bias gradient made by its weight-gradient
-    GEMM. Under autocast, in the autocast dtype, as layer(x) would be. With `norm`, the LayerNorm whose output x
-    is, the forward GEMM runs in FP8 where fp8_linear fits x (Utils.kernels.fp8_linear)."""
-    return apply_in_autocast_dtype(_Linear, x, (layer.weight, layer.bias), *norm_weights(norm))
+    GEMM (by a sum where not `ones`). Under autocast, in the autocast dtype, as layer(x) would be. With `norm`,
+    the LayerNorm whose output x is, the forward GEMM runs in FP8 where fp8_linear fits x
+    (Utils.kernels.fp8_linear)."""
+    return apply_in_autocast_dtype(_Linear, x, (layer.weight, layer.bias), ones, *norm_weights(norm))
 
 
 def norm_weights(norm: nn.LayerNorm | None) -> tuple[Tensor | None, Tensor | None]:

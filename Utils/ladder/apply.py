@@ -219,16 +219,24 @@ def apply_fp8_head(b: Build) -> str | None:
 
 def apply_fp8_qkv_fc(b: Build) -> str | None:
     """c_attn's and c_fc's forward GEMMs in FP8: the two GEMMs that read a LayerNorm's output, which casts to
-    e4m3 in the LayerNorm's own kernel with a scale bounded by its weights (no amax pass). Backward in bf16."""
+    e4m3 in the LayerNorm's own kernel with a scale bounded by its weights (no amax pass). Backward in bf16.
+    Into the modules gemm_bias_grad and gelu_epilogue swapped in where they did, else into the plain layers."""
     why = fp8_linear.unavailable(b.device) or fp8_loss.width_problem(b.config.n_embd)
     if why:
         return f"{why}: c_attn and c_fc in bf16 instead"
-    if not all(isinstance(block.mlp, modules.EpilogueMLP) for block in modules.blocks(b.model)):
-        return "c_fc's GELU epilogue is not running (gelu_epilogue's note says why): c_attn and c_fc in bf16 instead"
     for block in modules.blocks(b.model):
-        modules.read_normed(block.attn.c_attn, block.ln_1)
-        modules.read_normed(block.mlp, block.ln_2)
+        _read_normed(block.attn, "c_attn", block.ln_1)
+        if isinstance(block.mlp, modules.EpilogueMLP):
+            modules.read_normed(block.mlp, block.ln_2)
+        else:
+            _read_normed(block.mlp, "c_fc", block.ln_2)
     return None
+
+
+def _read_normed(parent: nn.Module, name: str, norm: nn.LayerNorm) -> None:
+    if not isinstance(getattr(parent, name), modules.OnesLinear):
+        modules.swap_linear(parent, name, modules.Fp8Linear)
+    modules.read_normed(getattr(parent, name), norm)
 
 
 def apply_fp8(b: Build) -> None:

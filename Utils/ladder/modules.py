@@ -22,6 +22,15 @@ class OnesLinear(nn.Linear):
         return gemm_bias_grad.linear(x, self, self.norm)
 
 
+class Fp8Linear(nn.Linear):
+    """nn.Linear whose forward GEMM runs in FP8 once `read_normed` has named the LayerNorm that makes its input
+    (kernels.fp8_linear), for a layer that is not a OnesLinear; its bias gradient autograd's sum."""
+    norm: nn.LayerNorm | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemm_bias_grad.linear(x, self, self.norm, ones=False)
+
+
 class EpilogueMLP(nn.Module):
     """The block's MLP with c_fc's bias and GELU, and GELU's derivative, in GEMM epilogues
     (kernels.gelu_epilogue); c_fc's bias gradient from its GEMM too where c_fc is a OnesLinear; c_fc's forward
@@ -37,7 +46,7 @@ class EpilogueMLP(nn.Module):
                                       norm=self.norm)
 
 
-def read_normed(module: OnesLinear | EpilogueMLP, norm: nn.LayerNorm) -> None:
+def read_normed(module: OnesLinear | Fp8Linear | EpilogueMLP, norm: nn.LayerNorm) -> None:
     """Name `norm` as the LayerNorm whose output `module` reads, so that its forward GEMM casts that output to FP8
     with a scale bounded by norm's weights (kernels.fp8_linear). A reference, not a submodule: norm's parameters
     stay registered once, where the model has them, and the state dict is unchanged."""

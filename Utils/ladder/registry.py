@@ -67,7 +67,7 @@ _ADDITIONS = [
              needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("loss", "loss_kernel")),
     Addition("fp8_qkv_fc", "model", "compute",
              "c_attn's and c_fc's forward GEMMs in FP8, their LayerNorm's output cast with a scale its weights bound",
-             needs="an Ada or Hopper GPU", requires=("gemm_bias_grad", "gelu_epilogue"), excludes=("fp8",)),
+             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",)),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
              needs="torchao and an Ada or Hopper GPU", requires=("bf16",)),
     # compile
@@ -109,7 +109,7 @@ _FUSED = _FLASH + ("fused",)
 # The fused rung plus every addition that measured faster on an H200 and kept the loss (BENCHMARKS.md
 # gives each one's predicted and measured gain, and why the others were left out).
 MAX_ADDITIONS = ("vocab_multiple", "fp8_head", "prefetch", "sync_every", "cudagraphs", "bf16_residual",
-                 "gelu_epilogue", "fold_clip", "packed_attention", "gemm_bias_grad")
+                 "gelu_epilogue", "fold_clip", "packed_attention", "gemm_bias_grad", "fp8_qkv_fc")
 RUNGS = {r.name: r for r in [
     Rung("baseline", "no_optimization.py", ()),
     Rung("tf32", "tensorFloat32.py", ("tf32",)),

@@ -383,7 +383,8 @@ CELLS = [
 
     **What changes.** The fused rung plus the further additions that measured faster or lighter on an
     H200, did not slow the others down, and keep the model's mathematics (bf16 rounding aside, and FP8's in
-    the output layer): the vocabulary padded to 50,304 rows (`vocab_multiple`), a cross-entropy that never
+    the output layer and the two forward GEMMs of `fp8_qkv_fc`): the vocabulary padded to 50,304 rows
+    (`vocab_multiple`), a cross-entropy that never
     holds the whole B×T×vocab logits and computes the output layer's three GEMMs in FP8 on an Ada or Hopper
     GPU (`fp8_head`: e4m3 inputs, an e5m2 gradient written by the loss kernel in one read of the logits;
     elsewhere the softmax gradient as the same hand-written kernel in bf16, `loss_kernel`), the next batch copied on a side stream
@@ -394,7 +395,8 @@ CELLS = [
     which divides each gradient by the clip's factor as it reads it (`fold_clip`), attention called through
     cuDNN's graph API on the packed
     QKV tensor (`packed_attention`), and c_attn's and c_fc's bias gradients taken from their
-    weight-gradient GEMMs (`gemm_bias_grad`). `make ablation` runs each addition alone on the fused rung,
+    weight-gradient GEMMs (`gemm_bias_grad`), and the forward GEMMs of c_attn and c_fc in FP8 (`fp8_qkv_fc`), their
+    input cast to e4m3 by the LayerNorm that makes it. `make ablation` runs each addition alone on the fused rung,
     together with the ones that were tried and left out or superseded: the chunked loss as Inductor compiles it
     (`loss`) and in bf16 with its kernel (`loss_kernel`), cuDNN attention (`cudnn_attention`), FP8 matmuls (`fp8`)
     and a compiled optimizer step (`compiled_update`).
@@ -409,7 +411,10 @@ CELLS = [
     over 124M fp32 gradients is gone (AdamW still writes each gradient back divided); cuDNN writes the attention's q, k and v gradients straight into the
     QKV projection's packed gradient, where SDPA's three tensors had to be copied into it; a column of ones
     stored beside c_attn's and c_fc's inputs makes their bias gradients one more column of the
-    weight-gradient GEMMs (dY^T [X 1]), so no pass sums the output gradients over the tokens; prefetch,
+    weight-gradient GEMMs (dY^T [X 1]), so no pass sums the output gradients over the tokens; the FP8 GEMMs
+    do half the tensor-core work, and their input needs no pass to find its scale, since a LayerNorm's output is
+    bounded by its weights (max|γ|·sqrt(C − 1) + max|β|), so the cast is a byte more out of the LayerNorm's own
+    kernel (at batch 64 every run sits at the card's power cap, where less work is a shorter step); prefetch,
     deferred read-back and CUDA graphs remove the time the GPU waits on the host.
     """),
     code(r"""

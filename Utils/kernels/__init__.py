@@ -4,7 +4,7 @@
 - the op: a PyTorch operator or autograd Function that torch.compile and CUDA graphs can take;
 - `reference`: the same mathematics in plain PyTorch, which the tests compare the op against.
 
-The ops: gemm_bias_grad, gelu_epilogue, packed_attention, loss_kernel, chunked_loss, fp8_loss. The
+The ops: gemm_bias_grad, gelu_epilogue, fp8_linear, packed_attention, loss_kernel, chunked_loss, fp8_loss. The
 libraries some of them call: cublaslt (cuBLASLt's GEMM epilogues) and nvrtc (CUDA C++ compiled at run
 time), both through native, the one loader of native libraries.
 

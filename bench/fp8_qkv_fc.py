@@ -8,33 +8,17 @@ the weight's (amax and cast, every step).
     python3 bench/fp8_qkv_fc.py
 """
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.gelu_epilogue import bench, candidates  # noqa: E402
 from Utils.kernels import cublaslt as L  # noqa: E402
 from Utils.kernels import fp8_linear, gemm_bias_grad  # noqa: E402
 from Utils.kernels.fp8_loss import to_e4m3  # noqa: E402
 
 C = 768
-
-
-def bench(fn, reps=40) -> float:
-    """Median µs of fn on the GPU."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -65,16 +49,9 @@ def main() -> None:
                 errors = rel(h, h_ref), rel(a, a_ref), rel(h, exact)
                 fp8 = bench(lambda: fp8_linear.linear_gelu(x8, x_inv, w8, w_inv, b))
                 bf16 = bench(lambda: L.linear_gelu(y_ones[:, :C], w, b))
-                print(f"  c_fc candidates, FP8 GELU_AUX_BIAS (µs):")
-                out, aux = torch.empty(M, n, dtype=torch.bfloat16, device="cuda"), torch.empty(M, n, dtype=torch.bfloat16, device="cuda")
-                times = []
-                for i in range(L.CANDIDATES):
-                    try:
-                        times.append(bench(lambda: L._matmul(L.CUBLASLT_EPILOGUE_GELU_AUX_BIAS, x8, w8, out, b, aux,
-                                                             y_t=True, algo=i, scales=(x_inv, w_inv))))
-                    except IndexError:
-                        break
-                print("   " + "".join(f"{t:8.1f}" for t in times))
+                out, aux = torch.empty_like(a), torch.empty_like(h)
+                candidates("c_fc FP8 GELU_AUX_BIAS", L.CUBLASLT_EPILOGUE_GELU_AUX_BIAS, x8, w8, out, b, aux,
+                           y_t=True, scales=(x_inv, w_inv))
             else:
                 h = fp8_linear.linear(x8, x_inv, w8, w_inv, b)
                 errors = rel(h, fp8_linear.reference(x8, x_inv, w8, w_inv, b)), 0.0, rel(h, exact)

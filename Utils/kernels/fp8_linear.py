@@ -53,19 +53,25 @@ def normed_to_e4m3(y: Tensor, norm_weight: Tensor, norm_bias: Tensor | None) -> 
     return (y.detach().float() / inv).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), inv
 
 
+def norm_weights(norm: torch.nn.LayerNorm | None) -> tuple[Tensor | None, Tensor | None]:
+    """(weight, bias) of `norm`, (None, None) without one: the arguments that select the FP8 forward GEMM."""
+    return (None, None) if norm is None else (norm.weight, norm.bias)
+
+
+def _operands(x: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, weight: Tensor):
+    """(x8, x_inv, w8, w_inv): x, a LayerNorm's output, and weight in e4m3 with their inverse scales."""
+    return *normed_to_e4m3(x, norm_weight, norm_bias), *to_e4m3(weight)
+
+
 def linear_normed(x: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, weight: Tensor, bias: Tensor) -> Tensor:
     """x @ weight.T + bias, x being the output of a LayerNorm with norm_weight and norm_bias, the GEMM in FP8."""
-    x8, x_inv = normed_to_e4m3(x, norm_weight, norm_bias)
-    w8, w_inv = to_e4m3(weight)
-    return linear(x8, x_inv, w8, w_inv, bias)
+    return linear(*_operands(x, norm_weight, norm_bias, weight), bias)
 
 
 def linear_gelu_normed(x: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, weight: Tensor,
                        bias: Tensor) -> tuple[Tensor, Tensor]:
     """(gelu(h), h) with h = x @ weight.T + bias, x being a LayerNorm's output as for linear_normed, in FP8."""
-    x8, x_inv = normed_to_e4m3(x, norm_weight, norm_bias)
-    w8, w_inv = to_e4m3(weight)
-    return linear_gelu(x8, x_inv, w8, w_inv, bias)
+    return linear_gelu(*_operands(x, norm_weight, norm_bias, weight), bias)
 
 
 def linear(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, bias: Tensor) -> Tensor:

@@ -95,7 +95,7 @@ def gelu_mlp(x: Tensor, fc: nn.Linear, proj: nn.Linear, ones: bool = False, norm
     weight-gradient GEMM (Utils.kernels.gemm_bias_grad). With `norm`, the LayerNorm whose output x is, fc's
     forward GEMM runs in FP8 where fp8_linear fits x (Utils.kernels.fp8_linear)."""
     return gemm_bias_grad.apply_in_autocast_dtype(_GeluMLP, x, (fc.weight, fc.bias, proj.weight, proj.bias), ones,
-                                                  *gemm_bias_grad.norm_weights(norm))
+                                                  *fp8_linear.norm_weights(norm))
 
 
 def reference(x: Tensor, fc: nn.Linear, proj: nn.Linear) -> Tensor:

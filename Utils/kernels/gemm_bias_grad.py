@@ -76,12 +76,8 @@ def linear(x: Tensor, layer: nn.Linear, norm: nn.LayerNorm | None = None, ones: 
     GEMM (by a sum where not `ones`). Under autocast, in the autocast dtype, as layer(x) would be. With `norm`,
     the LayerNorm whose output x is, the forward GEMM runs in FP8 where fp8_linear fits x
     (Utils.kernels.fp8_linear)."""
-    return apply_in_autocast_dtype(_Linear, x, (layer.weight, layer.bias), ones, *norm_weights(norm))
-
-
-def norm_weights(norm: nn.LayerNorm | None) -> tuple[Tensor | None, Tensor | None]:
-    """(weight, bias) of `norm`, (None, None) without one: the arguments that select the FP8 forward GEMM."""
-    return (None, None) if norm is None else (norm.weight, norm.bias)
+    return apply_in_autocast_dtype(_Linear, x, (layer.weight, layer.bias), ones,
+                                   *fp8_linear.norm_weights(norm))
 
 
 def reference(x: Tensor, layer: nn.Linear) -> Tensor:

@@ -161,7 +161,7 @@ def test_a_plan_sets_cublaslts_named_attributes(monkeypatch):
     monkeypatch.setattr(cublaslt, "_handle", lambda device_index: (None, None))
     monkeypatch.setattr(cublaslt, "_plans", {})
     cublaslt._plan(0, cublaslt.CUBLASLT_EPILOGUE_GELU_AUX_BIAS, cublaslt.CUBLAS_OP_T, cublaslt.CUBLAS_OP_N,
-                   3072, 4096, 768, cublaslt.CUDA_R_16BF, cublaslt.CUDA_R_16BF, 768, cublaslt.CUDA_R_16BF)
+                   3072, 4096, 768, cublaslt.CUDA_R_16BF, 768, cublaslt.CUDA_R_16BF)
     attributes = {args[1]: args[2]._obj.value for name, args in lib.calls if name == "cublasLtMatmulDescSetAttribute"}
     assert attributes == {cublaslt.CUBLASLT_MATMUL_DESC_TRANSA: cublaslt.CUBLAS_OP_T,
                           cublaslt.CUBLASLT_MATMUL_DESC_TRANSB: cublaslt.CUBLAS_OP_N,

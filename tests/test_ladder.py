@@ -79,7 +79,7 @@ def test_max_is_the_fused_rung_and_what_measured_faster_on_the_h200():
     # (the chunked loss as Inductor compiles it) and "loss_kernel" (its softmax in one kernel) are superseded
     # by "fp8_head", which cannot run with either and falls back to loss_kernel where FP8 cannot run.
     assert set(ABLATION) - set(MAX_ADDITIONS) == {"loss", "loss_kernel", "cudnn_attention", "fp8", "compiled_update",
-                                                  "autotune", "fp8_mlp_grad"}
+                                                  "autotune"}
 
 
 def test_ablation_is_every_addition_beyond_the_seven_rungs_in_registry_order():
@@ -418,11 +418,6 @@ def _bf16_layers(b, base):
         assert type(block.attn.c_attn) is type(block.mlp.c_fc) is nn.Linear
 
 
-def _bf16_proj(b, base):
-    for block in b.model.transformer.h:
-        assert type(block.mlp.c_proj) is nn.Linear
-
-
 def _plain_sdpa(b, base):
     assert all(type(block.attn) is CausalSelfAttention and block.attn.flash for block in b.model.transformer.h)
 
@@ -487,7 +482,6 @@ CPU_EFFECTS = {
     "fp8_head": (r"FP8 matmuls are fast on an Ada or Hopper GPU only .+: the output layer in bf16 instead; "
                  r"the loss kernel needs .+: the plain chunked loss instead", _chunked_loss),
     "fp8_qkv_fc": (r"FP8 GEMMs need an Ada or Hopper GPU .+: c_attn and c_fc in bf16 instead", _bf16_layers),
-    "fp8_mlp_grad": (r"FP8 GEMMs need an Ada or Hopper GPU .+: c_proj's input gradient in bf16 instead", _bf16_proj),
     "fp8": (None, None),   # refused on a CPU: test_fp8_is_refused_where_it_cannot_run
     "torch_compile": (None, _torch_compile),
     "cudagraphs": (r"CUDA graphs need a GPU: compiled in the default mode", _cudagraphs),
@@ -618,21 +612,6 @@ def test_where_fp8_runs_fp8_qkv_fc_names_each_layernorm_to_the_layer_that_reads_
             assert type(block.attn.c_attn) is type(block.mlp.c_fc) is modules.Fp8Linear
             assert block.mlp.c_fc.norm is block.ln_2
         assert block.attn.c_attn.norm is block.ln_1
-    assert set(b.model.state_dict()) == set(make(("bf16",) + bases).model.state_dict())
-
-
-@pytest.mark.parametrize("bases", [(), ("gelu_epilogue",)], ids=["plain", "max"])
-def test_where_fp8_runs_fp8_mlp_grad_sets_the_epilogue_mlp_or_swaps_c_proj(kernels_available, monkeypatch, bases):
-    monkeypatch.setattr(fp8_linear, "unavailable", lambda device: None)
-    b = make(("bf16",) + bases + ("fp8_mlp_grad",))
-    assert b.notes == []
-    for block in b.model.transformer.h:
-        if bases:
-            assert type(block.mlp) is modules.EpilogueMLP and block.mlp.fp8_grad
-            assert type(block.mlp.c_proj) is nn.Linear
-        else:
-            assert type(block.mlp.c_proj) is modules.Fp8GradLinear
-        assert type(block.attn.c_proj) is nn.Linear   # the attention's c_proj keeps its bf16 backward
     assert set(b.model.state_dict()) == set(make(("bf16",) + bases).model.state_dict())
 
 

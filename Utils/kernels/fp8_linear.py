@@ -1,5 +1,4 @@
-"""The forward GEMMs that read a LayerNorm's output (c_attn's, and c_fc's with its GELU epilogue) in FP8, and
-the MLP's input-gradient GEMM through c_proj.
+"""The forward GEMMs that read a LayerNorm's output (c_attn's, and c_fc's with its GELU epilogue) in FP8.
 
 Hopper's tensor cores multiply e4m3 at twice bf16's rate, but a cast to FP8 needs a scale, and a scale
 from the tensor's amax costs a reduction over it before the cast can start: at GPT-2's width that pass
@@ -13,16 +12,9 @@ normal value, and at C = 768 the bound (27.7 max|γ|) lies some three binades ab
 largest entry, so only entries below about 2^-9 of the bound lose bits as subnormals.
 
 The weights' scales come from their amax (fp8_loss.to_e4m3): 2.4M elements, a few microseconds a step.
-The forward GEMMs' backward stays in bf16, from the saved bf16 input and weight: its GEMMs would need FP8
-copies of the gradients in both layouts (Hopper's FP8 GEMMs read both operands along the summed dimension).
+The backward pass stays in bf16, from the saved bf16 input and weight: its GEMMs would need FP8 copies
+of the gradients in both layouts (Hopper's FP8 GEMMs read both operands along the summed dimension).
 Accumulation is Hopper's fast FP8 mode, as for the output layer's logits: the sums run over 768 features.
-
-One backward GEMM reads its operands in the layout they already have: the MLP's hidden-layer gradient,
-grad @ W_proj, sums over the 768 features of the residual gradient `grad`, which is row-major along them.
-A gradient has no bound from weights, so its scale comes from its amax, a reduction over it before the
-cast; it goes to e5m2 (2 mantissa bits, 5 exponent bits: range for gradients, as fp8_loss's logits'
-gradient), W_proj.T to e4m3. Under gelu_epilogue the GEMM keeps GELU's derivative in its epilogue
-(`linear_dgelu`); on the plain layers it is `grad_input`, and autograd applies GELU's derivative.
 
 Reference: `reference`, the same GEMMs on the dequantized FP8 operands in fp32 (tests/test_fp8_linear.py).
 """
@@ -31,9 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from Utils.kernels import cublaslt
-from Utils.kernels.fp8_loss import ALIGN, E4M3, E4M3_MAX, E5M2, to_e4m3
-
-E5M2_MAX = torch.finfo(E5M2).max   # 57,344
+from Utils.kernels.fp8_loss import ALIGN, E4M3, E4M3_MAX, to_e4m3
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -118,58 +108,3 @@ def reference_gelu(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, bias: T
     """What `linear_gelu` computes, GELU applied to the fp32 sum as the epilogue applies it."""
     h = x8.float() @ w8.float().t() * (x_inv * w_inv) + bias.float()
     return F.gelu(h, approximate="tanh").to(bias.dtype), h.to(bias.dtype)
-
-
-# --- The MLP's hidden-layer gradient, grad @ W_proj, with the residual gradient in e5m2.
-def grad_to_e5m2(grad: Tensor) -> tuple[Tensor, Tensor]:
-    """(grad scaled by 57,344 / amax(grad) and cast to e5m2, the scale's inverse as a 0-d fp32 tensor). The
-    clamp keeps a rounding up at the amax from overflowing; an all-zero grad gets a finite scale."""
-    amax = grad.detach().abs().amax().float().clamp(min=1e-30)
-    scale = E5M2_MAX / amax
-    return (grad.detach().float() * scale).clamp(-E5M2_MAX, E5M2_MAX).to(E5M2), scale.reciprocal()
-
-
-def weight_t_to_e4m3(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """(weight.T in e4m3, contiguous, its inverse scale): the layout in which an input-gradient GEMM reads weight
-    along weight's rows."""
-    w8, w_inv = to_e4m3(weight)
-    return w8.t().contiguous(), w_inv
-
-
-def grad_input(grad: Tensor, weight: Tensor) -> Tensor:
-    """grad @ weight in grad's dtype, for a linear layer's output gradient grad [M, N] and weight [N, K], with
-    grad in e5m2 and weight in e4m3."""
-    g8, g_inv = grad_to_e5m2(grad)
-    w8t, w_inv = weight_t_to_e4m3(weight)
-    return torch._scaled_mm(g8, w8t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype, use_fast_accum=True)
-
-
-def grad_dgelu(grad: Tensor, weight: Tensor, h: Tensor) -> Tensor:
-    """(grad @ weight) * gelu'(h), the gradient at the pre-activation h of y = gelu(h) @ weight.T, the GEMM in
-    FP8 as grad_input's, GELU's derivative in its epilogue on a GPU (linear_dgelu)."""
-    return linear_dgelu(*grad_to_e5m2(grad), *weight_t_to_e4m3(weight), h)
-
-
-@torch.library.custom_op("gpt_suite::fp8_linear_dgelu", mutates_args=())
-def linear_dgelu(g8: Tensor, g_inv: Tensor, w8t: Tensor, w_inv: Tensor, h: Tensor) -> Tensor:
-    """(grad @ weight) * gelu'(h) in h's dtype, from e5m2 g8 [M, N2] and the e4m3 copy of weight.T, w8t [N, N2],
-    with their inverse scales; h [M, N]. On a GPU, one cuBLASLt GEMM with the DGELU epilogue
-    (cublaslt.linear_dgelu); elsewhere, `reference_dgelu`."""
-    return reference_dgelu(g8, g_inv, w8t, w_inv, h)
-
-
-@linear_dgelu.register_kernel("cuda")
-def _(g8, g_inv, w8t, w_inv, h):
-    return cublaslt.linear_dgelu(g8, w8t, h, scales=(g_inv, w_inv))
-
-
-@linear_dgelu.register_fake
-def _(g8, g_inv, w8t, w_inv, h):
-    return torch.empty_like(h)
-
-
-def reference_dgelu(g8: Tensor, g_inv: Tensor, w8t: Tensor, w_inv: Tensor, h: Tensor) -> Tensor:
-    """What `linear_dgelu` computes: the product of the dequantized operands in fp32, times GELU's derivative at
-    h (tanh approximation), in h's dtype."""
-    grad_a = g8.float() @ w8t.float().t() * (g_inv * w_inv)
-    return torch.ops.aten.gelu_backward(grad_a, h.float(), approximate="tanh").to(h.dtype)

@@ -41,14 +41,13 @@ def weight_and_bias_grad(grad: Tensor, x_ones: Tensor) -> tuple[Tensor, Tensor]:
 # --- Bias gradient from the weight-gradient GEMM: fuses the bias gradient's sum over the tokens into the
 # GEMM dY^T [X 1] as its last column, so that no pass of its own reads dY.
 # Without `ones`, autograd's sum makes the bias gradient. With a LayerNorm's weights, x is that LayerNorm's
-# output and the forward GEMM runs in FP8 (Utils.kernels.fp8_linear); with fp8_grad, the input-gradient GEMM
-# does; the rest of the backward stays bf16.
+# output and the forward GEMM runs in FP8 (Utils.kernels.fp8_linear); the backward stays bf16.
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, ones, norm_weight, norm_bias, fp8_grad):
+    def forward(ctx, x, weight, bias, ones, norm_weight, norm_bias):
         saved = with_ones(x) if ones else x
         ctx.save_for_backward(saved, weight)
-        ctx.ones, ctx.fp8_grad = ones, fp8_grad
+        ctx.ones = ones
         if norm_weight is not None and fp8_linear.fits(x):
             return fp8_linear.linear_normed(x, norm_weight, norm_bias, weight, bias)
         return torch.addmm(bias, saved[:, :x.size(1)], weight.t())
@@ -57,8 +56,7 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad):
         saved, weight = ctx.saved_tensors
         grads = weight_and_bias_grad(grad, saved) if ctx.ones else (grad.t() @ saved, grad.sum(0))
-        grad_x = fp8_linear.grad_input(grad, weight) if ctx.fp8_grad and fp8_linear.fits(grad) else grad @ weight
-        return (grad_x, *grads, None, None, None, None)
+        return (grad @ weight, *grads, None, None, None)
 
 
 def apply_in_autocast_dtype(function: type[torch.autograd.Function], x: Tensor, params: tuple[Tensor, ...],
@@ -73,14 +71,13 @@ def apply_in_autocast_dtype(function: type[torch.autograd.Function], x: Tensor, 
     return y.view(*x.shape[:-1], y.size(-1))
 
 
-def linear(x: Tensor, layer: nn.Linear, norm: nn.LayerNorm | None = None, ones: bool = True,
-           fp8_grad: bool = False) -> Tensor:
+def linear(x: Tensor, layer: nn.Linear, norm: nn.LayerNorm | None = None, ones: bool = True) -> Tensor:
     """layer(x) for an nn.Linear with a bias, x [..., in_features], its bias gradient made by its weight-gradient
     GEMM (by a sum where not `ones`). Under autocast, in the autocast dtype, as layer(x) would be. With `norm`,
-    the LayerNorm whose output x is, the forward GEMM runs in FP8 where fp8_linear fits x; with fp8_grad, the
-    input-gradient GEMM does, where fp8_linear fits the gradient (Utils.kernels.fp8_linear)."""
+    the LayerNorm whose output x is, the forward GEMM runs in FP8 where fp8_linear fits x
+    (Utils.kernels.fp8_linear)."""
     return apply_in_autocast_dtype(_Linear, x, (layer.weight, layer.bias), ones,
-                                   *fp8_linear.norm_weights(norm), fp8_grad)
+                                   *fp8_linear.norm_weights(norm))
 
 
 def reference(x: Tensor, layer: nn.Linear) -> Tensor:

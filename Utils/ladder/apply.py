@@ -233,21 +233,6 @@ def apply_fp8_qkv_fc(b: Build) -> str | None:
     return None
 
 
-def apply_fp8_mlp_grad(b: Build) -> str | None:
-    """The MLP's hidden-layer gradient, the input-gradient GEMM through c_proj, in FP8: the residual gradient
-    cast to e5m2 from its amax, W_proj to e4m3. In gelu_epilogue's MLP with GELU's derivative in the GEMM's
-    epilogue, else as the plain c_proj's backward."""
-    why = fp8_linear.unavailable(b.device) or fp8_loss.width_problem(b.config.n_embd)
-    if why:
-        return f"{why}: c_proj's input gradient in bf16 instead"
-    for block in modules.blocks(b.model):
-        if isinstance(block.mlp, modules.EpilogueMLP):
-            block.mlp.fp8_grad = True
-        else:
-            modules.swap_linear(block.mlp, "c_proj", modules.Fp8GradLinear)
-    return None
-
-
 def _read_normed(parent: nn.Module, name: str, norm: nn.LayerNorm) -> None:
     if not isinstance(getattr(parent, name), modules.OnesLinear):
         modules.swap_linear(parent, name, modules.Fp8Linear)

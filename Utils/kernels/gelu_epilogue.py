@@ -70,7 +70,8 @@ class _GeluMLP(torch.autograd.Function):
         # weight-gradient GEMM (Utils.kernels.gemm_bias_grad).
         saved = gemm_bias_grad.with_ones(x) if ones else x
         if norm_weight is not None and fp8_linear.fits(x):
-            a, h = fp8_linear.linear_gelu_normed(x, norm_weight, norm_bias, fc_weight, fc_bias)
+            # From [x 1]'s columns, so that [x 1] is saved from the forward pass (gemm_bias_grad._Linear says why).
+            a, h = fp8_linear.linear_gelu_normed(saved[:, :x.size(1)], norm_weight, norm_bias, fc_weight, fc_bias)
         else:
             a, h = linear_gelu(saved[:, :x.size(1)], fc_weight, fc_bias)
         ctx.save_for_backward(saved, fc_weight, proj_weight, a, h)

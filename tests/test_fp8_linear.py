@@ -162,20 +162,13 @@ def test_cublaslts_fp8_gelu_epilogue_matches_its_reference_on_the_gpu():
 
 
 @pytest.mark.parametrize("mlp", [False, True], ids=["linear", "epilogue_mlp"])
-def test_the_compiled_forward_keeps_the_input_beside_its_ones_for_the_backward(mlp):
+def test_the_compiled_step_keeps_the_input_beside_its_ones_for_the_backward(mlp):
     # The FP8 cast reads the first columns of [x 1], so [x 1] is made in the forward pass and saved. Cast from x
     # itself, the partitioner saved the LayerNorm's statistics instead and rebuilt [x 1] in the backward, a pass of
-    # its own over the tokens (BENCHMARKS.md, fp8_qkv_fc).
-    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
+    # its own over the tokens (BENCHMARKS.md, "[x 1] saved again"). aot_eager_decomp_partition: Inductor's
+    # decompositions and partitioner, without generating code.
     norm, y, w, _ = operands(m=32)
     block = nn.ModuleDict(dict(ln=norm, fc=modules.OnesLinear(C, w.size(0)), proj=nn.Linear(w.size(0), C))).bfloat16()
-    saved = []
-
-    def forward_compiler(gm, inputs):
-        output = next(n for n in gm.graph.nodes if n.op == "output")
-        saved.extend(tuple(a.meta["val"].shape) for a in output.args[0] if isinstance(a, torch.fx.Node))
-        return make_boxed_func(gm.forward)
 
     def step(x):
         h = block["ln"](x)
@@ -183,7 +176,9 @@ def test_the_compiled_forward_keeps_the_input_beside_its_ones_for_the_backward(m
             return gelu_epilogue.gelu_mlp(h, block["fc"], block["proj"], ones=True, norm=block["ln"])
         return gemm_bias_grad.linear(h, block["fc"], block["ln"])
 
-    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
-                           partition_fn=min_cut_rematerialization_partition)
-    torch.compile(step, backend=backend, fullgraph=True)(y.clone().requires_grad_()).float().sum().backward()
-    assert (32, C + gemm_bias_grad.ONES) in saved
+    torch._dynamo.reset()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out = torch.compile(step, backend="aot_eager_decomp_partition", fullgraph=True)(y.clone().requires_grad_())
+    out.float().sum().backward()
+    assert (32, C + gemm_bias_grad.ONES) in saved, saved

@@ -49,9 +49,9 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(saved, weight)
         ctx.ones = ones
         if norm_weight is not None and fp8_linear.fits(x):
-            # Cast from [x 1]'s columns, not from x: then [x 1] is made in the forward pass and saved. Cast from x,
-            # the compiled graph saves only the LayerNorm's statistics and rebuilds [x 1] in a backward pass of
-            # its own (BENCHMARKS.md, fp8_qkv_fc).
+            # With ones, cast from [x 1]'s columns, not from x: then [x 1] is made in the forward pass and saved.
+            # Cast from x, the compiled graph saves only the LayerNorm's statistics and rebuilds [x 1] in a
+            # backward pass of its own (BENCHMARKS.md, "[x 1] saved again"). Without ones, saved is x.
             return fp8_linear.linear_normed(saved[:, :x.size(1)], norm_weight, norm_bias, weight, bias)
         return torch.addmm(bias, saved[:, :x.size(1)], weight.t())
 

@@ -170,7 +170,7 @@ peers: require-run
 	@if [ -z "$(strip $(PEERS))" ]; then echo "error: PEERS is empty: name some of $(PEER_NAMES)" >&2; exit 2; fi
 	@if [ '$(strip $(NPROC))' != 1 ] || [ -n '$(strip $(PARALLEL))$(filter 1 yes true,$(PROFILE))' ]; then echo "error: make peers runs each peer as one process, unprofiled: leave out NPROC, PARALLEL and PROFILE" >&2; exit 2; fi
 	@for x in $(PEERS); do case " $(PEER_NAMES) " in *" $$x "*) ;; *) echo "error: PEERS names $$x: use some of $(PEER_NAMES)" >&2; exit 2;; esac; done
-	$(call each,peers,$(PEERS),$(PYTHON) -m Utils.peers $$x $(RUN_ARGS) $${data:+--data $$data},$(MAKE) --no-print-directory plots || failed="$$failed plots";)
+	$(call each,peers,$(PEERS),$(PYTHON) -m Utils.peers $$x $(RUN_ARGS) $${data:+--data $$data},$(PYTHON) plot_results.py --prefix $(call q,PREFIX) || failed="$$failed plots";)
 
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
 # breakdown files and a trace per rung, and leaves results.csv alone.

@@ -126,6 +126,16 @@ def test_make_peers_refuses_bad_input_before_writing(tmp_path, args):
     assert not prefix.exists()
 
 
+def test_make_n_peers_prints_the_commands_and_runs_none(tmp_path):
+    # make runs a recipe line that names $(MAKE) even under -n: the peers' line must not, or a dry run would run
+    # the peers and append their rows to runs.csv.
+    prefix = tmp_path / "out"
+    done = make(["-n", "peers", f"PREFIX={prefix}", "PEERS=llmc hf", *RUN], clean_env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "-m Utils.peers $x" in done.stdout and "plot_results.py" in done.stdout
+    assert not prefix.exists()
+
+
 @pytest.mark.parametrize("argv", [[], ["foo", "--steps", "2"]])
 def test_the_module_needs_a_known_peer_first(argv):
     done = peers_module(*argv)

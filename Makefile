@@ -88,7 +88,9 @@ define repeat
 endef
 
 # The charts after several runs; with PROFILE=1 none, since profiled runs are recorded in breakdown.md only.
-charts = $(if $(filter 1 yes true,$(PROFILE)),echo "PROFILE=1: no charts (the profiled runs are in breakdown.md only)";,$(MAKE) --no-print-directory plots || failed="$$failed plots";)
+# plot_results.py itself, not $(MAKE) plots: make runs a recipe line that names $(MAKE) even under -n.
+plot = $(PYTHON) plot_results.py --prefix $(call q,PREFIX)
+charts = $(if $(filter 1 yes true,$(PROFILE)),echo "PROFILE=1: no charts (the profiled runs are in breakdown.md only)";,$(plot) || failed="$$failed plots";)
 
 # With PROFILE=1, the report splits the trace a run left into breakdown.csv, breakdown.md and breakdown.png:
 # the training loop writes the trace only (Utils.report.breakdown).
@@ -170,7 +172,7 @@ peers: require-run
 	@if [ -z "$(strip $(PEERS))" ]; then echo "error: PEERS is empty: name some of $(PEER_NAMES)" >&2; exit 2; fi
 	@if [ '$(strip $(NPROC))' != 1 ] || [ -n '$(strip $(PARALLEL))$(filter 1 yes true,$(PROFILE))' ]; then echo "error: make peers runs each peer as one process, unprofiled: leave out NPROC, PARALLEL and PROFILE" >&2; exit 2; fi
 	@for x in $(PEERS); do case " $(PEER_NAMES) " in *" $$x "*) ;; *) echo "error: PEERS names $$x: use some of $(PEER_NAMES)" >&2; exit 2;; esac; done
-	$(call each,peers,$(PEERS),$(PYTHON) -m Utils.peers $$x $(RUN_ARGS) $${data:+--data $$data},$(PYTHON) plot_results.py --prefix $(call q,PREFIX) || failed="$$failed plots";)
+	$(call each,peers,$(PEERS),$(PYTHON) -m Utils.peers $$x $(RUN_ARGS) $${data:+--data $$data},$(charts))
 
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
 # breakdown files and a trace per rung, and leaves results.csv alone.
@@ -178,7 +180,7 @@ profile: require-run
 	$(call each,profile,$(RUNGS),$(MAKE) --no-print-directory $$x PROFILE=1 $${data:+DATA=$$data})
 
 plots: require-prefix
-	$(PYTHON) plot_results.py --prefix $(call q,PREFIX)
+	$(plot)
 
 # One table and one chart across results folders (machines or commits), written into OUT (default: the first).
 # Each word of PREFIXES is one folder, quoted for the shell as $(call q,...) quotes PREFIX.

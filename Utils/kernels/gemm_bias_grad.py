@@ -48,12 +48,13 @@ class _Linear(torch.autograd.Function):
         saved = with_ones(x) if ones else x
         ctx.save_for_backward(saved, weight)
         ctx.ones = ones
+        # The forward GEMM reads [x 1]'s columns, not x, in FP8 too: then [x 1] is made in the forward pass and
+        # saved. Read from x, the compiled graph saves only the LayerNorm's statistics and rebuilds [x 1] in a
+        # backward pass of its own (BENCHMARKS.md, "[x 1] saved again").
+        x = saved[:, :x.size(1)]
         if norm_weight is not None and fp8_linear.fits(x):
-            # With ones, cast from [x 1]'s columns, not from x: then [x 1] is made in the forward pass and saved.
-            # Cast from x, the compiled graph saves only the LayerNorm's statistics and rebuilds [x 1] in a
-            # backward pass of its own (BENCHMARKS.md, "[x 1] saved again"). Without ones, saved is x.
-            return fp8_linear.linear_normed(saved[:, :x.size(1)], norm_weight, norm_bias, weight, bias)
-        return torch.addmm(bias, saved[:, :x.size(1)], weight.t())
+            return fp8_linear.linear_normed(x, norm_weight, norm_bias, weight, bias)
+        return torch.addmm(bias, x, weight.t())
 
     @staticmethod
     def backward(ctx, grad):

@@ -88,8 +88,11 @@ define repeat
 endef
 
 # The charts after several runs; with PROFILE=1 none, since profiled runs are recorded in breakdown.md only.
-# plot_results.py itself, not $(MAKE) plots: make runs a recipe line that names $(MAKE) even under -n.
-plot = $(PYTHON) plot_results.py --prefix $(call q,PREFIX)
+# plot_results.py itself, not $(MAKE) plots, so that make -n peers runs nothing. make runs a recipe line
+# that names $(MAKE) even under -n (make all, make scaling): there DRY_RUN makes the charts an echo.
+# The test of MAKEFLAGS is the GNU make manual's (section "Conditionals that Test Flags").
+DRY_RUN := $(findstring n,$(firstword -$(MAKEFLAGS)))
+plot = $(if $(DRY_RUN),echo )$(PYTHON) plot_results.py --prefix $(call q,PREFIX)
 charts = $(if $(filter 1 yes true,$(PROFILE)),echo "PROFILE=1: no charts (the profiled runs are in breakdown.md only)";,$(plot) || failed="$$failed plots";)
 
 # With PROFILE=1, the report splits the trace a run left into breakdown.csv, breakdown.md and breakdown.png:

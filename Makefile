@@ -70,6 +70,7 @@ require-run:
 	$(call need,BATCH_SIZE)
 	$(call need,PREFIX)
 	@case '$(subst ','\'',$(COLD))' in ''|0|1|yes|no|true|false) ;; *) echo "error: COLD must be 1 (compile with an empty cache) or 0, not '$(subst ','\'',$(COLD))'" >&2; exit 2;; esac
+	@case '$(subst ','\'',$(PROFILE))' in ''|0|1|yes|no|true|false) ;; *) echo "error: PROFILE must be 1 (profile the run too) or 0, not '$(subst ','\'',$(PROFILE))'" >&2; exit 2;; esac
 
 require-prefix:
 	$(call need,PREFIX)
@@ -213,7 +214,7 @@ clean: require-prefix
 	$(call remove,$(CHARTS) .tmp-*)
 
 reset: require-prefix
-	$(call remove,$(CHARTS) results.csv runs.csv breakdown.csv peak.csv trace_*.json.gz *.error.log .results.lock .tmp-* .rank-failure-*)
+	$(call remove,$(CHARTS) results.csv runs.csv breakdown.csv peak.csv trace_*.json.gz *.error.log *-peer-*.log .results.lock .tmp-* .rank-failure-*)
 
 # Re-executes the notebook in place against RESULTS (default results/h200-b16), saving its outputs; the file
 # depends on the cells and the results only, so a second run against the same results changes nothing.

@@ -124,6 +124,17 @@ def test_make_refuses_a_repeat_that_is_not_a_number_of_runs(repeat, tmp_path):
     assert not (tmp_path / "results.csv").exists()
 
 
+@pytest.mark.parametrize("variable,meaning", [("COLD", "compile with an empty cache"), ("PROFILE", "profile the run too")])
+def test_make_refuses_a_switch_that_is_not_one_or_zero(variable, meaning, tmp_path):
+    # Anything but a yes or a no would otherwise drop the switch silently: PROFILE=on, an ordinary run.
+    r = subprocess.run(["make", "--no-print-directory", "-s", f"PYTHON={sys.executable}", "fused", "STEPS=3",
+                        "BATCH_SIZE=2", f"PREFIX={tmp_path}", f"{variable}=on"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env=clean_env())
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[0] == f"error: {variable} must be 1 ({meaning}) or 0, not 'on'"
+    assert not (tmp_path / "results.csv").exists()
+
+
 def test_make_names_the_rungs_for_an_unknown_target():
     r = subprocess.run(["make", "--no-print-directory", "-s", f"PYTHON={sys.executable}", "fuse"], cwd=REPO,
                        capture_output=True, text=True, timeout=60, env=clean_env())

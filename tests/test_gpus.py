@@ -41,7 +41,11 @@ def test_a_real_name_gets_its_own_row(name, fragment):
     assert gpu_spec(name).fragment == fragment
 
 
-@pytest.mark.parametrize("name", ["Tesla T4", "Tesla V100-SXM2-16GB", "cpu", "", None])
+@pytest.mark.parametrize("name", ["Tesla T4", "Tesla V100-SXM2-16GB", "cpu", "", None,
+                                  # other parts whose names hold a row's fragment: none of its figures
+                                  "NVIDIA GeForce RTX 4090 Laptop GPU", "NVIDIA GeForce RTX 3080 Ti",
+                                  "NVIDIA GeForce RTX 3090 Ti", "NVIDIA GeForce RTX 4080 SUPER", "NVIDIA GB200",
+                                  "NVIDIA RTX A6000X", "NVIDIA L40G"])
 def test_an_unknown_gpu_has_no_figures(name):
     assert gpu_spec(name) is None
     assert peak_bf16_flops(name) is None and peak_bandwidth(name) is None

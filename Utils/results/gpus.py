@@ -6,6 +6,7 @@ tensor-core rates with 2:4 sparsity, and dense is half of those. GeForce rates a
 accumulation (what PyTorch's bf16 matmuls use), from NVIDIA's Ampere (GA102) and Ada architecture
 whitepapers. A figure nobody has published for that part is None, never a guess.
 """
+import re
 from dataclasses import dataclass
 
 TERA = 1e12
@@ -13,7 +14,7 @@ TERA = 1e12
 
 @dataclass(frozen=True)
 class GPU:
-    fragment: str              # matched against torch.cuda.get_device_name(); the first match wins
+    fragment: str              # found as whole words in torch.cuda.get_device_name(); the first row wins
     bf16: float | None         # dense bf16 tensor-core FLOP/s
     tf32: float | None         # dense tf32 tensor-core FLOP/s
     fp32: float | None         # fp32 FLOP/s on the ordinary units
@@ -24,8 +25,8 @@ class GPU:
 _H100_SXM = "NVIDIA H100 Tensor Core GPU datasheet (SXM)"
 _H200 = "NVIDIA H200 Tensor Core GPU datasheet"
 
-# Order matters: a name is matched against each fragment in turn ("GH200" contains "H200", "L40S"
-# contains "L40", "H100 PCIe" must win over "H100").
+# Order matters: a name is matched against each fragment in turn, and "NVIDIA H100 PCIe" names the H100 too
+# ("H100 PCIe" must win over "H100").
 GPUS = [
     # GH200's bandwidth depends on the memory fitted (HBM3 4 TB/s or HBM3e 4.9 TB/s), which its name
     # does not say: nothing is claimed.
@@ -56,10 +57,25 @@ GPUS = [
 ]
 
 
+# A word after a model number that makes it another part, with other figures: an RTX 3080 Ti is not an
+# RTX 3080, nor an RTX 4090 Laptop GPU an RTX 4090.
+VARIANTS = ("Ti", "SUPER", "Super", "Laptop", "Mobile", "Max-Q")
+
+
+def _names(fragment: str, gpu_name: str) -> bool:
+    """Whether gpu_name names the part `fragment` names: the fragment as whole words ("H200" is not in
+    "GH200", nor "L40" in "L40S"), not followed by a variant's word."""
+    found = re.search(rf"(?<![\w-]){re.escape(fragment)}(?!\w)", gpu_name)
+    if not found:
+        return False
+    rest = gpu_name[found.end():].split()
+    return not (rest and rest[0] in VARIANTS)
+
+
 def gpu_spec(gpu_name: str | None) -> GPU | None:
     """The table's row for a GPU by its name (as torch.cuda.get_device_name gives it), or None."""
     for gpu in GPUS:
-        if gpu.fragment in (gpu_name or ""):
+        if _names(gpu.fragment, gpu_name or ""):
             return gpu
     return None
 

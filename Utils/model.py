@@ -163,7 +163,8 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(logits [B, T, vocab_size], None) without targets; (None, mean cross-entropy) with them.
 
         A training step gets no logits: logits returned from a compiled forward are written out whole and held

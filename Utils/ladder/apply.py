@@ -376,7 +376,7 @@ class Prefetcher:
     """Copies the next batch from pinned memory to the GPU on a side stream while the current step runs,
     so that no step waits for its input. Same batches, same order as the loader it wraps."""
 
-    def __init__(self, loader, device):
+    def __init__(self, loader: object, device: torch.device):
         self.loader, self.device = loader, device
         self.stream = torch.cuda.Stream(device)
         self.ready = self._issue()

@@ -101,7 +101,7 @@ def swap_linear(parent: nn.Module, name: str, cls: type) -> None:
     setattr(parent, name, new)
 
 
-def blocks(model: GPT):
+def blocks(model: GPT) -> nn.ModuleList:
     return model.transformer.h
 
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from Utils.ladder.apply import Unavailable
 from Utils.results.schema import PEER_PREFIX
+from Utils.train.cli import RunConfig
 
 NAME = PEER_PREFIX + "llmc"
 LLMC_COMMIT = "f1e2ace651495b74ae22d45d1723443fd00ecd3a"   # karpathy/llm.c master, 2025-05-10
@@ -245,7 +246,7 @@ def main(argv: list[str], command_line: str) -> int:
     return record.run_external(NAME, argv, command_line, train)
 
 
-def train(cfg, tokens: np.ndarray, run: dict, log: str, start_sampling: Callable[[], None]
+def train(cfg: RunConfig, tokens: np.ndarray, run: dict, log: str, start_sampling: Callable[[], None]
           ) -> tuple[list[tuple[int, float, float]], float | None]:
     """Build llm.c and train cfg.steps steps on `tokens`, calling start_sampling() as its warm-up ends;
     ([(step, loss, ms)], memory GiB). Raises Unavailable where it cannot be built or run here, RuntimeError

@@ -4,6 +4,8 @@ Every chart is titled with what was measured (GPU, model, batch, sequence length
 where the figures come from (torch, commits, dates), both wrapped to the chart's width so that neither is
 cut off.
 """
+from collections.abc import Iterable
+
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -23,7 +25,7 @@ PALETTE = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#d
            "#8c8c8c", "#ccb974", "#64b5cd"]
 
 
-def rung_colors(rungs) -> dict[str, str]:
+def rung_colors(rungs: Iterable[str]) -> dict[str, str]:
     """One color per rung, fixed by its place in the ladder so every chart agrees; names the ladder does not
     know (fused+loss, custom runs) take the colors after it, alphabetically."""
     unknown = sorted(set(rungs) - set(LADDER))

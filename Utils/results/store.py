@@ -51,6 +51,10 @@ def check_file(path: str | os.PathLike, columns: Sequence[str]) -> list[str] | N
         raise ResultsError(f"{path} is not a readable CSV ({e}): move it aside; it was not changed")
     header = rows[0]
     if header not in known_headers(columns).values():
+        if len(header) > len(columns) and header[:len(columns)] == list(columns):   # a later schema adds columns
+            raise ResultsError(f"{path} was written by a newer version of the suite (more columns than schema "
+                               f"version {SCHEMA_VERSION}'s): update this checkout, or use another PREFIX; "
+                               f"it was not changed")
         raise ResultsError(f"{path} has a header that is not the suite's {name} header: "
                            f"use another PREFIX or move the file aside; it was not changed")
     for i, row in enumerate(rows[1:], start=2):

@@ -135,7 +135,8 @@ class TokenLoader:
     batch `world` x B, and rank r takes rows rB to (r+1)B - 1: two processes at B see, together and in
     order, the tokens one process sees at 2B."""
 
-    def __init__(self, tokens, batch_size, seq_len, pin_memory=False, rank=0, world=1):
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, pin_memory: bool = False, rank: int = 0,
+                 world: int = 1):
         need = world * batch_size * seq_len + 1
         if len(tokens) < need:
             raise DataError(f"the data has {len(tokens):,} tokens, fewer than one global batch needs "

@@ -20,7 +20,7 @@ H200 = os.path.join(REPO_ROOT, "results", "h200-b16")
 SEQ = 256
 
 
-def add_run(prefix, rung, step_ms, status="ok", batch=4, gpu="NVIDIA L4", commit="abc123", message=""):
+def add_run(prefix, rung, step_ms, status="ok", batch=4, gpu="NVIDIA L4", commit="abc123", message="", config=""):
     """Append one run of `rung` with these step times (the first two are warm-up) through the suite's writer."""
     os.makedirs(prefix, exist_ok=True)
     run_id = f"{rung}-{len(os.listdir(prefix))}-{len(step_ms)}"
@@ -31,6 +31,7 @@ def add_run(prefix, rung, step_ms, status="ok", batch=4, gpu="NVIDIA L4", commit
                             seq_len=SEQ, model="gpt2", n_params=124439808, data="synthetic", device="cuda",
                             gpu_name=gpu, torch_version="2.9.0", cuda_version="12.8", compile_s=None,
                             peak_mem_allocated_gib=6.0, peak_mem_reserved_gib=7.0, notes="", git_commit=commit,
+                            config=config,
                             median_step_ms=float(np.median(step_ms[2:])) if step_ms else None), steps)
     return run_id
 
@@ -276,6 +277,22 @@ def test_leave_one_out_section_names_what_pays_and_what_does_not(tmp_path):
     text = text_of(Study.load(str(tmp_path / "h200-b16")).leave_one_out())
     assert text.index("h200-ablation-max-b16") < text.index("h200-ablation-max-b64")
     assert text.count("Within the runs' spread without them: prefetch.") == 2
+
+
+def test_a_rung_measured_with_other_additions_than_today_says_which(tmp_path):
+    import json
+    from Utils.ladder.registry import RUNGS
+    prefix = str(tmp_path / "h200-b16")
+    add_run(prefix, "baseline", [300.0] * 6)
+    then = [a for a in RUNGS["max"].additions if a != "fold_clip"] + ["an_addition_since_removed"]
+    add_run(prefix, "max", [30.0] * 6, commit="c0ffee", config=json.dumps({"additions": then}))
+    add_run(prefix, "fused", [40.0] * 6, config=json.dumps({"additions": list(RUNGS["fused"].additions)}))
+    study = Study.load(prefix)
+    assert text_of(study.effect("max")).lstrip().startswith(
+        "measured at commit c0ffee, when max had other additions than today's: since then fold_clip added, "
+        "an_addition_since_removed left out")
+    assert "other additions" not in text_of(study.effect("fused"))      # the same additions in another order
+    assert "other additions" not in text_of(study.effect("baseline"))   # recorded no config: nothing claimed
 
 
 def test_loss_tail_and_batch_comparison_keep_ladder_order():

@@ -26,7 +26,7 @@ from Utils.ladder.registry import ADDITIONS, LADDER, MAX_ADDITIONS, RUNGS, rung_
 from Utils.report import roofline
 from Utils.report.breakdown import load_breakdown, plot_breakdown
 from Utils.report.charts import CHARTS, plot_loss, rung_colors
-from Utils.report.stats import Report, build_report, summarize
+from Utils.report.stats import Report, build_report, short_commit, summarize
 from Utils.results.read import load
 from Utils.results.schema import BREAKDOWN_FILE
 
@@ -280,6 +280,36 @@ class Study:
         path = companions(self.results)[role]
         return path if os.path.exists(path) and os.path.realpath(path) != os.path.realpath(self.results) else None
 
+    def recorded_additions(self, rung: str) -> tuple[list[str], str] | None:
+        """(the additions a rung's compared run recorded, its commit), or None where it has no such run or
+        recorded none (a peer's, or a file older than the config column)."""
+        if rung not in self.table.index:
+            return None
+        runs = self.report.runs.set_index("run_id")
+        run_id = self.table.at[rung, "run_id"]
+        if run_id not in runs.index:
+            return None
+        try:
+            config = json.loads(str(runs.at[run_id, "config"]))
+        except ValueError:
+            return None
+        if not isinstance(config, dict) or not isinstance(config.get("additions"), list):
+            return None
+        return config["additions"], short_commit(runs.at[run_id, "git_commit"])
+
+    def then_and_now(self, rung: str) -> list[str]:
+        """A line where a ladder rung's measured run had other additions than the registry gives the rung
+        today (a folder measured before the rung changed): the figures belong to the run, not to today's code."""
+        recorded = self.recorded_additions(rung)
+        if rung not in RUNGS or recorded is None or set(recorded[0]) == set(RUNGS[rung].additions):
+            return []
+        then, commit = recorded
+        added = [a for a in RUNGS[rung].additions if a not in then]
+        dropped = [a for a in then if a not in RUNGS[rung].additions]
+        return [f"measured at commit {commit or 'unknown'}, when {rung} had other additions than today's: since "
+                f"then {', '.join(added) or 'none'} added, {', '.join(dropped) or 'none'} left out "
+                f"(BENCHMARKS.md says why); the figures below are that run's"]
+
     def loss_tracking(self, rung: str, last: int = LOSS_TRACKING_STEPS) -> tuple[float, float]:
         """(mean |rung's loss - baseline's| over the last steps both have, the baseline's loss std there): how
         closely a rung follows the baseline's loss on the same batches, next to how much that loss moves from
@@ -436,7 +466,7 @@ class Study:
                     "nothing measured to show."]
         v = self.value
         ms = v(rung, "median_step_ms")
-        lines = [f"step time: {ms:.1f} ms median (IQR {v(rung, 'iqr_step_ms'):.1f} ms)"]
+        lines = self.then_and_now(rung) + [f"step time: {ms:.1f} ms median (IQR {v(rung, 'iqr_step_ms'):.1f} ms)"]
         if self.measured("baseline") and rung != "baseline":
             lines.append(f"speedup over the baseline: {v(rung, 'speedup'):.2f}x")
         p = parent(rung)

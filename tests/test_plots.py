@@ -1,5 +1,6 @@
 """plot_results.py and Utils/report on small results files written here: the numbers, the files, run matching,
 bad input, and charts whose every text fits on them."""
+import json
 import os
 import subprocess
 import sys
@@ -276,6 +277,18 @@ def test_a_noisy_run_is_flagged(tmp_path):
     notes = summary_text(p).split("## Notes")[1]
     assert "- tf32: run tf32-noisy is noisy: its steps' IQR is 15.0% of their median (over 5%)" in notes
     assert "bf16-steady" not in notes
+
+
+def test_a_run_with_fp8_gemms_says_its_mfu_is_against_the_bf16_peak(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "baseline", [1, 100, 100, 100], config=json.dumps({"additions": []}))
+    add_run(p, "max", [1, 10, 10, 10], config=json.dumps({"additions": ["bf16", "fp8_head", "fused"]}))
+    add_run(p, "fused", [1, 20, 20, 20], config=json.dumps({"additions": ["bf16", "fused"]}))
+    rc, out, err = run_main(p)
+    assert rc == 0, err
+    notes = summary_text(p).split("## Notes")[1]
+    assert "- max: MFU is against the bf16 peak, as every run's; fp8_head run some GEMMs in FP8" in notes
+    assert "- fused:" not in notes and "- baseline:" not in notes
 
 
 def test_no_baseline_leaves_speedups_out_and_still_draws(tmp_path):

@@ -27,6 +27,7 @@ class Addition:
     needs: str = ""                # what the machine must have; without it the run says what ran instead
     requires: tuple = ()           # additions it builds on
     excludes: tuple = ()           # additions it cannot run with
+    fp8: bool = False              # runs some GEMMs in FP8, whose peak is twice bf16's (MFU divides by bf16's)
 
     def __post_init__(self):
         if self.stage not in STAGES or self.pillar not in PILLARS:
@@ -64,12 +65,12 @@ _ADDITIONS = [
              needs="NVRTC or Triton on a GPU"),
     Addition("fp8_head", "model", "compute",
              "the output layer's three GEMMs in FP8 inside the chunked loss (e4m3 inputs, e5m2 gradient)",
-             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("loss", "loss_kernel")),
+             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("loss", "loss_kernel"), fp8=True),
     Addition("fp8_qkv_fc", "model", "compute",
              "c_attn's and c_fc's forward GEMMs in FP8, their LayerNorm's output cast with a scale its weights bound",
-             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",)),
+             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",), fp8=True),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
-             needs="torchao and an Ada or Hopper GPU", requires=("bf16",)),
+             needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8=True),
     # compile
     Addition("torch_compile", "compile", "overhead",
              "torch.compile: elementwise work fused into few kernels, far fewer launches",

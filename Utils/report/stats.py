@@ -12,13 +12,14 @@ NOISY_IQR of its median is flagged as noisy.
 MFU is shown two ways: against the datasheet's dense bf16 peak (Utils.results.gpus) and, where
 `make peak` measured this machine, against the rate it reached on a large bf16 matmul.
 """
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
-from Utils.ladder.registry import rung_order
+from Utils.ladder.registry import ADDITIONS, rung_order
 from Utils.report.selection import BASELINE, Excluded, measured, norm, select, steps_by_run
 from Utils.results.gpus import peak_bf16_flops
 
@@ -127,6 +128,7 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataF
             step_frames.append(run_steps.assign(optimization=rung))
             if run["notes"].strip():
                 notes.append(f"{rung}: {one_line(run['notes'])}")
+            notes += _fp8_note(rung, run)
             notes += [f"{rung}: run {r['run_id']} is noisy: its steps' IQR is {q:.1%} of their median "
                       f"(over {NOISY_IQR:.0%})" for r, q in _noisy_runs(sel.repeats.get(rung) or [run], each)]
         else:
@@ -180,6 +182,21 @@ def summarize(steps_df: pd.DataFrame, runs_df: pd.DataFrame) -> pd.DataFrame:
     its latest run ("excluded" when its runs were left out). Takes the frames load() returns.
     """
     return build_report(steps_df, runs_df).table
+
+
+def _fp8_note(rung: str, run: pd.Series) -> list[str]:
+    """A line where a GPU run recorded additions that run GEMMs in FP8: its MFU, against the bf16 peak like
+    every run's, is then not comparable with an all-bf16 run's."""
+    try:
+        additions = json.loads(str(run.get("config", ""))).get("additions") or []
+    except (ValueError, AttributeError):
+        return []
+    fp8 = [a for a in additions if a in ADDITIONS and ADDITIONS[a].fp8]
+    if not fp8 or str(run.get("device", "")) != "cuda":
+        return []
+    return [f"{rung}: MFU is against the bf16 peak, as every run's; {', '.join(fp8)} run some GEMMs in FP8, whose "
+            f"peak is twice bf16's (where the run's notes say it fell back, in bf16), so its MFU is not "
+            f"comparable with an all-bf16 run's"]
 
 
 def _repeat_notes(repeats, by_run):

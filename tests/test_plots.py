@@ -197,10 +197,13 @@ def test_runs_repeated_from_one_commit_are_listed_with_the_median_of_their_media
     add_run(p, "max", [1, float("nan"), 30, 30], run_id="max-nan-steps", git_commit="bbbbbbb")
     add_run(p, "max", [1, 13, 13, 13], run_id="max-3", git_commit="bbbbbbb")
     add_run(p, "tf32", [1, 50, 50, 50], run_id="tf32-once", git_commit="bbbbbbb")
-    # Neither a tree with uncommitted changes nor an unknown commit names one tree.
+    # Neither a tree with uncommitted changes of unknown hash, nor two differently changed trees, nor an unknown
+    # commit names one tree; one changed tree (the same changes' hash) does.
     for i in range(2):
         add_run(p, "bf16", [1, 40, 40, 40], run_id=f"bf16-dirty-{i}", git_commit="bbbbbbb-dirty")
         add_run(p, "flash", [1, 30, 30, 30], run_id=f"flash-unknown-{i}", git_commit="")
+        add_run(p, "torch_compile", [1, 60, 60, 60], run_id=f"compile-{i}", git_commit=f"bbbbbbb-dirty-0000000{i}")
+        add_run(p, "fused", [1, 20 + i, 20 + i, 20 + i], run_id=f"fused-{i}", git_commit="bbbbbbb-dirty-1a2b3c4d")
 
     rc, out, err = run_main(p)
     assert rc == 0, err
@@ -213,7 +216,9 @@ def test_runs_repeated_from_one_commit_are_listed_with_the_median_of_their_media
     # The other commit's run, the other batch size's and the one with NaN step times are not repeats.
     assert ("- max: 3 ok runs of this configuration from commit bbbbbbb, median step times 12.0, 10.0, "
             "13.0 ms, oldest first; the table shows their median 12.0 ms (spread 25.0%)") in notes
-    for rung in ("tf32", "bf16", "flash", "baseline"):
+    assert ("- fused: 2 ok runs of this configuration from commit bbbbbbb-dirty-1a2b3c4d, median step times 20.0, "
+            "21.0 ms") in notes
+    for rung in ("tf32", "bf16", "flash", "torch_compile", "baseline"):
         assert f"- {rung}:" not in notes
     frame = summarize(*load(p))
     assert frame.at["max", "trimmed_mean_ms"] == pytest.approx((12 * 3 + 10 * 3 + 13 * 3) / 9)

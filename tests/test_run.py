@@ -173,3 +173,26 @@ def test_a_profiled_run_keeps_its_trace_only_when_it_ended_well(tmp_path, capsys
     assert trace.exists() == (status == "ok")
     assert ("trace | fused:" in capsys.readouterr().out) == (status == "ok")
     assert not (tmp_path / "runs.csv").exists()   # a profiled run is recorded by its trace only
+
+
+def test_the_recorded_commit_names_a_changed_tree_by_its_changes(tmp_path, monkeypatch):
+    from Utils.train import provenance
+    git = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t", "-C", str(tmp_path)]
+    (tmp_path / "a.py").write_text("x = 1\n")
+    for args in (["init", "-q"], ["add", "a.py"], ["commit", "-qm", "a"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    sha = subprocess.run(git + ["rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+    monkeypatch.delenv("GIT_COMMIT", raising=False)
+    monkeypatch.setattr(provenance, "REPO", str(tmp_path))
+    assert provenance.git_commit() == sha
+    (tmp_path / "a.py").write_text("x = 2\n")
+    changed = provenance.git_commit()
+    assert changed.startswith(f"{sha}-dirty-") and len(changed) == len(sha) + len("-dirty-") + 8
+    assert provenance.git_commit() == changed                 # the same changes: the same name
+    (tmp_path / "a.py").write_text("x = 3\n")
+    assert provenance.git_commit() not in (changed, sha)      # other changes: another name
+    (tmp_path / "untracked.txt").write_text("not the code")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    assert provenance.git_commit() == sha                     # untracked files change nothing
+    monkeypatch.setenv("GIT_COMMIT", "from-the-environment")
+    assert provenance.git_commit() == "from-the-environment"

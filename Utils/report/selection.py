@@ -138,7 +138,8 @@ def select(runs_df: pd.DataFrame, steps_df: "pd.DataFrame | None" = None) -> Sel
         if candidates:
             chosen[rung] = runs_df.loc[candidates[-1]]
             superseded += len(candidates) - 1
-            # One commit names one tree, unless the tree had uncommitted changes ("-dirty"), which may differ.
+            # One commit names one tree; so does one with uncommitted changes and their hash ("-dirty-1a2b3c4d",
+            # Utils.train.provenance), but not one marked "-dirty" alone (files of earlier versions).
             commit = str(runs_df.at[candidates[-1], "git_commit"]).strip()
             known = commit not in ("", "nan") and not commit.endswith("-dirty")
             same_code = [i for i in candidates if known and str(runs_df.at[i, "git_commit"]).strip() == commit]

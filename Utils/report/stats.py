@@ -299,11 +299,10 @@ def mixed_sources(runs: pd.DataFrame) -> list[str]:
 
 
 def short_commit(commit: object) -> str:
-    """A commit as 12 hex digits (`git rev-parse --short=12`), keeping its "-dirty" mark: a tree with
-    uncommitted changes is not the commit's tree."""
-    text = norm(commit)
-    dirty = text.endswith("-dirty")
-    return text.removesuffix("-dirty")[:12] + ("-dirty" if dirty else "")
+    """A commit as 12 hex digits (`git rev-parse --short=12`), keeping its "-dirty" mark and the changes'
+    hash after it: a tree with uncommitted changes is not the commit's tree."""
+    sha, dirty, changes = norm(commit).partition("-dirty")
+    return sha[:12] + dirty + changes
 
 
 def distinct(values: Iterable[object], width: "int | None" = None) -> list[str]:

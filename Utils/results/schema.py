@@ -64,7 +64,7 @@ RUN_SCHEMA = (
     Column("mfu", True, "median MFU of the measured steps, a fraction"),
     Column("final_loss", True, "loss of the last step"),
     Column("notes", False, "what could not apply on this machine, and what ran instead"),
-    Column("git_commit", False, "commit of the code that ran, with -dirty for uncommitted changes"),
+    Column("git_commit", False, "commit of the code that ran, with -dirty- and the changes' hash for uncommitted changes"),
     Column("command", False, "the command line"),
     Column("config", False, 'JSON: {"run": settings, "additions": [names]} ({"run", "recipe"} in older runs)'),
     Column("schema_version", True, "the schema version that wrote the row (blank: 1)", since=2),

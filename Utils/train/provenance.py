@@ -4,6 +4,7 @@ A step time on another machine differs by the card, its driver and its libraries
 runs.csv keeps each of them so that `make compare` can say which one differs. Versions are read from the
 installed distributions (importlib.metadata), never by importing a package the run does not use.
 """
+import hashlib
 import os
 import subprocess
 from importlib import metadata
@@ -20,18 +21,20 @@ DISTRIBUTIONS = {"triton_version": "triton", "bitsandbytes_version": "bitsandbyt
 
 
 def git_commit() -> str:
-    """The commit the code ran from, with -dirty for uncommitted changes to tracked files; GIT_COMMIT wins for
-    copies of the tree that carry no .git; blank when neither says."""
+    """The commit the code ran from; with uncommitted changes to tracked files, -dirty- and 8 hex digits of
+    the changes' hash, so that runs of one changed tree are known as such (make's REPEAT groups them) and
+    runs of two differently changed trees are not. GIT_COMMIT wins for copies of the tree that carry no .git;
+    blank when neither says."""
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        diff = subprocess.run(["git", "diff", "HEAD", "--binary"], cwd=REPO, capture_output=True,
+                              timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
-    return f"{sha}-dirty" if sha and dirty else sha
+    return f"{sha}-dirty-{hashlib.sha1(diff).hexdigest()[:8]}" if sha and diff else sha
 
 
 def version_of(distribution: str) -> str:

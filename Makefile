@@ -51,7 +51,7 @@ help:
 	@echo "  make peak PREFIX=dir                          this machine's bf16 matmul and copy peaks, into PREFIX/peak.csv (MFU's second denominator)"
 	@echo "  make clean PREFIX=dir                         remove the charts (scaling.png too), summary.md, breakdown.md/.png, compare.md/.png"
 	@echo "  make reset PREFIX=dir                         remove every file the suite wrote in PREFIX, results too"
-	@echo "  make notebook [RESULTS=dir]                   execute notebooks/Optimizing_GPU_Utilization.ipynb in place"
+	@echo "  make notebook [RESULTS=dir]                   execute the notebook against RESULTS (saved into RESULTS)"
 	@echo "  make install                                  what the suite needs (PyTorch's CPU build where there is no GPU)"
 	@echo "  make test                                     the test suite (CPU, 6 to 15 minutes on 2 cores; installs requirements-test.txt)"
 	@echo "  make gpu-test                                 the tests marked gpu, on a CUDA machine"
@@ -216,9 +216,11 @@ clean: require-prefix
 reset: require-prefix
 	$(call remove,$(CHARTS) results.csv runs.csv breakdown.csv peak.csv trace_*.json.gz *.error.log *-peer-*.log .results.lock .tmp-* .rank-failure-*)
 
-# Re-executes the notebook in place against RESULTS (default results/h200-b16), saving its outputs; the file
-# depends on the cells and the results only, so a second run against the same results changes nothing.
+# Re-executes the notebook against RESULTS, saving its outputs: in place for the default results/h200-b16,
+# else into RESULTS/Optimizing_GPU_Utilization.ipynb (the committed file stays as it is). The file depends on
+# the cells and the results only, so a second run against the same results changes nothing.
 notebook:
+	@PIP_DISABLE_PIP_VERSION_CHECK=1 $(PYTHON) -m pip install -q -r requirements-notebook.txt
 	$(PYTHON) notebooks/build_notebook.py $(if $(RESULTS),--results $(call q,RESULTS))
 
 # PyPI's torch for Linux is the CUDA build (several GB with its libraries): where no NVIDIA GPU answers,

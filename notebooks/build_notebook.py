@@ -1,8 +1,8 @@
 """Writes notebooks/Optimizing_GPU_Utilization.ipynb from the cells below, and executes it in place.
 
-    python notebooks/build_notebook.py                 build, execute against RESULTS, save with outputs
+    python notebooks/build_notebook.py                 build, execute against results/h200-b16, save with outputs
     python notebooks/build_notebook.py --no-execute    build only (no outputs)
-    RESULTS=results/other python notebooks/build_notebook.py    execute against another results folder
+    RESULTS=other python notebooks/build_notebook.py   execute against another results folder, save into it
 
 The notebook's prose lives here so that a change to it is reviewed as text, not as JSON; its code cells are
 short calls into Utils.report.walkthrough and Utils.report.roofline, which are tested like the rest of the
@@ -20,12 +20,17 @@ import sys
 import tempfile
 import textwrap
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+try:
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+except ImportError as e:   # make install leaves the notebook's packages to make notebook and make test
+    sys.exit(f"error: building the notebook needs {e.name}: run make notebook, which installs "
+             f"requirements-notebook.txt, or pip install -r requirements-notebook.txt")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NOTEBOOK = os.path.join(HERE, "Optimizing_GPU_Utilization.ipynb")
 REPO = os.path.dirname(HERE)
+DEFAULT_RESULTS = os.path.join("results", "h200-b16")   # the committed notebook's measurements
 CELL_TIMEOUT_S = 300
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 LANGUAGE_INFO = {"name": "python"}
@@ -549,11 +554,12 @@ def execute(nb: nbformat.NotebookNode, cwd: str = HERE, env: dict | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build notebooks/Optimizing_GPU_Utilization.ipynb and "
-                                                 "execute it in place (saved with its outputs).")
+    parser = argparse.ArgumentParser(description="Build notebooks/Optimizing_GPU_Utilization.ipynb and execute "
+                                                 "it against a results folder (saved with its outputs).")
     parser.add_argument("--no-execute", action="store_true", help="write the cells without running them")
-    parser.add_argument("--results", help="results folder to read (default: $RESULTS, else results/h200-b16)")
-    parser.add_argument("--output", default=NOTEBOOK, help="where to write the notebook")
+    parser.add_argument("--results", help=f"results folder to read (default: $RESULTS, else {DEFAULT_RESULTS})")
+    parser.add_argument("--output", help="where to write the notebook (default: the committed notebook for the "
+                                          "default results, else the results folder)")
     args = parser.parse_args(argv)
     results = args.results or os.environ.get("RESULTS")
     if results and not args.no_execute:
@@ -564,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         args.results = found
+    if args.output is None:   # another folder's notebook goes beside its results, not over the committed one
+        other = args.results and os.path.realpath(args.results) != os.path.realpath(os.path.join(REPO, DEFAULT_RESULTS))
+        args.output = os.path.join(args.results, os.path.basename(NOTEBOOK)) if other else NOTEBOOK
     nb = build()
     if not args.no_execute:
         env = {**os.environ, "RESULTS": os.path.abspath(args.results)} if args.results else None

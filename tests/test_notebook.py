@@ -243,3 +243,23 @@ def test_runs_without_torch_on_a_small_results_set_with_every_optional_part(smal
     assert "breakdown.csv: ms per profiled step by class" in text       # the optional files are read when present
     assert "b200-b64:" in text and "mean loss over each run's last 50 steps" in text
     assert "torch_compile has no usable run" in text
+
+
+def test_another_results_folder_gets_its_own_notebook_and_the_committed_one_is_left_alone(small_results):
+    committed = open(build_notebook.NOTEBOOK, "rb").read()
+    assert build_notebook.main(["--results", small_results]) == 0
+    written = nbformat.read(os.path.join(small_results, os.path.basename(build_notebook.NOTEBOOK)), as_version=4)
+    assert "b200-b4" in outputs_text(written)
+    assert open(build_notebook.NOTEBOOK, "rb").read() == committed
+
+
+def test_a_missing_notebook_package_is_one_error_line(tmp_path):
+    blocker = tmp_path / "nbformat"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ImportError('not installed here (test)', name='nbformat')\n")
+    r = subprocess.run([sys.executable, os.path.join(NOTEBOOKS, "build_notebook.py"), "--no-execute",
+                        "--output", str(tmp_path / "nb.ipynb")], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert r.returncode != 0 and not (tmp_path / "nb.ipynb").exists()
+    assert r.stderr.splitlines() == ["error: building the notebook needs nbformat: run make notebook, which installs "
+                                     "requirements-notebook.txt, or pip install -r requirements-notebook.txt"]

@@ -66,10 +66,10 @@ def test_a_run_records_where_its_figures_come_from(tmp_path):
 def test_clock_samples_are_summarized():
     names = {1: "GpuIdle", 4: "SwPowerCap", 8: "HwSlowdown"}
     samples = [(1980, 500.0, 50, 0), (1755, 690.5, 61, 4), (1650, 700.0, 63, 4 | 8), (1700, 698.0, 62, 4)]
-    assert nvml.summarize(samples, names) == {"sm_clock_mhz_median": 1727.5, "power_w_median": 694.25,
+    assert nvml.clock_columns(samples, names) == {"sm_clock_mhz_median": 1727.5, "power_w_median": 694.25,
                                               "temp_c_max": 63, "throttle_reasons": "HwSlowdown SwPowerCap"}
-    assert nvml.summarize([(1980, 500.0, 50, 0)], names)["throttle_reasons"] == "none"
-    assert nvml.summarize([], names) == dict.fromkeys(nvml.COLUMNS)
+    assert nvml.clock_columns([(1980, 500.0, 50, 0)], names)["throttle_reasons"] == "none"
+    assert nvml.clock_columns([], names) == dict.fromkeys(nvml.COLUMNS)
 
 
 @pytest.mark.skipif(nvml.pynvml is None, reason="nvidia-ml-py is not installed")

@@ -116,7 +116,7 @@ def test_loader_with_exactly_one_batch_repeats_it():
 def test_loader_rejects_data_shorter_than_one_batch(n):
     with pytest.raises(DataError, match="BATCH_SIZE") as err:
         TokenLoader(np.arange(n, dtype=np.uint16), 2, 8)
-    assert f"has {n:,} tokens" in str(err.value) and "2 x 8 + 1" in str(err.value)
+    assert f"has {n:,} tokens" in str(err.value) and "BATCH_SIZE=2 x SEQ_LEN=8 + 1" in str(err.value)
 
 
 def test_inputs_targets_shapes_and_values():

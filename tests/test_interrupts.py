@@ -46,13 +46,13 @@ def test_signals_during_the_shutdown_change_nothing_but_the_status(tmp_path, mon
     # One signal while the run's memory is released, another while it is summarized: neither may break
     # the shutdown (a traceback there loses the run's rows).
     monkeypatch.setattr(run_module, "gc", types.SimpleNamespace(collect=_interrupt_self))
-    real_summarize = run_module.summarize
+    real_figures = run_module.add_run_figures
 
-    def summarize(*args):
+    def add_run_figures(*args):
         _interrupt_self()
-        return real_summarize(*args)
+        return real_figures(*args)
 
-    monkeypatch.setattr(run_module, "summarize", summarize)
+    monkeypatch.setattr(run_module, "add_run_figures", add_run_figures)
     assert main("baseline", ["--steps", "3", "--prefix", str(tmp_path)] + TINY) == EXIT_INTERRUPTED
     _assert_interrupted_with_every_step(tmp_path, 3)
     err = capsys.readouterr().err

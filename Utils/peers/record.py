@@ -15,9 +15,9 @@ from Utils.results.gpus import peak_bf16_flops
 from Utils.results.store import ResultsError, check_prefix
 from Utils.train import nvml
 from Utils.train.cli import UsageError, parse_args
-from Utils.train.data import DataError, load_tokens
+from Utils.train.data import DataError, check_enough_tokens, load_tokens
 from Utils.train.provenance import environment, gpu_uuid
-from Utils.train.run import EXIT_FAILED, EXIT_SKIPPED, record, summarize
+from Utils.train.run import EXIT_FAILED, EXIT_SKIPPED, add_run_figures, record
 from Utils.train.usage import fail
 
 # train(cfg, tokens, run, log path, start_sampling) -> ([(step from 0, loss, ms)], peak memory GiB or None), calling
@@ -34,9 +34,7 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
             raise UsageError(f"{name} runs as one process, unprofiled: leave out PARALLEL, NPROC and PROFILE")
         check_prefix(cfg.prefix)
         tokens, data_name = load_tokens(cfg.data, PRESETS[cfg.model].vocab_size, cfg.seed, cfg.data_dir)
-        if len(tokens) < cfg.batch_size * cfg.seq_len + 1:
-            raise UsageError(f"DATA={data_name} has {len(tokens):,} tokens, fewer than one batch needs (BATCH_SIZE="
-                             f"{cfg.batch_size} x SEQ_LEN={cfg.seq_len} + 1): use a smaller BATCH_SIZE or SEQ_LEN")
+        check_enough_tokens(len(tokens), cfg.batch_size, cfg.seq_len, data_name=data_name)
     except (UsageError, ResultsError, DataError) as e:
         return fail(str(e))
     run_id = f"{datetime.now():%Y%m%d-%H%M%S}-{name}-{uuid.uuid4().hex[:6]}"
@@ -67,7 +65,7 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
     rows = _rows(name, run_id, cfg, steps, flops, peak)
     run.update(status=status, message=message, n_params=n_params, peak_mem_reserved_gib=memory,
                flops_per_token=flops)
-    summarize((), cfg, run, rows)
+    add_run_figures((), cfg, run, rows)
     return record(cfg, run, rows, code)
 
 

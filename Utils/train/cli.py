@@ -12,15 +12,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from Utils.model import PRESETS
-from Utils.train.usage import fail
+from Utils.train.usage import Parser, UsageError, fail
 
 EXAMPLE = "e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out"
 DEFAULT_WARMUP = 5
 PROFILE_STEPS = 3
-
-
-class UsageError(Exception):
-    """A bad argument; the message is one line."""
 
 
 @dataclass(frozen=True)
@@ -43,14 +39,9 @@ class RunConfig:
         return asdict(self)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"{message} ({EXAMPLE})")
-
-
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="Train GPT-2 for STEPS steps under one rung of the ladder and "
-                                       "append every step's timing to PREFIX/results.csv.")
+    p = Parser(EXAMPLE, prog=prog, description="Train GPT-2 for STEPS steps under one rung of the ladder and "
+                                                "append every step's timing to PREFIX/results.csv.")
     p.add_argument("--steps", required=True, help="training steps to run and time (STEPS)")
     p.add_argument("--batch-size", required=True, help="sequences per step (BATCH_SIZE)")
     p.add_argument("--prefix", required=True, help="folder for results.csv, runs.csv and the charts (PREFIX)")

@@ -29,6 +29,17 @@ class DataError(Exception):
     """The requested data cannot be had; the message is one line and names the fix."""
 
 
+def check_enough_tokens(n_tokens: int, batch_size: int, seq_len: int, world: int = 1, data_name: str = "") -> None:
+    """Raise DataError unless n_tokens fill one global batch of `world` processes' B x T windows, each with the
+    target after its last token."""
+    if n_tokens >= world * batch_size * seq_len + 1:
+        return
+    processes = f"NPROC={world} x " if world > 1 else ""
+    raise DataError(f"{f'DATA={data_name}' if data_name else 'the data'} has {n_tokens:,} tokens, fewer than one "
+                    f"batch needs ({processes}BATCH_SIZE={batch_size} x SEQ_LEN={seq_len} + 1): use a smaller "
+                    f"BATCH_SIZE or SEQ_LEN{', fewer processes' if world > 1 else ''}, or more text")
+
+
 def default_data_dir() -> str:
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return os.environ.get("DATA_DIR") or os.path.join(repo, "data")
@@ -137,11 +148,7 @@ class TokenLoader:
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, pin_memory: bool = False, rank: int = 0,
                  world: int = 1):
-        need = world * batch_size * seq_len + 1
-        if len(tokens) < need:
-            raise DataError(f"the data has {len(tokens):,} tokens, fewer than one global batch needs "
-                            f"({world} x {batch_size} x {seq_len} + 1): use a smaller BATCH_SIZE or SEQ_LEN, "
-                            f"fewer processes, or more text")
+        check_enough_tokens(len(tokens), batch_size, seq_len, world)
         self.tokens = torch.from_numpy(tokens.astype(np.int64))
         if pin_memory:
             # Pinned once, so every window is a pinned view and its copy to the GPU can be asynchronous.

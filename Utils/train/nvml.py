@@ -102,10 +102,10 @@ class Sampler:
         if self.handle is not None:
             self.handle = None
             pynvml.nvmlShutdown()
-        return summarize(self.samples, _reason_names() if pynvml else {})
+        return clock_columns(self.samples, _reason_names() if pynvml else {})
 
 
-def summarize(samples: list[tuple[float, float, float, int]], names: dict[int, str]) -> dict:
+def clock_columns(samples: list[tuple[float, float, float, int]], names: dict[int, str]) -> dict:
     """runs.csv's columns from (sm clock MHz, power W, temperature C, reasons mask) samples."""
     if not samples:
         return dict.fromkeys(COLUMNS)

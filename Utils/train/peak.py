@@ -25,8 +25,9 @@ import torch
 from Utils.results.gpus import gpu_spec
 from Utils.results.schema import PEAK_COLUMNS, PEAK_FILE
 from Utils.results.store import ResultsError, append_rows, check_file, check_prefix
+from Utils.train.failures import out_of_memory
 from Utils.train.provenance import git_commit, gpu_uuid
-from Utils.train.usage import fail
+from Utils.train.usage import Parser, UsageError, fail
 
 EXAMPLE = "e.g. make peak PREFIX=./out"
 GIB = 2**30
@@ -46,18 +47,9 @@ WARMUP_ITERS = 5    # cuBLAS picks its kernel and the clocks rise during the fir
 TIMED_ITERS = 20    # the median of these is the figure: one slow iteration (a clock dip) moves it little
 
 
-class UsageError(Exception):
-    """A bad argument; the message is one line."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"{message} ({EXAMPLE})")
-
-
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="Measure this machine's bf16 matmul rate and copy bandwidth and append "
-                                       "them to PREFIX/peak.csv, MFU's second denominator.")
+    p = Parser(EXAMPLE, prog=prog, description="Measure this machine's bf16 matmul rate and copy bandwidth and "
+                                                "append them to PREFIX/peak.csv, MFU's second denominator.")
     p.add_argument("--prefix", required=True, help="results folder; the row goes to PREFIX/peak.csv (PREFIX)")
     p.add_argument("--device", default="auto", help="auto, cuda or cpu (DEVICE)")
     p.add_argument("--matmul-n", default=None, help="side of the square bf16 matmul (MATMUL_N; default "
@@ -161,12 +153,6 @@ def measure(device: torch.device, matmul_n: int, copy_gib: float) -> dict:
             "copy_gib": copy_gib, "copy_gb_s": 2 * nbytes / copy_s / 1e9}
 
 
-def _out_of_memory(e: BaseException) -> bool:
-    """Out of device memory, or of host memory: PyTorch's CPU allocator raises a plain RuntimeError."""
-    return (isinstance(e, (torch.OutOfMemoryError, MemoryError))
-            or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)))
-
-
 def _share(rate: float, peak: float | None) -> str:
     return f" ({rate / peak:.0%} of the datasheet's {peak:,.0f})" if peak else ""
 
@@ -210,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rates = measure(device, args.matmul_n, args.copy_gib)
     except (RuntimeError, MemoryError) as e:
-        if not _out_of_memory(e):
+        if not out_of_memory(e):
             raise
         return fail(f"out of memory measuring MATMUL_N={args.matmul_n} COPY_GIB={args.copy_gib:g} on "
                     f"{device.type}: pass smaller sizes")

@@ -25,7 +25,8 @@ from Utils.model import PRESETS, GPTConfig
 from Utils.results import metrics
 from Utils.results.store import ResultsError, append_run, check_prefix
 from Utils.train.cli import RunConfig, UsageError, parse_args
-from Utils.train.data import DataError, TokenLoader, load_tokens
+from Utils.train.data import DataError, TokenLoader, check_enough_tokens, load_tokens
+from Utils.train.failures import compile_failure, first_line, out_of_memory
 from Utils.train.interrupts import EXIT_INTERRUPTED, Interrupts
 from Utils.train import distributed
 from Utils.train.loop import train
@@ -95,7 +96,10 @@ def cold_caches(cold: bool) -> Iterator[None]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def summarize(additions: tuple, cfg: RunConfig, run: dict, rows: list, counts_before: tuple[int, int] = (0, 0)) -> None:
+def add_run_figures(additions: tuple, cfg: RunConfig, run: dict, rows: list,
+                    counts_before: tuple[int, int] = (0, 0)) -> None:
+    """runs.csv's figures of a run from its step rows, into `run`: the measured steps' median and IQR, tokens/s,
+    MFU, compile time and cache, the final loss."""
     measured = [r for r in rows if not r["warmup"]]
     if measured:
         med, iqr = metrics.median_iqr([r["step_ms"] for r in measured])
@@ -126,29 +130,6 @@ def summary_line(run: dict) -> str:
              f"compile {num('compile_s', '.1f', ' s')}",
              f"final loss {num('final_loss', '.4f')}"]
     return "summary | " + " | ".join(parts)
-
-
-def _compile_failure(e):
-    return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
-
-
-def _out_of_memory(e):
-    """Out of device memory, or of host memory: PyTorch's CPU allocator raises a plain RuntimeError."""
-    return (isinstance(e, (torch.OutOfMemoryError, MemoryError))
-            or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)))
-
-
-def _first_line(e):
-    """'Type: first meaningful line' of an exception, looking through the wrappers torch.compile puts around
-    the real error (their own first line ends in 'raised:')."""
-    while True:
-        inner = getattr(e, "inner_exception", None) or e.__cause__
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        if inner is not None and (not lines or lines[0].endswith(":")):
-            e = inner
-            continue
-        text = next((ln for ln in lines if not ln.endswith("raised:")), "")
-        return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
 def _write_error_log(prefix, run_id, rank=0):
@@ -190,19 +171,15 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
     device = torch.device(cfg.device)
     try:
         tokens, data_name = load_tokens(cfg.data, PRESETS[cfg.model].vocab_size, cfg.seed, cfg.data_dir)
+        check_enough_tokens(len(tokens), cfg.batch_size, cfg.seq_len, dist.world_size, data_name)
     except DataError as e:
         return fail(str(e))
     world = dist.world_size
-    if len(tokens) < world * cfg.batch_size * cfg.seq_len + 1:
-        processes = f"NPROC={world} x " if world > 1 else ""
-        return fail(f"DATA={data_name} has {len(tokens):,} tokens, fewer than one batch needs "
-                    f"({processes}BATCH_SIZE={cfg.batch_size} x SEQ_LEN={cfg.seq_len} + 1): use a smaller BATCH_SIZE "
-                    f"or SEQ_LEN, or more text")
     if dist.active:
         try:
             device = distributed.init(dist, cfg.device)
         except Exception as e:
-            return fail(f"rank {dist.rank} cannot join the other processes: {_first_line(e)}")
+            return fail(f"rank {dist.rank} cannot join the other processes: {first_line(e)}")
     run_id = f"{datetime.now():%Y%m%d-%H%M%S}-{name}-{uuid.uuid4().hex[:6]}"
     run = {"run_id": distributed.broadcast_text(run_id, device),
            "optimization": name, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -243,7 +220,7 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
         except KeyboardInterrupt:
             pass   # recorded below, with a signal that came after training
         except Exception as e:
-            if _out_of_memory(e):
+            if out_of_memory(e):
                 peak = peak_memory_gib(device)[0]
                 status, code = "oom", EXIT_OOM
                 message = (f"out of memory at BATCH_SIZE={cfg.batch_size} after {len(rows)} steps"
@@ -252,19 +229,19 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
             else:
                 log = _write_error_log(cfg.prefix, run["run_id"], dist.rank)
                 where = f" (the whole error: {log})" if log else ""
-                if _compile_failure(e) and not rows:
+                if compile_failure(e) and not rows:
                     status, code = "skipped", EXIT_SKIPPED
-                    message = f"torch.compile cannot compile here: {_first_line(e)}{where}"
+                    message = f"torch.compile cannot compile here: {first_line(e)}{where}"
                 else:
                     status, code = "failed", EXIT_FAILED
-                    message = f"{_first_line(e)}{where}"
+                    message = f"{first_line(e)}{where}"
         interrupts.disarm()
         run["peak_mem_allocated_gib"], run["peak_mem_reserved_gib"] = peak_memory_gib(device)
         held.clear()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        summarize(additions, cfg, run, rows, counts_before)
+        add_run_figures(additions, cfg, run, rows, counts_before)
         if interrupts.requested:   # at any moment until now, whatever else its arrival made of the run
             status, code = "interrupted", EXIT_INTERRUPTED
             message = f"interrupted after {len(rows)} of {cfg.steps} steps; the measured steps are kept"

@@ -1,8 +1,24 @@
 """One-line refusals of bad input: the message with its fix on stderr, exit status 2. Imports nothing heavy,
 so that a script can refuse its arguments before torch loads."""
+import argparse
 import sys
 
 EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A bad argument; the message is one line."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose every complaint is a UsageError that ends with an example of a good command."""
+
+    def __init__(self, example: str, **kwargs):
+        super().__init__(**kwargs)
+        self.example = example
+
+    def error(self, message):
+        raise UsageError(f"{message} ({self.example})")
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> int:

@@ -1,0 +1,27 @@
+"""How a run's exceptions are named in runs.csv and on the terminal: out of memory (status oom), torch.compile's
+own failures (skipped at the first step), and the one line a message keeps of any exception."""
+import torch
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Out of device memory, or of host memory: PyTorch's CPU allocator raises a plain RuntimeError."""
+    return (isinstance(e, (torch.OutOfMemoryError, MemoryError))
+            or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)))
+
+
+def compile_failure(e: BaseException) -> bool:
+    """Raised by torch.compile itself (Dynamo or Inductor), not by the code it compiles."""
+    return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
+def first_line(e: BaseException) -> str:
+    """'Type: first meaningful line' of an exception, looking through the wrappers torch.compile puts around
+    the real error (their own first line ends in 'raised:')."""
+    while True:
+        inner = getattr(e, "inner_exception", None) or e.__cause__
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        if inner is not None and (not lines or lines[0].endswith(":")):
+            e = inner
+            continue
+        text = next((ln for ln in lines if not ln.endswith("raised:")), "")
+        return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__

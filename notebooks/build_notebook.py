@@ -140,7 +140,7 @@ CELLS = [
     N = parameters without the position embedding), plus the attention's own two matrix products,
     QKᵀ and AV, which grow with the sequence length (`Utils.results.metrics.flops_per_token`, after the
     PaLM paper). N is counted from the model's shape (`roofline.ModelShape`, the presets of
-    `Utils/model.py`), tensor by tensor as the model holds them, without building the model; the count
+    `Utils/model_config.py`), tensor by tensor as the model holds them, without building the model; the count
     runs.csv recorded on the measuring machine is printed beside it.
     """),
     code(r"""

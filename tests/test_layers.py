@@ -3,7 +3,8 @@
 Data flows one way: rung script -> ladder -> train (model, data, kernels) -> results -> report; a peer (another
 trainer, Utils.peers) runs through train or beside it and records through results. Each layer
 may import the layers its row names, and nothing above it; results and report import no torch, so that
-`make plots` works where torch cannot be imported; the model knows no kernel; no import cycle.
+`make plots` works where torch cannot be imported, and so does the model's configuration (model_config),
+which report reads; the model knows no kernel; no import cycle.
 """
 import ast
 import os
@@ -15,16 +16,18 @@ from conftest import REPO_ROOT
 UTILS = os.path.join(REPO_ROOT, "Utils")
 # Layer -> the Utils layers it may import (itself included). ladder.registry is data only (no imports), so
 # report may read the rung order from it.
+# model_config is the model's configuration as plain data, so report may read the model's sizes from it.
 ALLOWED = {
     "kernels": {"kernels"},
-    "model": {"model"},
-    "ladder": {"ladder", "model", "kernels"},
-    "train": {"train", "ladder", "model", "results"},
-    "peers": {"peers", "train", "ladder", "model", "results"},
+    "model_config": {"model_config"},
+    "model": {"model", "model_config"},
+    "ladder": {"ladder", "model", "model_config", "kernels"},
+    "train": {"train", "ladder", "model", "model_config", "results"},
+    "peers": {"peers", "train", "ladder", "model", "model_config", "results"},
     "results": {"results"},
-    "report": {"report", "results", "ladder.registry"},
+    "report": {"report", "results", "ladder.registry", "model_config"},
 }
-NO_TORCH = ("results", "report")
+NO_TORCH = ("results", "report", "model_config")
 TORCH = ("torch", "triton", "numpy.testing")
 
 

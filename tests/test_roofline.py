@@ -2,7 +2,6 @@
 synthetic configurations and on the committed H200 measurements, and the counts of PyTorch's own operations
 it records, counted again here on the installed torch under a TorchDispatchMode."""
 import os
-import textwrap
 from dataclasses import replace
 
 import numpy as np
@@ -41,36 +40,12 @@ def test_gpt2_parameters_are_counted_as_the_model_counts_them():
     assert GPT2.head_dim == 64
 
 
-def test_presets_are_read_from_the_model_source():
+def test_presets_are_the_models():
     shapes = roofline.presets()
     assert list(shapes) == ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
     assert shapes["gpt2"] == GPT2 and shapes["tiny"] == TINY
     assert roofline.model_shape("gpt2-xl") == ModelShape(48, 25, 1600, 50257, 1024)
     assert roofline.model_shape("gpt3") is None
-
-
-def test_presets_take_the_config_defaults_and_refuse_a_source_they_cannot_read(tmp_path):
-    source = tmp_path / "model.py"
-    source.write_text(textwrap.dedent("""
-        class GPTConfig:
-            block_size: int = 64
-            vocab_size: int = 100
-            n_layer: int = 1
-            n_head: int = 1
-            n_embd: int = 8
-            flash: bool = False
-
-        PRESETS = {"a": GPTConfig(), "b": GPTConfig(n_layer=3, n_embd=16)}
-    """))
-    shapes = roofline.presets(source)
-    assert shapes == {"a": ModelShape(1, 1, 8, 100, 64), "b": ModelShape(3, 1, 16, 100, 64)}
-    source.write_text("PRESETS = {'a': dict(n_layer=1)}\n")
-    with pytest.raises(ValueError, match="GPTConfig"):
-        roofline.presets(source)
-
-
-# ---------------------------------------------------------------------------------------------
-# Which additions a run had
 
 
 def test_matmul_precision():

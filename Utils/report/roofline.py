@@ -17,10 +17,8 @@ floor.
 """
 from __future__ import annotations
 
-import ast
 import math
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -28,10 +26,10 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from Utils.ladder.registry import additions_of
+from Utils.model_config import PRESETS
 from Utils.results.gpus import GPU, gpu_spec
 from Utils.results.metrics import flops_per_token
 
-MODEL_SOURCE = Path(__file__).resolve().parents[1] / "model.py"
 PRECISIONS = ("fp32", "tf32", "bf16")
 GB = 1e9
 
@@ -40,7 +38,7 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a GPT-2 of Utils.model (GPTConfig's fields that set its parameters and FLOPs)."""
+    """The sizes of a GPT-2 of Utils.model (the fields of its GPTConfig that set its parameters and FLOPs)."""
     n_layer: int
     n_head: int
     n_embd: int
@@ -76,31 +74,9 @@ class ModelShape:
         return n - self.block_size * self.n_embd if exclude_position_embedding else n
 
 
-def presets(source: Path = MODEL_SOURCE) -> dict[str, ModelShape]:
-    """Utils.model.PRESETS as shapes, read from the model's source file: importing the model would import
-    torch, which the report layer does without. Raises ValueError when the file no longer holds a GPTConfig
-    dataclass with literal defaults and a PRESETS dict of GPTConfig(...) calls with literal arguments."""
-    tree = ast.parse(Path(source).read_text(encoding="utf-8"), str(source))
-    defaults: dict[str, object] = {}
-    table = None
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == "GPTConfig":
-            for stmt in node.body:
-                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None:
-                    defaults[stmt.target.id] = ast.literal_eval(stmt.value)
-        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "PRESETS" for t in node.targets):
-            table = node.value
-    names = [f.name for f in fields(ModelShape)]
-    if not isinstance(table, ast.Dict) or not set(names) <= set(defaults):
-        raise ValueError(f"{source}: no GPTConfig with defaults for {', '.join(names)} and PRESETS dict to read")
-    shapes = {}
-    for key, call in zip(table.keys, table.values):
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "GPTConfig"
-                and not call.args):
-            raise ValueError(f"{source}: PRESETS[{ast.unparse(key)}] is not a GPTConfig(...) of keyword arguments")
-        values = {**defaults, **{kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}}
-        shapes[ast.literal_eval(key)] = ModelShape(**{n: values[n] for n in names})
-    return shapes
+def presets() -> dict[str, ModelShape]:
+    """Utils.model_config.PRESETS as the roofline's shapes."""
+    return {name: ModelShape(c.n_layer, c.n_head, c.n_embd, c.vocab_size, c.block_size) for name, c in PRESETS.items()}
 
 
 def model_shape(name: str) -> ModelShape | None:

@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import time
 from importlib import metadata
 
 import pytest
@@ -87,6 +88,53 @@ def test_without_nvml_the_columns_stay_blank():
     sampler = nvml.Sampler("GPU-00000000-0000-0000-0000-000000000000")
     sampler.start()
     assert sampler.stop() == dict.fromkeys(nvml.COLUMNS)
+
+
+class _FakeNVML:
+    """nvidia-ml-py's calls the sampler makes, answering as one GPU at its power cap would."""
+
+    class NVMLError(Exception):
+        pass
+
+    NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 1, 0
+    nvmlClocksEventReasonSwPowerCap = 4
+
+    def __init__(self):
+        self.calls = []
+
+    def nvmlInit(self):
+        self.calls.append("init")
+
+    def nvmlShutdown(self):
+        self.calls.append("shutdown")
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return uuid
+
+    def nvmlDeviceGetClockInfo(self, handle, which):
+        return 1500
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return 300_000   # milliwatts
+
+    def nvmlDeviceGetTemperature(self, handle, which):
+        return 60
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+        return 4
+
+
+def test_the_sampler_reads_the_gpu_over_the_window_and_summarizes_it(monkeypatch):
+    fake = _FakeNVML()
+    monkeypatch.setattr(nvml, "pynvml", fake)
+    sampler = nvml.Sampler("GPU-1")
+    assert sampler.samples == []   # the sample taken to prove NVML answers is not the window's
+    sampler.start()
+    time.sleep(3 * nvml.SAMPLE_PERIOD_S)
+    columns = sampler.stop()
+    assert columns == {"sm_clock_mhz_median": 1500.0, "power_w_median": 300.0, "temp_c_max": 60,
+                       "throttle_reasons": "SwPowerCap"}
+    assert len(sampler.samples) >= 2 and fake.calls == ["init", "shutdown"]
 
 
 def _compile_run(prefix, cache, *extra):

@@ -252,7 +252,7 @@ def test_the_chart_carries_every_folders_provenance_whole(tmp_path):
     fig = plot_compare(c)
     foot = fig.get_supxlabel().replace("\n", " ")
     for label, prefix in zip(c.labels, c.prefixes):
-        assert f"{label} = " in foot
+        assert f"{label} = {prefix}:" in foot
     assert "GPU NVIDIA H100 80GB HBM3" in foot and "commit fedcba987654-dirty" in foot and "power 699 W" in foot
     assert "95% bootstrap interval" in foot
     assert not sticks_out(fig)

@@ -247,11 +247,17 @@ def test_a_prefix_that_is_not_utf8_is_refused_before_anything(tmp_path, suite_en
     assert not os.path.exists(prefix)
 
 
-def test_a_binary_data_file_is_refused_naming_it(tmp_path):
+@pytest.mark.parametrize("content,why", [
+    (bytes(range(256)) * 64, "is not a UTF-8 text file"),
+    (b"To be\x00or not\n" * 50, "holds NUL bytes"),    # valid UTF-8, which a binary file can be
+])
+def test_a_binary_data_file_is_refused_naming_it(tmp_path, capsys, content, why):
     binary = tmp_path / "model.bin"
-    binary.write_bytes(bytes(range(256)) * 64)
+    binary.write_bytes(content)
     assert main("baseline", ["--steps", "2", "--batch-size", "1", "--seq-len", "16", "--data", str(binary),
                              "--prefix", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"DATA={binary} {why}" in err[0]
     assert not (tmp_path / "out" / "runs.csv").exists()
 
 

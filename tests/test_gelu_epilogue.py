@@ -129,8 +129,7 @@ def test_compiled_it_calls_both_operators_and_equals_eager():
 
 
 def test_without_a_gpu_the_epilogues_are_unavailable_in_one_line():
-    why = gelu_epilogue.unavailable(CPU)
-    assert why == cublaslt.unavailable(CPU) and "cuBLASLt" in why and "\n" not in why
+    assert gelu_epilogue.unavailable(CPU) == "GEMM epilogues need cuBLASLt on an Ampere or newer GPU"
 
 
 def test_epilogue_constants_are_cublaslt_hs():

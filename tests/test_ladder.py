@@ -788,7 +788,7 @@ def _sdpa_kernel_spy(monkeypatch):
 
 SWAPS = [("gemm_bias_grad",), ("gelu_epilogue",), ("gemm_bias_grad", "gelu_epilogue"), ("packed_attention",),
          ("gemm_bias_grad", "packed_attention"), ("cudnn_attention",), ("loss",), ("vocab_multiple", "loss"),
-         ("bf16_residual",), MAX_MODEL_STAGE]
+         MAX_MODEL_STAGE]
 
 
 @pytest.mark.parametrize("additions", SWAPS, ids=["+".join(a) for a in SWAPS])

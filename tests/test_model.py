@@ -252,13 +252,10 @@ def test_config_rejects_sizes_that_are_not_positive(field, value):
         replace(TINY, **{field: value})
 
 
-def test_presets_are_valid_configs():
-    assert PRESETS["tiny"] == GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=64)
+def test_every_preset_is_the_baselines_model():
+    # Attention written out, the vocabulary unpadded: the additions, not the presets, change them.
     for name, config in PRESETS.items():
-        assert config.n_embd % config.n_head == 0, name
-        # Every preset is the baseline's model: attention written out, the vocabulary unpadded.
         assert config.vocab_size == config.padded_vocab_size == 50257 and not config.flash, name
-        assert replace(config, flash=True).flash
 
 
 def test_the_config_holds_the_model_and_its_two_switches_only():

@@ -15,7 +15,6 @@ if REPO not in sys.path:
 from matplotlib.figure import Figure  # noqa: E402
 
 from conftest import rewrite_as_version_1, run_main, sticks_out, summary_table, summary_text  # noqa: E402
-from Utils.ladder.registry import rung_order  # noqa: E402
 from Utils.report.charts import CHARTS as CHART_PLOTS, plot_step_time  # noqa: E402
 from Utils.report.cli import main  # noqa: E402
 from Utils.report.selection import select  # noqa: E402
@@ -400,11 +399,6 @@ def test_a_failed_write_leaves_the_old_file_whole(tmp_path, monkeypatch):
     with open(os.path.join(p, "speedup.png"), "rb") as f:
         assert f.read() == before
     assert not [n for n in os.listdir(p) if n.startswith(".tmp-")]
-
-
-def test_rung_order_puts_unknown_rungs_last_alphabetically():
-    assert rung_order(["zeta", "max", "8bit", "fused", "baseline", "tf32", "max"]) == [
-        "baseline", "tf32", "fused", "8bit", "max", "zeta"]
 
 
 def test_command_line(tmp_path):

@@ -67,12 +67,15 @@ def test_every_row_has_a_source_and_sane_units():
     for gpu in GPUS:
         assert gpu.source
         # FLOP/s between 10 and 5,000 TFLOP/s, bandwidth between 0.1 and 10 TB/s: a figure off by 1e3 fails.
-        for rate in (gpu.bf16, gpu.tf32, gpu.fp32):
+        for rate in (gpu.bf16, gpu.tf32, gpu.fp32, gpu.fp8):
             assert rate is None or 10 * TERA <= rate <= 5000 * TERA, gpu
         assert gpu.bandwidth is None or 0.1 * TERA <= gpu.bandwidth <= 10 * TERA, gpu
         # Dense tensor-core rates: tf32 at half of bf16, never above it.
         if gpu.bf16 and gpu.tf32:
             assert gpu.tf32 <= gpu.bf16
+        # FP8 at twice bf16's rate on every part that has it (Hopper, Ada, Blackwell, CDNA 3).
+        if gpu.fp8:
+            assert gpu.fp8 == pytest.approx(2 * gpu.bf16, rel=0.02), gpu   # datasheets round (L40S: 733, 362.05)
 
 
 @pytest.mark.parametrize("name,bf16,bandwidth", [

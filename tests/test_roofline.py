@@ -69,6 +69,37 @@ def test_compute_floor_is_the_step_flops_over_the_table_peak():
         roof.compute_floor_ms("fp8")
 
 
+def test_the_gemms_an_addition_runs_in_fp8_count_at_the_fp8_rate_where_the_gpu_has_one():
+    roof = h200_roof()
+    C, L, V = 768, 12, 50257
+    head, qkv_fc = 6 * V * C, L * 2 * (3 * C * C + 4 * C * C)   # the output layer's 3 GEMMs; 2 forward GEMMs
+    assert roof.fp8_flops_per_token(["bf16", "fp8_head"]) == head
+    assert roof.fp8_flops_per_token(RUNGS["max"].additions) == head + qkv_fc
+    assert roof.fp8_flops_per_token(RUNGS["fused"].additions) == 0
+    # Every addition that the registry marks as running FP8 GEMMs has them counted here.
+    assert all(roof.fp8_flops_per_token([a]) > 0 for a in ADDITIONS if ADDITIONS[a].fp8)
+    fp8 = (head + qkv_fc) * roof.tokens
+    want = ((roof.flops_per_step - fp8) / 989.4e12 + fp8 / 1979e12) * 1e3
+    assert roof.compute_floor_ms("bf16", RUNGS["max"].additions) == pytest.approx(want)
+    assert roof.compute_floor_ms("bf16", RUNGS["max"].additions) < roof.compute_floor_ms("bf16")
+    floors = roof.floors({"max": 29.2, "fused": 36.0})
+    assert (floors.at["max", "matmuls"], floors.at["fused", "matmuls"]) == ("bf16+fp8", "bf16")
+    assert floors.at["max", "compute floor ms"] == pytest.approx(want)
+    # Where the GPU has no FP8 units, the additions fall back to bf16, and so does the floor.
+    a100 = h200_roof(gpu="NVIDIA A100-SXM4-80GB")
+    assert a100.floors({"max": 90.0}).at["max", "matmuls"] == "bf16"
+    assert a100.compute_floor_ms("bf16", RUNGS["max"].additions) == pytest.approx(a100.compute_floor_ms("bf16"))
+
+
+def test_a_run_is_floored_by_the_additions_it_recorded_not_its_rungs_today():
+    roof = h200_roof()
+    then = RUNGS["fused"].additions + ("loss_kernel",)   # a max of another time: bf16 only, no folded clip
+    floors = roof.floors({"max": 29.2}, {"max": then})
+    assert floors.at["max", "matmuls"] == "bf16"
+    assert floors.at["max", "memory floor ms"] == pytest.approx(roof.memory_floor_ms(then))
+    assert floors.at["max", "memory floor ms"] != pytest.approx(roof.memory_floor_ms(RUNGS["max"].additions))
+
+
 def test_a_gpu_missing_from_the_table_gets_no_floor_rather_than_a_guess():
     roof = h200_roof(gpu="NVIDIA Tesla T4")
     assert roof.gpu is None

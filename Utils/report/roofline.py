@@ -269,10 +269,30 @@ class Roofline:
         """Values backward reads per layer and token (ACTIVATIONS, in units of the width)."""
         return sum(ACTIVATIONS.values()) * self.shape.n_embd
 
-    def compute_floor_ms(self, precision: str) -> float | None:
-        """FLOPs per step / the GPU's dense rate for `precision`, in ms; None when the rate is unknown."""
+    def fp8_flops_per_token(self, additions: Iterable[str]) -> int:
+        """The FLOPs per token that these additions run in FP8 (a share of flops_per_token): the output layer's
+        three GEMMs (fp8_head), c_attn's and c_fc's forward GEMMs (fp8_qkv_fc), every block's linear layers
+        forward and backward (fp8)."""
+        s = self.shape
+        C = s.n_embd
+        gemms = {"fp8_head": 6 * s.vocab_size * C,             # 2 forward + 4 backward, the tied weight's rows
+                 "fp8_qkv_fc": s.n_layer * 2 * (3 + 4) * C * C,  # forward only: [C -> 3C] and [C -> 4C]
+                 "fp8": s.n_layer * 6 * (3 + 1 + 4 + 4) * C * C}  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+        return sum(gemms[a] for a in set(additions) if a in gemms)
+
+    def uses_fp8(self, additions: Iterable[str]) -> bool:
+        """Whether these additions run GEMMs in FP8 on this GPU: it has an FP8 rate, which a GPU without FP8
+        units (where the additions fall back to bf16) has not."""
+        return bool(self.gpu is not None and self.gpu.fp8 and self.fp8_flops_per_token(additions))
+
+    def compute_floor_ms(self, precision: str, additions: Iterable[str] = ()) -> float | None:
+        """FLOPs per step / the GPU's dense rate for `precision`, in ms, with the share that `additions` run in
+        FP8 at the FP8 rate (uses_fp8); None when a rate is unknown."""
         rate = peak_rate(self.gpu, precision)
-        return self.flops_per_step / rate * 1e3 if rate else None
+        if not rate:
+            return None
+        fp8 = self.fp8_flops_per_token(additions) * self.tokens if self.uses_fp8(additions) else 0
+        return ((self.flops_per_step - fp8) / rate + (fp8 / self.gpu.fp8 if fp8 else 0)) * 1e3
 
     def params_in_8bit_tensors(self) -> int:
         """Parameters in tensors large enough for bitsandbytes' 8-bit states."""
@@ -326,20 +346,23 @@ class Roofline:
         bandwidth = self.gpu.bandwidth if self.gpu is not None else None
         return sum(self.traffic(additions).values()) / bandwidth * 1e3 if bandwidth else None
 
-    def floors(self, measured_ms: Mapping[str, float]) -> pd.DataFrame:
-        """A row per run name of `measured_ms` (name -> median step ms) whose additions are known: the traffic
-        by part in GB, its total, the memory floor, the matmuls' precision, the compute floor and the measured
-        median, all ms. An unknown floor is NaN."""
+    def floors(self, measured_ms: Mapping[str, float],
+               recorded: Mapping[str, Iterable[str]] | None = None) -> pd.DataFrame:
+        """A row per run name of `measured_ms` (name -> median step ms) whose additions are known: those the run
+        recorded (`recorded`, name -> additions), else the registry's for that name. The row: the traffic by
+        part in GB, its total, the memory floor, the matmuls' precision (bf16+fp8 where some run in FP8), the
+        compute floor and the measured median, all ms. An unknown floor is NaN."""
         rows = {}
         for name, ms in measured_ms.items():
-            additions = additions_of(name)
+            additions = (recorded or {}).get(name) or additions_of(name)
             if additions is None:
                 continue
             gb = {f"{part} GB": v / GB for part, v in self.traffic(additions).items()}
             precision = matmul_precision(additions)
             rows[name] = {**gb, "total GB": sum(gb.values()),
-                          "memory floor ms": _nan(self.memory_floor_ms(additions)), "matmuls": precision,
-                          "compute floor ms": _nan(self.compute_floor_ms(precision)), "measured ms": ms}
+                          "memory floor ms": _nan(self.memory_floor_ms(additions)),
+                          "matmuls": precision + ("+fp8" if self.uses_fp8(additions) else ""),
+                          "compute floor ms": _nan(self.compute_floor_ms(precision, additions)), "measured ms": ms}
         return pd.DataFrame.from_dict(rows, orient="index", columns=FLOOR_COLUMNS)
 
 

@@ -227,6 +227,24 @@ def report_of(results: str) -> Report:
     return build_report(*load(results))
 
 
+def recorded_additions(report: Report, rung: str) -> tuple[list[str], str] | None:
+    """(the additions a rung's compared run recorded, its commit), or None where it has no such run or recorded
+    none (a peer's, or a file older than the config column)."""
+    if rung not in report.table.index:
+        return None
+    runs = report.runs.set_index("run_id")
+    run_id = report.table.at[rung, "run_id"]
+    if run_id not in runs.index:
+        return None
+    try:
+        config = json.loads(str(runs.at[run_id, "config"]))
+    except ValueError:
+        return None
+    if not isinstance(config, dict) or not isinstance(config.get("additions"), list):
+        return None
+    return config["additions"], short_commit(runs.at[run_id, "git_commit"])
+
+
 @dataclass
 class Study:
     """One results folder: its report, the floors of its configuration, and the sets beside it."""
@@ -241,7 +259,9 @@ class Study:
         report = report_of(results)
         ref = report.reference
         roof = roofline.Roofline.from_run(ref) if ref is not None else None
-        floors = (roof.floors(report.table["median_step_ms"].to_dict()) if roof is not None
+        # Each run's floors from the additions it recorded, which may differ from its rung's today.
+        recorded = {r: found[0] for r in report.table.index if (found := recorded_additions(report, r))}
+        floors = (roof.floors(report.table["median_step_ms"].to_dict(), recorded) if roof is not None
                   else pd.DataFrame(columns=roofline.FLOOR_COLUMNS))
         return cls(results=os.path.abspath(results), report=report, roofline=roof, floors=floors)
 
@@ -280,27 +300,10 @@ class Study:
         path = companions(self.results)[role]
         return path if os.path.exists(path) and os.path.realpath(path) != os.path.realpath(self.results) else None
 
-    def recorded_additions(self, rung: str) -> tuple[list[str], str] | None:
-        """(the additions a rung's compared run recorded, its commit), or None where it has no such run or
-        recorded none (a peer's, or a file older than the config column)."""
-        if rung not in self.table.index:
-            return None
-        runs = self.report.runs.set_index("run_id")
-        run_id = self.table.at[rung, "run_id"]
-        if run_id not in runs.index:
-            return None
-        try:
-            config = json.loads(str(runs.at[run_id, "config"]))
-        except ValueError:
-            return None
-        if not isinstance(config, dict) or not isinstance(config.get("additions"), list):
-            return None
-        return config["additions"], short_commit(runs.at[run_id, "git_commit"])
-
     def then_and_now(self, rung: str) -> list[str]:
         """A line where a ladder rung's measured run had other additions than the registry gives the rung
         today (a folder measured before the rung changed): the figures belong to the run, not to today's code."""
-        recorded = self.recorded_additions(rung)
+        recorded = recorded_additions(self.report, rung)
         if rung not in RUNGS or recorded is None or set(recorded[0]) == set(RUNGS[rung].additions):
             return []
         then, commit = recorded

@@ -1,10 +1,11 @@
 """GPT-2 as in the paper and nanoGPT: learned position embeddings, pre-LayerNorm blocks, GELU (tanh),
 a token embedding tied to the output layer, no dropout.
 
-The model has one implementation switch, `flash` (attention written out, or
-F.scaled_dot_product_attention), beside its shape (sizes, and the vocabulary padded to `vocab_multiple`
-rows), both in its config (Utils.model_config), and knows nothing of the suite's kernels: an addition that needs a faster implementation swaps a module in from
-outside (Utils.ladder.modules), as gpt-fast's quantize.py swaps its Linear layers.
+The model has one implementation switch, `flash` (attention written out, or F.scaled_dot_product_attention),
+beside its shape (sizes, and the vocabulary padded to `vocab_multiple` rows), both in its config
+(Utils.model_config, plain data that the report reads too). It knows nothing of the suite's kernels: an
+addition that needs a faster implementation swaps a module in from outside (Utils.ladder.modules), as
+gpt-fast's quantize.py swaps its Linear layers.
 """
 import math
 

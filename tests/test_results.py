@@ -201,3 +201,14 @@ def test_store_command_line(tmp_path, capsys):
     (tmp_path / "q" / "runs.csv").write_text("a,b\n")
     assert store.main(["init", str(tmp_path / "q")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+@pytest.mark.parametrize("config,additions", [
+    ('{"run": {}, "additions": ["tf32", "bf16"]}', ["tf32", "bf16"]),
+    ('{"run": {}, "peer": "llmc"}', None),             # a peer records no additions
+    ('{"run": {}, "recipe": "fused"}', None),          # an older row's config
+    ("", None), ("{not json", None), ("[1, 2]", None),
+])
+def test_the_additions_a_run_recorded(config, additions):
+    from Utils.results.read import recorded_additions
+    assert recorded_additions({"config": config}) == additions

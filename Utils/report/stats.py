@@ -12,7 +12,6 @@ NOISY_IQR of its median is flagged as noisy.
 MFU is shown two ways: against the datasheet's dense bf16 peak (Utils.results.gpus) and, where
 `make peak` measured this machine, against the rate it reached on a large bf16 matmul.
 """
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -22,6 +21,7 @@ import pandas as pd
 from Utils.ladder.registry import ADDITIONS, rung_order
 from Utils.report.selection import BASELINE, Excluded, measured, norm, select, steps_by_run
 from Utils.results.gpus import peak_bf16_flops
+from Utils.results.read import recorded_additions
 
 BOOTSTRAP_RESAMPLES = 1000
 BOOTSTRAP_SEED = 0
@@ -187,11 +187,7 @@ def summarize(steps_df: pd.DataFrame, runs_df: pd.DataFrame) -> pd.DataFrame:
 def _fp8_note(rung: str, run: pd.Series) -> list[str]:
     """A line where a GPU run recorded additions that run GEMMs in FP8: its MFU, against the bf16 peak like
     every run's, is then not comparable with an all-bf16 run's."""
-    try:
-        additions = json.loads(str(run.get("config", ""))).get("additions") or []
-    except (ValueError, AttributeError):
-        return []
-    fp8 = [a for a in additions if a in ADDITIONS and ADDITIONS[a].fp8]
+    fp8 = [a for a in recorded_additions(run) or [] if a in ADDITIONS and ADDITIONS[a].fp8]
     if not fp8 or str(run.get("device", "")) != "cuda":
         return []
     return [f"{rung}: MFU is against the bf16 peak, as every run's; {', '.join(fp8)} run some GEMMs in FP8, whose "

@@ -27,7 +27,7 @@ from Utils.report import roofline
 from Utils.report.breakdown import load_breakdown, plot_breakdown
 from Utils.report.charts import CHARTS, plot_loss, rung_colors
 from Utils.report.stats import Report, build_report, short_commit, summarize
-from Utils.results.read import load
+from Utils.results.read import load, recorded_additions
 from Utils.results.schema import BREAKDOWN_FILE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -227,22 +227,13 @@ def report_of(results: str) -> Report:
     return build_report(*load(results))
 
 
-def recorded_additions(report: Report, rung: str) -> tuple[list[str], str] | None:
-    """(the additions a rung's compared run recorded, its commit), or None where it has no such run or recorded
-    none (a peer's, or a file older than the config column)."""
+def compared_run(report: Report, rung: str) -> pd.Series | None:
+    """The runs.csv row of a rung's compared run (the latest of its repeats), or None where it has none."""
     if rung not in report.table.index:
         return None
-    runs = report.runs.set_index("run_id")
+    runs = report.runs.set_index("run_id", drop=False)
     run_id = report.table.at[rung, "run_id"]
-    if run_id not in runs.index:
-        return None
-    try:
-        config = json.loads(str(runs.at[run_id, "config"]))
-    except ValueError:
-        return None
-    if not isinstance(config, dict) or not isinstance(config.get("additions"), list):
-        return None
-    return config["additions"], short_commit(runs.at[run_id, "git_commit"])
+    return runs.loc[run_id] if run_id in runs.index else None
 
 
 @dataclass
@@ -260,7 +251,8 @@ class Study:
         ref = report.reference
         roof = roofline.Roofline.from_run(ref) if ref is not None else None
         # Each run's floors from the additions it recorded, which may differ from its rung's today.
-        recorded = {r: found[0] for r in report.table.index if (found := recorded_additions(report, r))}
+        runs = {r: compared_run(report, r) for r in report.table.index}
+        recorded = {r: found for r, run in runs.items() if run is not None and (found := recorded_additions(run))}
         floors = (roof.floors(report.table["median_step_ms"].to_dict(), recorded) if roof is not None
                   else pd.DataFrame(columns=roofline.FLOOR_COLUMNS))
         return cls(results=os.path.abspath(results), report=report, roofline=roof, floors=floors)
@@ -303,10 +295,11 @@ class Study:
     def then_and_now(self, rung: str) -> list[str]:
         """A line where a ladder rung's measured run had other additions than the registry gives the rung
         today (a folder measured before the rung changed): the figures belong to the run, not to today's code."""
-        recorded = recorded_additions(self.report, rung)
-        if rung not in RUNGS or recorded is None or set(recorded[0]) == set(RUNGS[rung].additions):
+        run = compared_run(self.report, rung)
+        then = recorded_additions(run) if run is not None else None
+        if rung not in RUNGS or then is None or set(then) == set(RUNGS[rung].additions):
             return []
-        then, commit = recorded
+        commit = short_commit(run["git_commit"])
         added = [a for a in RUNGS[rung].additions if a not in then]
         dropped = [a for a in then if a not in RUNGS[rung].additions]
         return [f"measured at commit {commit or 'unknown'}, when {rung} had other additions than today's: since "

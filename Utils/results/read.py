@@ -1,8 +1,9 @@
 """Reading the results files back as pandas frames, with the columns of Utils.results.schema: the numeric
 ones as floats (a blank cell is NaN), the others as text ('' when blank). A damaged file is refused with a
 one-line error naming the file, the line and the fix; nothing is guessed or dropped."""
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
@@ -93,3 +94,14 @@ def measured_peak(peaks: pd.DataFrame | None, gpu_name: str, gpu_uuid: str = "")
         if same is not None and not same.empty:
             return same.iloc[-1]
     return None
+
+
+def recorded_additions(run: Mapping) -> list[str] | None:
+    """The additions a runs.csv row recorded in its config column, or None where it recorded none (a peer's run,
+    a row older than the column, a damaged cell)."""
+    try:
+        config = json.loads(str(run.get("config", "")))
+    except ValueError:
+        return None
+    additions = config.get("additions") if isinstance(config, dict) else None
+    return [str(a) for a in additions] if isinstance(additions, list) else None

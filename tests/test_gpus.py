@@ -45,6 +45,7 @@ def test_a_real_name_gets_its_own_row(name, fragment):
                                   # other parts whose names hold a row's fragment: none of its figures
                                   "NVIDIA GeForce RTX 4090 Laptop GPU", "NVIDIA GeForce RTX 3080 Ti",
                                   "NVIDIA GeForce RTX 3090 Ti", "NVIDIA GeForce RTX 4080 SUPER", "NVIDIA GB200",
+                                  "NVIDIA GeForce RTX 4090 D", "NVIDIA GeForce RTX 4080 Super",
                                   "NVIDIA RTX A6000X", "NVIDIA L40G"])
 def test_an_unknown_gpu_has_no_figures(name):
     assert gpu_spec(name) is None

@@ -291,8 +291,13 @@ def test_a_run_with_fp8_gemms_says_its_mfu_is_against_the_bf16_peak(tmp_path):
     rc, out, err = run_main(p)
     assert rc == 0, err
     notes = summary_text(p).split("## Notes")[1]
-    assert "- max: MFU is against the bf16 peak, as every run's; fp8_head run some GEMMs in FP8" in notes
+    assert ("- max: MFU is against the bf16 peak, as every run's, but fp8_head ran some GEMMs in FP8, whose peak is "
+            "twice bf16's") in notes
     assert "- fused:" not in notes and "- baseline:" not in notes
+    # A run whose FP8 addition noted it ran in bf16 instead (a GPU without FP8 units) gets no such line.
+    add_run(p, "max", [1, 10, 10, 10], config=json.dumps({"additions": ["bf16", "fp8_head"], "fell_back": ["fp8_head"]}))
+    assert run_main(p)[0] == 0
+    assert "MFU is against the bf16 peak" not in summary_text(p)
 
 
 def test_no_baseline_leaves_speedups_out_and_still_draws(tmp_path):

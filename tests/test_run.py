@@ -144,14 +144,16 @@ def test_a_loss_that_turns_nan_fails_the_run_and_keeps_its_steps(tmp_path, capsy
 
 
 def test_make_custom_runs_exactly_its_additions_and_records_how_to_repeat_it(tmp_path, suite_env):
-    r = subprocess.run(["make", "--no-print-directory", f"PYTHON={sys.executable}", "custom", "WITH=flash bf16",
+    r = subprocess.run(["make", "--no-print-directory", f"PYTHON={sys.executable}", "custom", "WITH=flash bf16 tf32",
                         "STEPS=2", "BATCH_SIZE=2", "SEQ_LEN=16", "DATA=synthetic", f"PREFIX={tmp_path}"],
                        cwd=REPO_ROOT, env=suite_env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     (run,) = read_csv(tmp_path / "runs.csv")
-    assert run["optimization"] == "baseline+bf16+flash"
-    assert json.loads(run["config"])["additions"] == ["bf16", "flash"]
-    assert run["command"].startswith("python -m Utils.train --with 'flash bf16' --steps 2")
+    assert run["optimization"] == "bf16+flash"   # the bf16 rung (tf32 and bf16) plus flash
+    config = json.loads(run["config"])
+    assert config["additions"] == ["tf32", "bf16", "flash"]
+    assert config["fell_back"] == ["tf32"] and "TF32 has no effect on a CPU" in run["notes"]   # what ran instead
+    assert run["command"].startswith("python -m Utils.train --with 'flash bf16 tf32' --steps 2")
     bad = subprocess.run(["make", "--no-print-directory", f"PYTHON={sys.executable}", "custom", "WITH=bf16 turbo",
                           "STEPS=2", "BATCH_SIZE=2", f"PREFIX={tmp_path}"], cwd=REPO_ROOT, env=suite_env,
                          capture_output=True, text=True, timeout=300)
@@ -194,5 +196,12 @@ def test_the_recorded_commit_names_a_changed_tree_by_its_changes(tmp_path, monke
     (tmp_path / "untracked.txt").write_text("not the code")
     (tmp_path / "a.py").write_text("x = 1\n")
     assert provenance.git_commit() == sha                     # untracked files change nothing
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "runs.csv").write_text("run_id\n")
+    for args in (["add", "results"], ["commit", "-qm", "results"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    sha = subprocess.run(git + ["rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (tmp_path / "results" / "runs.csv").write_text("run_id\nr1\n")
+    assert provenance.git_commit() == sha                     # a run appended to committed results: the same code
     monkeypatch.setenv("GIT_COMMIT", "from-the-environment")
     assert provenance.git_commit() == "from-the-environment"

@@ -53,6 +53,7 @@ class Build:
     source: object = None                          # where batches come from: next_batch() -> token window
     sync_every: int = 1
     notes: list = field(default_factory=list)
+    fell_back: list = field(default_factory=list)  # the additions whose apply function noted what runs instead
 
     def autocast(self) -> torch.autocast:
         if self.autocast_dtype is None:
@@ -78,6 +79,7 @@ def build(additions: Iterable[str], device: torch.device, config: GPTConfig, see
                 note = globals()[f"apply_{a}"](b)
                 if note:
                     b.notes.append(note)
+                    b.fell_back.append(a)
 
     stage("settings")
     torch.manual_seed(seed)

@@ -12,7 +12,7 @@ NOISY_IQR of its median is flagged as noisy.
 MFU is shown two ways: against the datasheet's dense bf16 peak (Utils.results.gpus) and, where
 `make peak` measured this machine, against the rate it reached on a large bf16 matmul.
 """
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -128,7 +128,6 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataF
             step_frames.append(run_steps.assign(optimization=rung))
             if run["notes"].strip():
                 notes.append(f"{rung}: {one_line(run['notes'])}")
-            notes += _fp8_note(rung, run)
             notes += [f"{rung}: run {r['run_id']} is noisy: its steps' IQR is {q:.1%} of their median "
                       f"(over {NOISY_IQR:.0%})" for r, q in _noisy_runs(sel.repeats.get(rung) or [run], each)]
         else:
@@ -154,6 +153,7 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataF
         notes.append(f"{superseded} older ok run(s) of the same configuration were superseded "
                      f"by a later run of their rung")
     notes += _repeat_notes(sel.repeats, by_run)
+    notes += _fp8_note(sel.chosen)
 
     table = pd.DataFrame.from_dict(rows, orient="index", columns=SUMMARY_COLUMNS)
     table.index.name = "optimization"
@@ -184,15 +184,23 @@ def summarize(steps_df: pd.DataFrame, runs_df: pd.DataFrame) -> pd.DataFrame:
     return build_report(steps_df, runs_df).table
 
 
-def _fp8_note(rung: str, run: pd.Series) -> list[str]:
-    """A line where a GPU run recorded additions that run GEMMs in FP8: its MFU, against the bf16 peak like
-    every run's, is then not comparable with an all-bf16 run's."""
-    fp8 = [a for a in recorded_additions(run) or [] if a in ADDITIONS and ADDITIONS[a].fp8]
-    if not fp8 or str(run.get("device", "")) != "cuda":
+def fp8_additions(run: pd.Series) -> list[str]:
+    """The additions that ran GEMMs in FP8 in a GPU run (none that noted it fell back to bf16)."""
+    if str(run.get("device", "")) != "cuda":
         return []
-    return [f"{rung}: MFU is against the bf16 peak, as every run's; {', '.join(fp8)} run some GEMMs in FP8, whose "
-            f"peak is twice bf16's (where the run's notes say it fell back, in bf16), so its MFU is not "
-            f"comparable with an all-bf16 run's"]
+    return [a for a in recorded_additions(run, ran=True) or [] if a in ADDITIONS and ADDITIONS[a].fp8]
+
+
+def _fp8_note(runs: Mapping[str, pd.Series]) -> list[str]:
+    """One line naming the rungs whose runs ran GEMMs in FP8: their MFU, against the bf16 peak like every
+    run's, is not comparable with an all-bf16 run's."""
+    found = {rung: fp8_additions(run) for rung, run in runs.items()}
+    rungs = [rung for rung, fp8 in found.items() if fp8]
+    if not rungs:
+        return []
+    names = sorted({a for fp8 in found.values() for a in fp8})
+    return [f"{', '.join(rungs)}: MFU is against the bf16 peak, as every run's, but {', '.join(names)} ran some "
+            f"GEMMs in FP8, whose peak is twice bf16's: an MFU not comparable with an all-bf16 run's"]
 
 
 def _repeat_notes(repeats, by_run):

@@ -250,9 +250,10 @@ class Study:
         report = report_of(results)
         ref = report.reference
         roof = roofline.Roofline.from_run(ref) if ref is not None else None
-        # Each run's floors from the additions it recorded, which may differ from its rung's today.
+        # Each run's floors from the additions that ran in it, which may differ from its rung's today.
         runs = {r: compared_run(report, r) for r in report.table.index}
-        recorded = {r: found for r, run in runs.items() if run is not None and (found := recorded_additions(run))}
+        recorded = {r: found for r, run in runs.items()
+                    if run is not None and (found := recorded_additions(run, ran=True))}
         floors = (roof.floors(report.table["median_step_ms"].to_dict(), recorded) if roof is not None
                   else pd.DataFrame(columns=roofline.FLOOR_COLUMNS))
         return cls(results=os.path.abspath(results), report=report, roofline=roof, floors=floors)

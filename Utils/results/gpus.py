@@ -20,7 +20,7 @@ class GPU:
     fp32: float | None         # fp32 FLOP/s on the ordinary units
     bandwidth: float | None    # device memory bytes/s
     source: str
-    fp8: float | None = None   # dense FP8 tensor-core FLOP/s with fp32 accumulation; None where there is none
+    fp8: float | None = None   # dense FP8 tensor-core FLOP/s, fp32 accumulation; None: no FP8 units (before Ada)
 
 
 _H100_SXM = "NVIDIA H100 Tensor Core GPU datasheet (SXM)"
@@ -46,14 +46,15 @@ GPUS = [
     GPU("A100", 312 * TERA, 156 * TERA, 19.5 * TERA, 1.555 * TERA, "NVIDIA A100 datasheet (40 GB)"),
     GPU("A800", 312 * TERA, 156 * TERA, 19.5 * TERA, None, "NVIDIA A800 datasheet"),
     GPU("L40S", 362.05 * TERA, 183 * TERA, 91.6 * TERA, 0.864 * TERA, "NVIDIA L40S datasheet", fp8=733 * TERA),
-    GPU("L40", 181.05 * TERA, 90.5 * TERA, 90.5 * TERA, 0.864 * TERA, "NVIDIA L40 datasheet"),
+    GPU("L40", 181.05 * TERA, 90.5 * TERA, 90.5 * TERA, 0.864 * TERA, "NVIDIA L40 datasheet", fp8=362 * TERA),
     GPU("L4", 121 * TERA, 60 * TERA, 30.3 * TERA, 0.300 * TERA, "NVIDIA L4 datasheet", fp8=242.5 * TERA),
     GPU("A10G", 70 * TERA, None, 31.2 * TERA, 0.600 * TERA, "AWS EC2 G5 (A10G) specifications"),
     GPU("A10", 125 * TERA, 62.5 * TERA, 31.2 * TERA, 0.600 * TERA, "NVIDIA A10 datasheet"),
     GPU("A6000", 154.8 * TERA, 77.4 * TERA, 38.7 * TERA, 0.768 * TERA, "NVIDIA RTX A6000 datasheet"),
     GPU("RTX 4090", 165.2 * TERA, 82.6 * TERA, 82.6 * TERA, 1.008 * TERA, "NVIDIA Ada Lovelace architecture whitepaper",
         fp8=330.3 * TERA),
-    GPU("RTX 4080", 97.5 * TERA, 48.7 * TERA, 48.7 * TERA, 0.717 * TERA, "NVIDIA Ada Lovelace architecture whitepaper"),
+    GPU("RTX 4080", 97.5 * TERA, 48.7 * TERA, 48.7 * TERA, 0.717 * TERA, "NVIDIA Ada Lovelace architecture whitepaper",
+        fp8=194.9 * TERA),
     GPU("RTX 3090", 71 * TERA, 35.6 * TERA, 35.6 * TERA, 0.936 * TERA, "NVIDIA Ampere GA102 architecture whitepaper"),
     GPU("RTX 3080", 59.5 * TERA, 29.8 * TERA, 29.8 * TERA, 0.760 * TERA, "NVIDIA Ampere GA102 architecture whitepaper"),
     # Laptop parts run at the clock their maker sets; the rate is at the top of NVIDIA's boost range.
@@ -64,8 +65,8 @@ GPUS = [
 
 
 # A word after a model number that makes it another part, with other figures: an RTX 3080 Ti is not an
-# RTX 3080, nor an RTX 4090 Laptop GPU an RTX 4090.
-VARIANTS = ("Ti", "SUPER", "Super", "Laptop", "Mobile", "Max-Q")
+# RTX 3080, nor an RTX 4090 Laptop GPU (or the RTX 4090 D, with fewer SMs) an RTX 4090.
+VARIANTS = ("ti", "super", "laptop", "mobile", "max-q", "d")   # compared in lower case
 
 
 def _names(fragment: str, gpu_name: str) -> bool:
@@ -75,7 +76,7 @@ def _names(fragment: str, gpu_name: str) -> bool:
     if not found:
         return False
     rest = gpu_name[found.end():].split()
-    return not (rest and rest[0] in VARIANTS)
+    return not (rest and rest[0].lower() in VARIANTS)
 
 
 def gpu_spec(gpu_name: str | None) -> GPU | None:

@@ -96,12 +96,16 @@ def measured_peak(peaks: pd.DataFrame | None, gpu_name: str, gpu_uuid: str = "")
     return None
 
 
-def recorded_additions(run: Mapping) -> list[str] | None:
-    """The additions a runs.csv row recorded in its config column, or None where it recorded none (a peer's run,
-    a row older than the column, a damaged cell)."""
+def recorded_additions(run: Mapping, ran: bool = False) -> list[str] | None:
+    """The additions a runs.csv row recorded in its config column; with `ran`, without those that noted what
+    ran instead on that machine (fell_back: FP8 in bf16 on a GPU without FP8, TF32 on a CPU). None where it
+    recorded none (a peer's run, a row older than the column, a damaged cell)."""
     try:
         config = json.loads(str(run.get("config", "")))
     except ValueError:
         return None
     additions = config.get("additions") if isinstance(config, dict) else None
-    return [str(a) for a in additions] if isinstance(additions, list) else None
+    if not isinstance(additions, list):
+        return None
+    fell_back = set(config.get("fell_back") or ()) if ran else set()
+    return [str(a) for a in additions if a not in fell_back]

@@ -66,7 +66,8 @@ RUN_SCHEMA = (
     Column("notes", False, "what could not apply on this machine, and what ran instead"),
     Column("git_commit", False, "commit of the code that ran, with -dirty- and the changes' hash for uncommitted changes"),
     Column("command", False, "the command line"),
-    Column("config", False, 'JSON: {"run": settings, "additions": [names]} ({"run", "recipe"} in older runs)'),
+    Column("config", False, 'JSON: {"run": settings, "additions": [names], "fell_back": [the additions that noted '
+                            'what ran instead]} ({"run", "recipe"} in older runs)'),
     Column("schema_version", True, "the schema version that wrote the row (blank: 1)", since=2),
     Column("window_wall_s", True, "wall-clock seconds of the measured steps, from the last warm-up step's end "
            "to the last step's end (perf_counter after synchronizing); the measured step_ms add up to it", since=2),

@@ -23,15 +23,19 @@ DISTRIBUTIONS = {"triton_version": "triton", "bitsandbytes_version": "bitsandbyt
 def git_commit() -> str:
     """The commit the code ran from; with uncommitted changes to tracked files, -dirty- and 8 hex digits of
     the changes' hash, so that runs of one changed tree are known as such (make's REPEAT groups them) and
-    runs of two differently changed trees are not. GIT_COMMIT wins for copies of the tree that carry no .git;
-    blank when neither says."""
+    runs of two differently changed trees are not. The committed results/ are not the code: a run appending
+    to a folder there changes no name. GIT_COMMIT wins for copies of the tree that carry no .git; blank when
+    neither says."""
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
                              text=True, timeout=10).stdout.strip()
-        diff = subprocess.run(["git", "diff", "HEAD", "--binary"], cwd=REPO, capture_output=True,
-                              timeout=30).stdout
+        # The diff as git itself writes it: no external diff tool, text conversion or color from the user's
+        # configuration, which could give two different changes one text.
+        diff = subprocess.run(["git", "diff", "HEAD", "--binary", "--no-ext-diff", "--no-textconv", "--no-color",
+                               "--", ".", ":(exclude)results"], cwd=REPO, capture_output=True, timeout=30,
+                              check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
     return f"{sha}-dirty-{hashlib.sha1(diff).hexdigest()[:8]}" if sha and diff else sha

@@ -210,6 +210,8 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
                 distributed.barrier()   # every rank built: the first step's collectives wait for no set-up
                 run["n_params"] = held["build"].model.num_params(exclude_position_embedding=False)
                 run["notes"] = "; ".join(([peer.about()] if peer else []) + held["build"].notes)
+                run["config"] = json.dumps({**json.loads(run["config"]), "fell_back": held["build"].fell_back},
+                                           sort_keys=True)
                 for note in held["build"].notes if dist.main else ():
                     print(f"note: {note}")
                 trace = train(held["build"], cfg, run, rows)

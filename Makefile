@@ -90,11 +90,12 @@ endef
 
 # The charts after several runs; with PROFILE=1 none, since profiled runs are recorded in breakdown.md only.
 # plot_results.py itself, not $(MAKE) plots, so that make -n peers runs nothing. make runs a recipe line
-# that names $(MAKE) even under -n (make all, make scaling): there DRY_RUN makes the charts an echo.
-# The test of MAKEFLAGS is the GNU make manual's (section "Conditionals that Test Flags").
+# that names $(MAKE) even under -n: in those (make all, make scaling), DRY_RUN makes the charts an echo
+# (charts_beside_make). The test of MAKEFLAGS is the GNU make manual's ("Conditionals that Test Flags").
 DRY_RUN := $(findstring n,$(firstword -$(MAKEFLAGS)))
-plot = $(if $(DRY_RUN),echo )$(PYTHON) plot_results.py --prefix $(call q,PREFIX)
+plot = $(PYTHON) plot_results.py --prefix $(call q,PREFIX)
 charts = $(if $(filter 1 yes true,$(PROFILE)),echo "PROFILE=1: no charts (the profiled runs are in breakdown.md only)";,$(plot) || failed="$$failed plots";)
+charts_beside_make = $(if $(DRY_RUN),echo $(plot);,$(charts))
 
 # With PROFILE=1, the report splits the trace a run left into breakdown.csv, breakdown.md and breakdown.png:
 # the training loop writes the trace only (Utils.report.breakdown).
@@ -150,11 +151,11 @@ scaling: require-run
 	@if [ $(words $(RUNG)) != 1 ] || [ -z "$(filter $(strip $(RUNG)),$(RUNGS))" ]; then echo 'error: RUNG must name one rung ($(RUNGS)), e.g. make scaling RUNG=max NPROC="1 2" STEPS=60 BATCH_SIZE=16 PREFIX=./out' >&2; exit 2; fi
 	@if [ -z "$(strip $(NPROC))" ]; then echo 'error: NPROC is required: the GPU counts to run, e.g. NPROC="1 2 4 8"' >&2; exit 2; fi
 	@for n in $(NPROC); do $(PYTHON) -m Utils.train.distributed check "$$n" '$(or $(PARALLEL),ddp)' '$(or $(DEVICE),auto)' $(RUNG) || exit $$?; done
-	$(call each,scaling,$(NPROC),$(MAKE) --no-print-directory $(RUNG) NPROC=$$x PARALLEL=$(or $(PARALLEL),ddp) $${data:+DATA=$$data},$(charts))
+	$(call each,scaling,$(NPROC),$(MAKE) --no-print-directory $(RUNG) NPROC=$$x PARALLEL=$(or $(PARALLEL),ddp) $${data:+DATA=$$data},$(charts_beside_make))
 
 all: require-run
 	$(call check_parallel,)
-	$(call each,all,$(RUNGS),$(MAKE) --no-print-directory $$x $${data:+DATA=$$data},$(charts))
+	$(call each,all,$(RUNGS),$(MAKE) --no-print-directory $$x $${data:+DATA=$$data},$(charts_beside_make))
 
 # Each addition tried for the max rung alone on top of the fused rung, as rungs fused+<addition>, after a
 # run of the fused rung itself: every "vs fused" then divides runs of one commit on one machine, back to
@@ -214,13 +215,14 @@ clean: require-prefix
 	$(call remove,$(CHARTS) .tmp-*)
 
 reset: require-prefix
-	$(call remove,$(CHARTS) results.csv runs.csv breakdown.csv peak.csv trace_*.json.gz *.error.log *-peer-*.log .results.lock .tmp-* .rank-failure-*)
+	$(call remove,$(CHARTS) results.csv runs.csv breakdown.csv peak.csv trace_*.json.gz *.error.log [0-9]*-peer-*.log Optimizing_GPU_Utilization.ipynb .results.lock .tmp-* .rank-failure-*)
 
 # Re-executes the notebook against RESULTS, saving its outputs: in place for the default results/h200-b16,
 # else into RESULTS/Optimizing_GPU_Utilization.ipynb (the committed file stays as it is). The file depends on
 # the cells and the results only, so a second run against the same results changes nothing.
 notebook:
-	@PIP_DISABLE_PIP_VERSION_CHECK=1 $(PYTHON) -m pip install -q -r requirements-notebook.txt
+	@$(PYTHON) -c "import nbformat, nbclient, ipykernel" 2>/dev/null || \
+		PIP_DISABLE_PIP_VERSION_CHECK=1 $(PYTHON) -m pip install -q -r requirements-notebook.txt
 	$(PYTHON) notebooks/build_notebook.py $(if $(RESULTS),--results $(call q,RESULTS))
 
 # PyPI's torch for Linux is the CUDA build (several GB with its libraries): where no NVIDIA GPU answers,

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from Utils.model_config import PRESETS, GPTConfig  # noqa: F401 (PRESETS: the model's presets, imported from here)
+from Utils.model_config import GPTConfig
 
 
 class CausalSelfAttention(nn.Module):

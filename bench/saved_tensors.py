@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from Utils.ladder.apply import build  # noqa: E402
 from Utils.ladder.registry import RUNGS, RegistryError, resolve, run_name  # noqa: E402
-from Utils.model import PRESETS  # noqa: E402
+from Utils.model_config import PRESETS  # noqa: E402
 
 
 def saved_by_step(additions: tuple, model: str, batch: int, seq_len: int, device: torch.device) -> list[tuple]:

@@ -1,4 +1,4 @@
-"""Writes notebooks/Optimizing_GPU_Utilization.ipynb from the cells below, and executes it in place.
+"""Writes notebooks/Optimizing_GPU_Utilization.ipynb from the cells below, and executes it against a results folder.
 
     python notebooks/build_notebook.py                 build, execute against results/h200-b16, save with outputs
     python notebooks/build_notebook.py --no-execute    build only (no outputs)
@@ -15,16 +15,20 @@ kernel splits them depends on timing), and stderr is echoed here instead of bein
 again against the same results leaves the checkout unchanged.
 """
 import argparse
+import importlib.util
 import os
 import sys
 import tempfile
 import textwrap
 
+# make install leaves the notebook's packages (requirements-notebook.txt) to make notebook and make test.
 try:
     import nbformat
     from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-except ImportError as e:   # make install leaves the notebook's packages to make notebook and make test
-    sys.exit(f"error: building the notebook needs {e.name}: run make notebook, which installs "
+    if importlib.util.find_spec("ipykernel") is None:   # the kernel that executes the cells, found by name
+        raise ImportError("ipykernel is missing", name="ipykernel")
+except ImportError as e:
+    sys.exit(f"error: building the notebook needs {e.name or e}: run make notebook, which installs "
              f"requirements-notebook.txt, or pip install -r requirements-notebook.txt")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -571,8 +575,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         args.results = found
     if args.output is None:   # another folder's notebook goes beside its results, not over the committed one
-        other = args.results and os.path.realpath(args.results) != os.path.realpath(os.path.join(REPO, DEFAULT_RESULTS))
-        args.output = os.path.join(args.results, os.path.basename(NOTEBOOK)) if other else NOTEBOOK
+        folder = args.results or results
+        other = folder and os.path.realpath(folder) != os.path.realpath(os.path.join(REPO, DEFAULT_RESULTS))
+        args.output = os.path.join(folder, os.path.basename(NOTEBOOK)) if other else NOTEBOOK
     nb = build()
     if not args.no_execute:
         env = {**os.environ, "RESULTS": os.path.abspath(args.results)} if args.results else None

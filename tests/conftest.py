@@ -13,7 +13,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from Utils.model import GPT, PRESETS
+from Utils.model import GPT
+from Utils.model_config import PRESETS
 from Utils.results.schema import RUN_SCHEMA, STEP_SCHEMA, headers
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,7 @@ import torch
 from conftest import run_interpreted
 from Utils.ladder.apply import GRAD_CLIP, build
 from Utils.ladder.registry import RegistryError, resolve
-from Utils.model import PRESETS
+from Utils.model_config import PRESETS
 
 CPU = torch.device("cpu")
 SMALL = replace(PRESETS["tiny"], vocab_size=97)
@@ -24,7 +24,7 @@ MODEL_CHECKS = """
     import torch
     from Utils.kernels import chunked_loss, loss_kernel
     from Utils.ladder.apply import build
-    from Utils.model import GPTConfig
+    from Utils.model_config import GPTConfig
 
     chunked_loss.CHUNK_ROWS = 50   # the 64 tokens in two chunks, the last one short
     calls = []

@@ -19,7 +19,8 @@ from Utils.ladder import apply, modules, registry
 from Utils.ladder.apply import GRAD_CLIP, Build, Unavailable, build
 from Utils.ladder.registry import (ABLATION, ADDITIONS, additions_of, LADDER, LEAVE_ONE_OUT, MAX_ADDITIONS, RUNGS, STAGES, Addition, RegistryError,
                                    resolve, rung_order, run_name)
-from Utils.model import GPT, MLP, PRESETS, CausalSelfAttention, OutputLoss
+from Utils.model import GPT, MLP, CausalSelfAttention, OutputLoss
+from Utils.model_config import PRESETS
 
 CPU = torch.device("cpu")
 SMALL = replace(PRESETS["tiny"], vocab_size=97)   # the tiny model with a vocabulary that builds in milliseconds

@@ -7,7 +7,8 @@ from Utils.results.metrics import flops_per_token, median_iqr, mfu
 def test_flops_per_token_for_gpt2_124m():
     import torch
 
-    from Utils.model import GPT, PRESETS
+    from Utils.model import GPT
+    from Utils.model_config import PRESETS
     with torch.device("meta"):
         model = GPT(PRESETS["gpt2"])
     n = model.num_params()                       # without the position embedding

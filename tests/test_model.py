@@ -16,7 +16,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from Utils.model import GPT, PRESETS, GPTConfig  # noqa: E402
+from Utils.model import GPT  # noqa: E402
+from Utils.model_config import PRESETS, GPTConfig  # noqa: E402
 from Utils.kernels import chunked_loss  # noqa: E402
 from Utils.ladder.modules import ChunkedLoss  # noqa: E402
 

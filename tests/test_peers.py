@@ -16,7 +16,8 @@ import torch
 
 from conftest import REPO_ROOT, clean_env, make, read_csv, summary_table
 from Utils.ladder.apply import Unavailable
-from Utils.model import GPT, PRESETS
+from Utils.model import GPT
+from Utils.model_config import PRESETS
 from Utils.peers import llmc
 from Utils.peers.hf import HFGPT2
 from Utils.report.charts import plot_speedup

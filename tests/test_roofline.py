@@ -294,7 +294,8 @@ def counter():
 
 def test_the_written_out_attention_touches_its_scores_as_recorded(counter):
     import torch
-    from Utils.model import PRESETS, CausalSelfAttention
+    from Utils.model import CausalSelfAttention
+    from Utils.model_config import PRESETS
     b, h, t, c = 2, 2, 24, 64
 
     def score_ops(flash):
@@ -312,7 +313,8 @@ def test_the_written_out_attention_touches_its_scores_as_recorded(counter):
 @pytest.mark.parametrize("n_layer", [1, 3])
 def test_one_eager_step_runs_the_recorded_number_of_operations(counter, n_layer):
     import torch
-    from Utils.model import GPT, PRESETS
+    from Utils.model import GPT
+    from Utils.model_config import PRESETS
     for flash in (False, True):
         # The count depends on the layers only: a narrow model with a small vocabulary serves.
         cfg = replace(PRESETS["gpt2"], n_layer=n_layer, n_embd=96, vocab_size=64, block_size=16, flash=flash)
@@ -328,7 +330,8 @@ def test_one_eager_step_runs_the_recorded_number_of_operations(counter, n_layer)
 def test_the_clip_and_foreach_adamw_move_the_recorded_bytes(counter):
     import torch
     from Utils.ladder.apply import BETAS, EPS, GRAD_CLIP, LEARNING_RATE, param_groups
-    from Utils.model import GPT, PRESETS
+    from Utils.model import GPT
+    from Utils.model_config import PRESETS
     torch.manual_seed(0)
     model = GPT(PRESETS["tiny"])
     n = sum(p.numel() for p in model.parameters())
@@ -349,7 +352,8 @@ def test_the_clip_and_foreach_adamw_move_the_recorded_bytes(counter):
 
 def test_the_shapes_match_the_models_parameters():
     torch = pytest.importorskip("torch")
-    from Utils.model import GPT, PRESETS
+    from Utils.model import GPT
+    from Utils.model_config import PRESETS
     assert set(roofline.presets()) == set(PRESETS)
     for name, config in PRESETS.items():
         shape = roofline.presets()[name]

@@ -65,7 +65,8 @@ def test_a_baseline_run_is_exactly_the_textbook_loop(tmp_path):
     import torch
 
     from Utils.train.data import TokenLoader, inputs_targets, synthetic_tokens
-    from Utils.model import GPT, PRESETS
+    from Utils.model import GPT
+    from Utils.model_config import PRESETS
     assert main("baseline", ["--steps", "4", "--prefix", str(tmp_path)] + ARGS) == 0
     recorded = [float(r["loss"]) for r in read_csv(tmp_path / "results.csv")]
     torch.manual_seed(1337)

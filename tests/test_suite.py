@@ -127,6 +127,7 @@ def test_init_results_reset_and_clean_touch_only_suite_files(make_all, tmp_path,
     shutil.copytree(prefix, copy)
     (copy / "mine.txt").write_text("not the suite's")
     (copy / "20261202-182618-peer-llmc-9fc72a.log").write_text("a peer's output, as Utils.peers.record names it")
+    (copy / "Optimizing_GPU_Utilization.ipynb").write_text("{}")   # make notebook RESULTS=copy writes it there
     assert make(["clean", f"PREFIX={copy}"], suite_env).returncode == 0
     assert not (copy / "speedup.png").exists() and not (copy / "summary.md").exists()
     assert (copy / "results.csv").exists() and (copy / "mine.txt").exists()

@@ -19,7 +19,8 @@ from Utils.kernels import chunked_loss, cublaslt, fp8_linear, fp8_loss, gelu_epi
 from Utils.ladder import modules
 from Utils.ladder.parallel import wrap
 from Utils.ladder.registry import ADDITIONS, STAGES, check_parallel, resolve
-from Utils.model import GPT, GPTConfig
+from Utils.model import GPT
+from Utils.model_config import GPTConfig
 
 # Identical on every rung (nanoGPT's GPT-2 124M settings), so that only the additions differ.
 LEARNING_RATE = 6e-4

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from Utils.ladder.apply import Unavailable
-from Utils.model import GPTConfig
+from Utils.model_config import GPTConfig
 from Utils.results.schema import PEER_PREFIX
 
 NAME = PEER_PREFIX + "hf"

@@ -9,7 +9,8 @@ from typing import Callable
 import torch
 
 from Utils.ladder.apply import Unavailable
-from Utils.model import GPT, PRESETS
+from Utils.model import GPT
+from Utils.model_config import PRESETS
 from Utils.results import metrics
 from Utils.results.gpus import peak_bf16_flops
 from Utils.results.store import ResultsError, check_prefix

@@ -80,7 +80,7 @@ def presets() -> dict[str, ModelShape]:
 
 
 def model_shape(name: str) -> ModelShape | None:
-    """The shape of the model preset `name` (runs.csv's model column); None for a name Utils.model lacks."""
+    """The shape of the model preset `name` (runs.csv's model column); None for a name Utils.model_config lacks."""
     return presets().get(name)
 
 
@@ -233,7 +233,7 @@ class Roofline:
     @classmethod
     def from_run(cls, run: Mapping) -> Roofline | None:
         """The configuration of a runs.csv row (model, batch_size, seq_len, gpu_name); None when the model is not
-        one of Utils.model's presets or the batch or sequence length is missing."""
+        one of Utils.model_config's presets or the batch or sequence length is missing."""
         shape = model_shape(str(run["model"]))
         try:
             batch, seq = int(run["batch_size"]), int(run["seq_len"])

@@ -351,7 +351,7 @@ class Study:
         """FLOPs per token and per step, and the compute floor at each matmul precision."""
         roof = self.roofline
         if roof is None:
-            return [f"The compared runs' model ({self._model()}) is not one of Utils.model's presets: no floors."]
+            return [f"The compared runs' model ({self._model()}) is not one of Utils.model_config's presets: no floors."]
         s, ref = roof.shape, self.report.reference
         n, n_all = s.n_params(), s.n_params(exclude_position_embedding=False)
         recorded = f"{int(ref['n_params']):,}" if np.isfinite(ref["n_params"]) else "none"

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from Utils.model import PRESETS
+from Utils.model_config import PRESETS
 from Utils.train.usage import Parser, UsageError, fail
 
 EXAMPLE = "e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out"

@@ -21,7 +21,7 @@ from torch.nn import Module
 
 from Utils.ladder.apply import Unavailable, build
 from Utils.ladder.registry import RUNGS, RegistryError, check_parallel, resolve, run_name
-from Utils.model import PRESETS, GPTConfig
+from Utils.model_config import PRESETS, GPTConfig
 from Utils.results import metrics
 from Utils.results.store import ResultsError, append_run, check_prefix
 from Utils.train.cli import RunConfig, UsageError, parse_args

@@ -2,6 +2,7 @@
 so that a script can refuse its arguments before torch loads."""
 import argparse
 import sys
+from typing import NoReturn
 
 EXIT_USAGE = 2
 
@@ -17,7 +18,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(**kwargs)
         self.example = example
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} ({self.example})")
 
 

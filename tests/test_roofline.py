@@ -71,15 +71,21 @@ def test_compute_floor_is_the_step_flops_over_the_table_peak():
 
 def test_the_gemms_an_addition_runs_in_fp8_count_at_the_fp8_rate_where_the_gpu_has_one():
     roof = h200_roof()
-    C, L, V = 768, 12, 50257
-    head, qkv_fc = 6 * V * C, L * 2 * (3 * C * C + 4 * C * C)   # the output layer's 3 GEMMs; 2 forward GEMMs
+    # From the model's parameter list: a weight [out, in] costs 2 FLOPs per value and token forward, 4 backward.
+    weights = {name.split(".", 3)[-1] if name.startswith("transformer.h.") else name: size
+               for (name, shape), size in zip(GPT2.parameters(), GPT2.param_sizes()) if len(shape) == 2}
+    head = 6 * weights["transformer.wte.weight"]                                   # the tied output layer
+    qkv_fc = 12 * 2 * (weights["attn.c_attn.weight"] + weights["mlp.c_fc.weight"])  # forward only, 12 layers
+    block = 12 * 6 * sum(weights[n] for n in ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                                              "mlp.c_proj.weight"))
     assert roof.fp8_flops_per_token(["bf16", "fp8_head"]) == head
     assert roof.fp8_flops_per_token(RUNGS["max"].additions) == head + qkv_fc
+    assert roof.fp8_flops_per_token(["bf16", "fp8"]) == block
     assert roof.fp8_flops_per_token(RUNGS["fused"].additions) == 0
     # Every addition that the registry marks as running FP8 GEMMs has them counted here.
     assert all(roof.fp8_flops_per_token([a]) > 0 for a in ADDITIONS if ADDITIONS[a].fp8)
     fp8 = (head + qkv_fc) * roof.tokens
-    want = ((roof.flops_per_step - fp8) / 989.4e12 + fp8 / 1979e12) * 1e3
+    want = ((roof.flops_per_step - fp8) / roof.gpu.bf16 + fp8 / roof.gpu.fp8) * 1e3
     assert roof.compute_floor_ms("bf16", RUNGS["max"].additions) == pytest.approx(want)
     assert roof.compute_floor_ms("bf16", RUNGS["max"].additions) < roof.compute_floor_ms("bf16")
     floors = roof.floors({"max": 29.2, "fused": 36.0})
@@ -89,6 +95,10 @@ def test_the_gemms_an_addition_runs_in_fp8_count_at_the_fp8_rate_where_the_gpu_h
     a100 = h200_roof(gpu="NVIDIA A100-SXM4-80GB")
     assert a100.floors({"max": 90.0}).at["max", "matmuls"] == "bf16"
     assert a100.compute_floor_ms("bf16", RUNGS["max"].additions) == pytest.approx(a100.compute_floor_ms("bf16"))
+    # The FP8 rate is printed with the others where the GPU has one, and is no missing figure where it has none.
+    assert any(line.startswith("NVIDIA H200 fp8") and "1979.0 TFLOP/s" in line for line in roofline.machine_lines("NVIDIA H200"))
+    assert not any(" fp8 " in line for line in roofline.machine_lines("NVIDIA A100-SXM4-80GB"))
+    assert roofline.missing_figures("NVIDIA A100-SXM4-80GB") == []
 
 
 def test_a_run_is_floored_by_the_additions_it_recorded_not_its_rungs_today():

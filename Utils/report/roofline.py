@@ -102,11 +102,11 @@ def peak_rate(gpu: GPU | None, precision: str) -> float | None:
 
 
 def machine_lines(gpu_name: str) -> list[str]:
-    """One line per figure the floors use (the three matmul rates and the bandwidth), each with its source;
-    'unknown' where the GPU table has none."""
+    """One line per figure the floors use (the three matmul rates, the FP8 rate where the GPU has FP8 units,
+    and the bandwidth), each with its source; 'unknown' where the GPU table has none."""
     gpu = gpu_spec(gpu_name)
     lines = []
-    for key in PRECISIONS + ("bandwidth",):
+    for key in PRECISIONS + (("fp8",) if gpu is not None and gpu.fp8 else ()) + ("bandwidth",):
         value = getattr(gpu, key) if gpu is not None else None
         unit = "TB/s" if key == "bandwidth" else "TFLOP/s dense"
         lines.append(f"{gpu_name} {key:9s} " + (f"{value / 1e12:7.1f} {unit} ({gpu.source})" if value else "unknown"))

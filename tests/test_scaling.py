@@ -124,6 +124,15 @@ def test_the_figure_draws_the_ideal_the_goals_and_the_provenance_whole(scaled):
     assert not sticks_out(fig)
 
 
+def test_runs_of_a_tree_with_unknown_changes_get_no_efficiency(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "max", 1, [100.0, 100.0], "one", git_commit="0123456789ab-dirty")     # an older file's mark
+    add_run(p, "max", 2, [104.0, 104.0], "two", git_commit="0123456789ab-dirty")
+    rows = by_nproc(build_scaling(*load(p)).table)
+    assert np.isnan(rows.loc[2, "efficiency"])
+    assert rows.loc[2, "note"] == "commit 0123456789ab-dirty: uncommitted changes of unknown content"
+
+
 def test_a_run_from_another_commit_gets_no_efficiency_and_a_note(tmp_path):
     p = str(tmp_path)
     add_run(p, "max", 1, [100.0, 100.0], "one")

@@ -23,7 +23,7 @@ from Utils.ladder.registry import rung_order
 from Utils.report.charts import rung_colors, rung_label
 from Utils.report.figures import add_footnote, new_figure
 # _step_problem: the ladder's own test of usable step times, so that both reports leave out the same runs.
-from Utils.report.selection import _step_problem, measured, mismatches, norm, steps_by_run
+from Utils.report.selection import _step_problem, measured, mismatches, names_one_tree, norm, steps_by_run
 from Utils.report.stats import context, provenance, short_commit
 from Utils.results.schema import RUN_DEFAULTS, STEP_COLUMNS
 
@@ -125,6 +125,8 @@ def _why_no_efficiency(run: pd.Series, reference: pd.Series) -> str:
         shown = short_commit if key == "git_commit" else norm
         if not mine or not theirs:
             reasons.append(f"{label} not recorded")
+        elif key == "git_commit" and not names_one_tree(mine):
+            reasons.append(f"commit {shown(mine)}: uncommitted changes of unknown content")
         elif mine != theirs:
             reasons.append(f"{label} {shown(mine)} != {shown(theirs)} of the 1-GPU run {reference['run_id']}")
     return "; ".join(reasons)

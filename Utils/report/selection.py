@@ -92,6 +92,14 @@ class Selection:
                                                        # run's commit, when there are several
 
 
+def names_one_tree(commit: str) -> bool:
+    """Whether a recorded commit names one tree of code: a commit does, and so does one with uncommitted
+    changes and their hash ("-dirty-1a2b3c4d", Utils.train.provenance); a blank one does not, nor one marked
+    "-dirty" alone (files of earlier versions), whose changes are unknown."""
+    commit = str(commit).strip()
+    return commit not in ("", "nan") and not commit.endswith("-dirty")
+
+
 def select(runs_df: pd.DataFrame, steps_df: "pd.DataFrame | None" = None) -> Selection:
     """Choose the run that represents each rung, and keep what the summary's notes say about the rest.
 
@@ -138,11 +146,9 @@ def select(runs_df: pd.DataFrame, steps_df: "pd.DataFrame | None" = None) -> Sel
         if candidates:
             chosen[rung] = runs_df.loc[candidates[-1]]
             superseded += len(candidates) - 1
-            # One commit names one tree; so does one with uncommitted changes and their hash ("-dirty-1a2b3c4d",
-            # Utils.train.provenance), but not one marked "-dirty" alone (files of earlier versions).
             commit = str(runs_df.at[candidates[-1], "git_commit"]).strip()
-            known = commit not in ("", "nan") and not commit.endswith("-dirty")
-            same_code = [i for i in candidates if known and str(runs_df.at[i, "git_commit"]).strip() == commit]
+            same_code = [i for i in candidates if names_one_tree(commit)
+                         and str(runs_df.at[i, "git_commit"]).strip() == commit]
             if len(same_code) > 1:
                 repeats[rung] = [runs_df.loc[i] for i in same_code]
             newer_not_ok += [runs_df.loc[i] for i in rows.index

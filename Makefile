@@ -134,9 +134,10 @@ additions:
 	@$(PYTHON) -m Utils.ladder table
 
 # $(call each,NAME,ITEMS,COMMAND,AFTER): COMMAND for every item (as $$x), going on past failures; then
-# AFTER; then exits non-zero naming what was not ok. Arguments are checked once, before the first item.
+# AFTER; then exits non-zero naming what was not ok. Arguments are checked once, before the first item (under
+# make -n only checked: no PREFIX made, no data fetched).
 define each
-	@data=$$($(PYTHON) -m Utils.train.cli $(RUN_ARGS)) || exit $$?; \
+	@data=$$($(PYTHON) -m Utils.train.cli $(if $(DRY_RUN),--dry-run) $(RUN_ARGS)) || exit $$?; \
 	failed=""; \
 	for x in $(2); do \
 		echo "=== $(1) $$x ==="; \

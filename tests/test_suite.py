@@ -174,13 +174,33 @@ def test_make_all_goes_on_past_a_failed_rung_and_names_it(tmp_path, suite_env):
 
 
 def test_make_all_warns_once_when_data_auto_falls_back(tmp_path, suite_env):
-    # Were each rung to decide DATA=auto on its own, it would print the same warning eight times.
+    # Were each rung to decide DATA=auto on its own, it would print the same warning eight times. An
+    # interpreter that passes the rungs and the charts by (and runs the rest for real) shows what each got.
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\ncase "$1" in\n  *.py) echo "passed by: $*"; exit 0;;\n'
+                    f'  *) exec {sys.executable} "$@";;\nesac\n')
+    fake.chmod(0o755)
     env = dict(suite_env, DATA_DIR=str(tmp_path / "no-data"), SHAKESPEARE_URL=f"file://{tmp_path}/absent.txt")
-    r = make(["-n", "all", "STEPS=2", "BATCH_SIZE=1", f"PREFIX={tmp_path / 'out'}"], env, timeout=120)
+    r = subprocess.run(["make", "--no-print-directory", "all", f"PYTHON={fake}", "STEPS=2", "BATCH_SIZE=1",
+                        f"PREFIX={tmp_path / 'out'}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("WARNING: DATA=auto falls back to synthetic tokens") == 1
+    rungs = [line for line in r.stdout.splitlines() if line.startswith("passed by: ") and "plot_results" not in line]
+    assert len(rungs) == len(LADDER) and all("--data synthetic" in line for line in rungs)
+
+
+def test_make_n_all_changes_nothing_and_still_refuses_bad_arguments(tmp_path, suite_env):
+    # A dry run prints the rungs' commands: it makes no PREFIX, fetches no data and warns of nothing.
+    env = dict(suite_env, DATA_DIR=str(tmp_path / "no-data"), SHAKESPEARE_URL=f"file://{tmp_path}/absent.txt")
+    prefix = tmp_path / "out"
+    r = make(["-n", "all", "STEPS=2", "BATCH_SIZE=1", f"PREFIX={prefix}"], env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "WARNING" not in r.stderr and not prefix.exists() and not (tmp_path / "no-data").exists()
     commands = [line for line in r.stdout.splitlines() if line.startswith("run=0;")]   # each rung's run loop
-    assert len(commands) == len(LADDER) and all("--data 'synthetic'" in c for c in commands)
+    assert len(commands) == len(LADDER)
+    assert f"plot_results.py --prefix {prefix}" in r.stdout   # the charts, echoed
+    bad = make(["-n", "all", "STEPS=two", "BATCH_SIZE=1", f"PREFIX={prefix}"], env, timeout=120)
+    assert bad.returncode != 0 and "STEPS" in bad.stderr and not prefix.exists()
 
 
 @pytest.mark.parametrize("gpu", [False, True])

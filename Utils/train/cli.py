@@ -159,14 +159,24 @@ def parse_args(argv: Sequence[str] | None = None, prog: str | None = None) -> Ru
 def check(argv: Sequence[str]) -> int:
     """Validate a run's arguments and its PREFIX without running anything, for the targets that run several
     rungs (make all, ablation, profile). With DATA=auto, print the data every rung is then to use
-    (shakespeare, or synthetic after one warning), so that the warning is not repeated by every rung."""
-    from Utils.results.store import ResultsError, check_prefix
+    (shakespeare, or synthetic after one warning), so that the warning is not repeated by every rung.
+    Led by --dry-run (make -n), it changes nothing: the files of an existing PREFIX are checked, none is made,
+    nothing is downloaded, and DATA=auto is left to the rungs."""
+    from Utils.results.schema import RUN_COLUMNS, RUNS_FILE, STEP_COLUMNS, STEPS_FILE
+    from Utils.results.store import ResultsError, check_file, check_prefix
     from Utils.train.data import DataError, default_data_dir, shakespeare_tokens
+    dry_run = list(argv[:1]) == ["--dry-run"]
     try:
-        cfg = parse_args(argv)
-        check_prefix(cfg.prefix)
+        cfg = parse_args(argv[1:] if dry_run else argv)
+        if not dry_run:
+            check_prefix(cfg.prefix)
+        elif os.path.isdir(cfg.prefix):
+            check_file(os.path.join(cfg.prefix, STEPS_FILE), STEP_COLUMNS)
+            check_file(os.path.join(cfg.prefix, RUNS_FILE), RUN_COLUMNS)
     except (UsageError, ResultsError) as e:
         return fail(str(e))
+    if dry_run:
+        return 0
     if cfg.data == "auto":
         try:
             shakespeare_tokens(cfg.data_dir or default_data_dir())

@@ -53,8 +53,16 @@ class Build:
     update: Callable[[], None] | None = None       # clips the gradients and steps the optimizer
     source: object = None                          # where batches come from: next_batch() -> token window
     sync_every: int = 1
-    notes: list = field(default_factory=list)
-    fell_back: list = field(default_factory=list)  # the additions whose apply function noted what runs instead
+    noted: dict = field(default_factory=dict)     # addition -> its apply function's note of what runs instead
+
+    @property
+    def notes(self) -> list[str]:
+        return list(self.noted.values())
+
+    @property
+    def fell_back(self) -> list[str]:
+        """The additions that could not take effect here as they are (their apply function noted what runs)."""
+        return list(self.noted)
 
     def autocast(self) -> torch.autocast:
         if self.autocast_dtype is None:
@@ -79,8 +87,7 @@ def build(additions: Iterable[str], device: torch.device, config: GPTConfig, see
             if ADDITIONS[a].stage == name:
                 note = globals()[f"apply_{a}"](b)
                 if note:
-                    b.notes.append(note)
-                    b.fell_back.append(a)
+                    b.noted[a] = note
 
     stage("settings")
     torch.manual_seed(seed)

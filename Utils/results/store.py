@@ -72,6 +72,11 @@ def check_prefix(prefix: str | os.PathLike) -> None:
             pass
     except OSError as e:
         raise ResultsError(f"PREFIX={prefix} cannot be written ({e.strerror}): choose a folder you can write to")
+    check_files(prefix)
+
+
+def check_files(prefix: str | os.PathLike) -> None:
+    """Raise ResultsError unless PREFIX's results files are absent or whole files of the suite (check_file)."""
     check_file(os.path.join(prefix, STEPS_FILE), STEP_COLUMNS)
     check_file(os.path.join(prefix, RUNS_FILE), RUN_COLUMNS)
 

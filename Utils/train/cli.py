@@ -162,8 +162,7 @@ def check(argv: Sequence[str]) -> int:
     (shakespeare, or synthetic after one warning), so that the warning is not repeated by every rung.
     Led by --dry-run (make -n), it changes nothing: the files of an existing PREFIX are checked, none is made,
     nothing is downloaded, and DATA=auto is left to the rungs."""
-    from Utils.results.schema import RUN_COLUMNS, RUNS_FILE, STEP_COLUMNS, STEPS_FILE
-    from Utils.results.store import ResultsError, check_file, check_prefix
+    from Utils.results.store import ResultsError, check_files, check_prefix
     from Utils.train.data import DataError, default_data_dir, shakespeare_tokens
     dry_run = list(argv[:1]) == ["--dry-run"]
     try:
@@ -171,8 +170,7 @@ def check(argv: Sequence[str]) -> int:
         if not dry_run:
             check_prefix(cfg.prefix)
         elif os.path.isdir(cfg.prefix):
-            check_file(os.path.join(cfg.prefix, STEPS_FILE), STEP_COLUMNS)
-            check_file(os.path.join(cfg.prefix, RUNS_FILE), RUN_COLUMNS)
+            check_files(cfg.prefix)
     except (UsageError, ResultsError) as e:
         return fail(str(e))
     if dry_run:

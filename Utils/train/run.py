@@ -181,12 +181,13 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
         except Exception as e:
             return fail(f"rank {dist.rank} cannot join the other processes: {first_line(e)}")
     run_id = f"{datetime.now():%Y%m%d-%H%M%S}-{name}-{uuid.uuid4().hex[:6]}"
+    config = {"run": cfg.as_dict(), "additions": list(additions)}
     run = {"run_id": distributed.broadcast_text(run_id, device),
            "optimization": name, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "steps": cfg.steps, "warmup_steps": cfg.warmup, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
            "model": cfg.model, "data": data_name, "command": command, "nproc": world, "parallel": cfg.parallel,
            "rank": dist.rank,
-           "config": json.dumps({"run": cfg.as_dict(), "additions": list(additions)}, sort_keys=True),
+           "config": json.dumps(config, sort_keys=True),
            **environment(device)}
     changes = " ".join(additions) or "none"
     spread = f" | {world} process{'es' if world > 1 else ''}, {cfg.parallel}" if dist.active else ""
@@ -210,8 +211,7 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
                 distributed.barrier()   # every rank built: the first step's collectives wait for no set-up
                 run["n_params"] = held["build"].model.num_params(exclude_position_embedding=False)
                 run["notes"] = "; ".join(([peer.about()] if peer else []) + held["build"].notes)
-                run["config"] = json.dumps({**json.loads(run["config"]), "fell_back": held["build"].fell_back},
-                                           sort_keys=True)
+                run["config"] = json.dumps({**config, "fell_back": held["build"].fell_back}, sort_keys=True)
                 for note in held["build"].notes if dist.main else ():
                     print(f"note: {note}")
                 trace = train(held["build"], cfg, run, rows)

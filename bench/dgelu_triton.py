@@ -1,0 +1,125 @@
+"""Times a Triton GEMM with GELU's derivative in its epilogue against cuBLASLt's DGELU GEMM
+(Utils.kernels.cublaslt.linear_dgelu, which `max` runs) at GPT-2 124M's MLP shape, for batch 16 and 64
+(16,384 and 65,536 tokens): grad_h = (grad @ c_proj.weight) * gelu'(h), [M, 768] @ [768, 3072].
+
+The question it answers: in `max`'s profile at batch 64 the DGELU GEMM runs on an older `xmma` kernel at
+590 us a layer, where a plain GEMM of its size takes about 410 (BENCHMARKS.md, "Where the `max` rung's time
+goes"). A Hopper GEMM of our own (TMA loads, wgmma through tl.dot, persistent over the tiles, optionally
+warp-specialized, the epilogue in two halves to hold fewer registers) could take the epilogue for less.
+Every configuration is checked against the fp32 reference before it is timed.
+
+    python3 bench/dgelu_triton.py          # the configurations that came out best on an H200
+    python3 bench/dgelu_triton.py --sweep  # every configuration tried (about 90 s of compiling)
+"""
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.gelu_epilogue import bench  # noqa: E402
+from Utils.kernels import cublaslt as L  # noqa: E402
+
+K, N = 768, 3072
+
+
+@triton.jit
+def _tanh(u):
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _times_gelu_grad(acc, h):
+    # d/dh of GELU's tanh approximation, 0.5 h (1 + tanh(k0 (h + k1 h^3))), as GPT-2's.
+    k0: tl.constexpr = 0.7978845608028654
+    k1: tl.constexpr = 0.044715
+    h2 = h * h
+    t = _tanh(k0 * h * (1 + k1 * h2))
+    return acc * (0.5 * (1 + t) + 0.5 * h * (1 - t * t) * k0 * (1 + 3 * k1 * h2))
+
+
+@triton.jit
+def _tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # GROUP_M row tiles walked together, so that their B columns stay in L2.
+    group = GROUP_M * num_pid_n
+    first_m = (tile_id // group) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile_id % group) % size_m, (tile_id % group) // size_m
+
+
+@triton.jit
+def _dgelu_kernel(a_desc, b_desc, h_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, HALVES: tl.constexpr, WS: tl.constexpr):
+    num_pid_m, num_pid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True, warp_specialize=WS):
+        pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        om, on = pid_m * BM, pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(tl.cdiv(K, BK)):
+            acc = tl.dot(a_desc.load([om, ki * BK]), b_desc.load([ki * BK, on]), acc)
+        if HALVES:
+            a0, a1 = tl.split(tl.reshape(acc, (BM, 2, BN // 2)).permute(0, 2, 1))
+            c_desc.store([om, on], _times_gelu_grad(a0, h_desc.load([om, on]).to(tl.float32)).to(tl.bfloat16))
+            c_desc.store([om, on + BN // 2],
+                         _times_gelu_grad(a1, h_desc.load([om, on + BN // 2]).to(tl.float32)).to(tl.bfloat16))
+        else:
+            c_desc.store([om, on], _times_gelu_grad(acc, h_desc.load([om, on]).to(tl.float32)).to(tl.bfloat16))
+
+
+def launcher(grad, weight, h, out, BM, BN, BK, stages, warps, halves, ws, persistent=True, group_m=8):
+    M = grad.size(0)
+    part = [BM, BN // 2] if halves else [BM, BN]
+    descs = (TensorDescriptor.from_tensor(grad, [BM, BK]), TensorDescriptor.from_tensor(weight, [BK, BN]),
+             TensorDescriptor.from_tensor(h, part), TensorDescriptor.from_tensor(out, part))
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    programs = min(torch.cuda.get_device_properties(grad.device).multi_processor_count if persistent else tiles, tiles)
+    return lambda: _dgelu_kernel[(programs,)](*descs, M, N, K, BM=BM, BN=BN, BK=BK, GROUP_M=group_m,
+                                              PROGRAMS=programs, HALVES=halves, WS=ws, num_stages=stages,
+                                              num_warps=warps)
+
+
+BEST = [dict(BM=128, BN=256, BK=64, stages=3, warps=8, halves=True, ws=True),
+        dict(BM=256, BN=128, BK=64, stages=3, warps=8, halves=True, ws=False),
+        dict(BM=128, BN=256, BK=32, stages=5, warps=8, halves=True, ws=False),
+        dict(BM=256, BN=128, BK=64, stages=3, warps=8, halves=True, ws=True)]
+BEST += [dict(c, group_m=g) for c in BEST[:2] for g in (4, 16)]
+
+
+def sweep():
+    shapes = [(128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (128, 128, 64, 4, 4), (128, 128, 64, 4, 8),
+              (128, 128, 64, 5, 4), (256, 128, 64, 3, 8), (64, 256, 64, 4, 4), (128, 256, 32, 5, 8)]
+    for BM, BN, BK, stages, warps in shapes:
+        for halves in (False, True):
+            for ws, persistent in ((False, True), (False, False), (True, True)):
+                yield dict(BM=BM, BN=BN, BK=BK, stages=stages, warps=warps, halves=halves, ws=ws, persistent=persistent)
+
+
+def main():
+    print(torch.__version__, "Triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
+    configs = list(sweep()) if "--sweep" in sys.argv else BEST
+    for M in (65536, 16384):
+        torch.manual_seed(0)
+        grad = (torch.randn(M, K, device="cuda") * 1e-3).bfloat16()
+        weight = (torch.randn(K, N, device="cuda") * 0.02).bfloat16()
+        h = torch.randn(M, N, device="cuda").bfloat16()
+        ref = L.reference_linear_dgelu(grad, weight, h).float()
+        for _ in range(2):   # twice: the clock settles under the first
+            print(f"tokens {M}: cuBLASLt DGELU {bench(lambda: L.linear_dgelu(grad, weight, h)):.1f} us, "
+                  f"plain GEMM {bench(lambda: grad @ weight):.1f} us", flush=True)
+        out = torch.empty_like(h)
+        for cfg in configs:
+            try:
+                out.zero_()
+                run = launcher(grad, weight, h, out, **cfg)
+                run()
+                err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                print(f"  {bench(run, reps=30):7.1f} us  error {err:.1e}  {cfg}", flush=True)
+            except Exception as e:   # a configuration that does not fit (shared memory) or does not compile
+                print(f"  failed {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,8 +8,14 @@ goes"). A Hopper GEMM of our own (TMA loads, wgmma through tl.dot, persistent ov
 warp-specialized, the epilogue in two halves to hold fewer registers) could take the epilogue for less.
 Every configuration is checked against the fp32 reference before it is timed.
 
+With --fp8, the same kernel on FP8 operands, as Hopper's FP8 GEMMs read them (both along the summed
+dimension): the gradient in e5m2 (or e4m3) [M, 768], c_proj's weight transposed in e4m3 [3072, 768], their
+scales applied in the epilogue; cuBLASLt runs its FP8 DGELU 2.5 times slower than bf16 (BENCHMARKS.md,
+`fp8_mlp_grad`). The gradient's cast (amax, scale, e5m2), compiled, is timed too: a step would pay it.
+
     python3 bench/dgelu_triton.py          # the configurations that came out best on an H200
     python3 bench/dgelu_triton.py --sweep  # every configuration tried (about 90 s of compiling)
+    python3 bench/dgelu_triton.py --fp8    # FP8 operands
 """
 import os
 import sys
@@ -52,14 +58,20 @@ def _tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _dgelu_kernel(a_desc, b_desc, h_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, HALVES: tl.constexpr, WS: tl.constexpr):
+                  GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, HALVES: tl.constexpr, WS: tl.constexpr,
+                  scale_ptr=None, B_T: tl.constexpr = False):
     num_pid_m, num_pid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True, warp_specialize=WS):
         pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         om, on = pid_m * BM, pid_n * BN
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for ki in range(tl.cdiv(K, BK)):
-            acc = tl.dot(a_desc.load([om, ki * BK]), b_desc.load([ki * BK, on]), acc)
+            if B_T:   # b [N, K], K-major, as FP8 wgmma reads it
+                acc = tl.dot(a_desc.load([om, ki * BK]), b_desc.load([on, ki * BK]).T, acc)
+            else:
+                acc = tl.dot(a_desc.load([om, ki * BK]), b_desc.load([ki * BK, on]), acc)
+        if scale_ptr is not None:
+            acc = acc * tl.load(scale_ptr)
         if HALVES:
             a0, a1 = tl.split(tl.reshape(acc, (BM, 2, BN // 2)).permute(0, 2, 1))
             c_desc.store([om, on], _times_gelu_grad(a0, h_desc.load([om, on]).to(tl.float32)).to(tl.bfloat16))
@@ -69,16 +81,19 @@ def _dgelu_kernel(a_desc, b_desc, h_desc, c_desc, M, N, K, BM: tl.constexpr, BN:
             c_desc.store([om, on], _times_gelu_grad(acc, h_desc.load([om, on]).to(tl.float32)).to(tl.bfloat16))
 
 
-def launcher(grad, weight, h, out, BM, BN, BK, stages, warps, halves, ws, persistent=True, group_m=8):
+def launcher(grad, weight, h, out, BM, BN, BK, stages, warps, halves, ws, persistent=True, group_m=8, scale=None):
+    """With `scale` (the product of the operands' inverse scales), weight is [N, K], K-major (FP8)."""
     M = grad.size(0)
     part = [BM, BN // 2] if halves else [BM, BN]
-    descs = (TensorDescriptor.from_tensor(grad, [BM, BK]), TensorDescriptor.from_tensor(weight, [BK, BN]),
+    b_t = scale is not None
+    descs = (TensorDescriptor.from_tensor(grad, [BM, BK]),
+             TensorDescriptor.from_tensor(weight, [BN, BK] if b_t else [BK, BN]),
              TensorDescriptor.from_tensor(h, part), TensorDescriptor.from_tensor(out, part))
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     programs = min(torch.cuda.get_device_properties(grad.device).multi_processor_count if persistent else tiles, tiles)
     return lambda: _dgelu_kernel[(programs,)](*descs, M, N, K, BM=BM, BN=BN, BK=BK, GROUP_M=group_m,
                                               PROGRAMS=programs, HALVES=halves, WS=ws, num_stages=stages,
-                                              num_warps=warps)
+                                              num_warps=warps, scale_ptr=scale, B_T=b_t)
 
 
 BEST = [dict(BM=128, BN=256, BK=64, stages=3, warps=8, halves=True, ws=True),
@@ -95,6 +110,48 @@ def sweep():
         for halves in (False, True):
             for ws, persistent in ((False, True), (False, False), (True, True)):
                 yield dict(BM=BM, BN=BN, BK=BK, stages=stages, warps=warps, halves=halves, ws=ws, persistent=persistent)
+
+
+FP8 = [dict(BM=BM, BN=BN, BK=128, stages=st, warps=8, halves=True, ws=ws)
+       for BM, BN, st in ((128, 256, 3), (256, 128, 3), (128, 128, 4), (128, 256, 4)) for ws in (True, False)]
+
+
+def to_fp8(x, dtype):
+    amax = x.abs().amax().float().clamp(min=1e-12)
+    scale = torch.finfo(dtype).max / amax
+    return (x.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype), scale.reciprocal()
+
+
+def main_fp8():
+    print(torch.__version__, "Triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
+    cast = torch.compile(to_fp8)
+    for M in (65536, 16384):
+        torch.manual_seed(0)
+        grad = (torch.randn(M, K, device="cuda") * 1e-3).bfloat16()
+        weight = (torch.randn(K, N, device="cuda") * 0.02).bfloat16()
+        h = torch.randn(M, N, device="cuda").bfloat16()
+        w8t, w_inv = to_fp8(weight.t().contiguous(), torch.float8_e4m3fn)   # [N, K]
+        print(f"tokens {M}: cuBLASLt bf16 DGELU {bench(lambda: L.linear_dgelu(grad, weight, h)):.1f} us", flush=True)
+        out = torch.empty_like(h)
+        for dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
+            g8, g_inv = cast(grad, dtype)
+            print(f"  {dtype}: the gradient's cast (amax, scale, cast; compiled) {bench(lambda: cast(grad, dtype)):.1f} us, "
+                  f"_scaled_mm without epilogue "
+                  f"{bench(lambda: torch._scaled_mm(g8, w8t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=torch.bfloat16)):.1f} us",
+                  flush=True)
+            # The reference on the same FP8 operands, dequantized, in fp32.
+            ref = torch.ops.aten.gelu_backward((g8.float() * g_inv) @ (w8t.float() * w_inv).t(), h.float(),
+                                               approximate="tanh")
+            scale = (g_inv * w_inv).reshape(1)
+            for cfg in FP8:
+                try:
+                    out.zero_()
+                    run = launcher(g8, w8t, h, out, **cfg, scale=scale)
+                    run()
+                    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                    print(f"    {bench(run, reps=30):7.1f} us  error {err:.1e}  {cfg}", flush=True)
+                except Exception as e:
+                    print(f"    failed {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
 
 
 def main():
@@ -122,4 +179,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main_fp8() if "--fp8" in sys.argv else main()

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from conftest import REPO_ROOT, model_pair
-from Utils.kernels import chunked_loss, cublaslt, fp8_dgelu, fp8_linear, fp8_loss, loss_kernel, packed_attention
+from Utils.kernels import chunked_loss, cublaslt, fp8_linear, fp8_loss, loss_kernel, packed_attention
 from Utils.ladder import apply, modules, registry
 from Utils.ladder.apply import GRAD_CLIP, Build, Unavailable, build
 from Utils.ladder.registry import (ABLATION, ADDITIONS, additions_of, LADDER, LEAVE_ONE_OUT, MAX_ADDITIONS, RUNGS, STAGES, Addition, RegistryError,
@@ -80,7 +80,7 @@ def test_max_is_the_fused_rung_and_what_measured_faster_on_the_h200():
     # (the chunked loss as Inductor compiles it) and "loss_kernel" (its softmax in one kernel) are superseded
     # by "fp8_head", which cannot run with either and falls back to loss_kernel where FP8 cannot run.
     assert set(ABLATION) - set(MAX_ADDITIONS) == {"loss", "loss_kernel", "cudnn_attention", "fp8", "compiled_update",
-                                                  "autotune", "fp8_dgelu"}
+                                                  "autotune"}
 
 
 def test_ablation_is_every_addition_beyond_the_seven_rungs_in_registry_order():
@@ -483,7 +483,6 @@ CPU_EFFECTS = {
     "fp8_head": (r"FP8 matmuls are fast on an Ada or Hopper GPU only .+: the output layer in bf16 instead; "
                  r"the loss kernel needs .+: the plain chunked loss instead", _chunked_loss),
     "fp8_qkv_fc": (r"FP8 GEMMs need an Ada or Hopper GPU .+: c_attn and c_fc in bf16 instead", _bf16_layers),
-    "fp8_dgelu": (r"the FP8 DGELU kernel needs a Hopper GPU .+: GELU's derivative in bf16 instead", _plain_mlp),
     "fp8": (None, None),   # refused on a CPU: test_fp8_is_refused_where_it_cannot_run
     "torch_compile": (None, _torch_compile),
     "cudagraphs": (r"CUDA graphs need a GPU: compiled in the default mode", _cudagraphs),
@@ -615,18 +614,6 @@ def test_where_fp8_runs_fp8_qkv_fc_names_each_layernorm_to_the_layer_that_reads_
             assert block.mlp.c_fc.norm is block.ln_2
         assert block.attn.c_attn.norm is block.ln_1
     assert set(b.model.state_dict()) == set(make(("bf16",) + bases).model.state_dict())
-
-
-@pytest.mark.parametrize("bases", [(), ("gemm_bias_grad", "gelu_epilogue")], ids=["fused", "max"])
-def test_where_the_fp8_dgelu_kernel_runs_every_mlp_is_the_epilogue_mlp_with_its_gradient_in_fp8(
-        kernels_available, monkeypatch, bases):
-    monkeypatch.setattr(fp8_dgelu, "unavailable", lambda device: None)
-    b = make(("bf16",) + bases + ("fp8_dgelu",))
-    assert b.notes == []
-    # Alone, it swaps in gelu_epilogue's MLP itself (the kernel reads the GELU's input its forward GEMM keeps).
-    assert all(type(block.mlp) is modules.EpilogueMLP and block.mlp.fp8_grad for block in b.model.transformer.h)
-    assert not any(block.mlp.fp8_grad for block in make(("bf16", "gemm_bias_grad", "gelu_epilogue")).model.transformer.h)
-    assert set(b.model.state_dict()) == set(make(("bf16",)).model.state_dict())
 
 
 def test_where_fp8_cannot_run_fp8_head_is_the_loss_kernel_in_bf16(kernels_available, monkeypatch):

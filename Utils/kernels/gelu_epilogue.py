@@ -17,8 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from Utils.kernels import cublaslt, fp8_dgelu, fp8_linear, gemm_bias_grad
-from Utils.kernels.fp8_loss import to_e4m3
+from Utils.kernels import cublaslt, fp8_linear, gemm_bias_grad
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -63,11 +62,10 @@ def _(grad, weight, h):
 # --- The MLP around the two epilogue GEMMs: c_fc's bias and GELU fused into c_fc's GEMM, GELU's
 # derivative into c_proj's input-gradient GEMM, so that neither the GELU nor its backward is a pass of
 # its own over the tokens x 3072 activations. With a LayerNorm's weights, x is that LayerNorm's output and
-# c_fc's forward GEMM runs in FP8 (Utils.kernels.fp8_linear). With fp8_grad, the DGELU GEMM runs on FP8
-# operands (Utils.kernels.fp8_dgelu); the rest of the backward stays bf16.
+# c_fc's forward GEMM runs in FP8 (Utils.kernels.fp8_linear); the backward stays bf16.
 class _GeluMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc_weight, fc_bias, proj_weight, proj_bias, ones, norm_weight, norm_bias, fp8_grad):
+    def forward(ctx, x, fc_weight, fc_bias, proj_weight, proj_bias, ones, norm_weight, norm_bias):
         # With `ones`, x is kept beside a column of ones, and c_fc's bias gradient comes out of its
         # weight-gradient GEMM (Utils.kernels.gemm_bias_grad).
         saved = gemm_bias_grad.with_ones(x) if ones else x
@@ -77,36 +75,28 @@ class _GeluMLP(torch.autograd.Function):
         else:
             a, h = linear_gelu(x, fc_weight, fc_bias)
         ctx.save_for_backward(saved, fc_weight, proj_weight, a, h)
-        ctx.ones, ctx.fp8_grad = ones, fp8_grad
+        ctx.ones = ones
         return torch.addmm(proj_bias, a, proj_weight.t())
 
     @staticmethod
     def backward(ctx, grad):
         saved, fc_weight, proj_weight, a, h = ctx.saved_tensors
         grad = grad.contiguous()
-        if ctx.fp8_grad and fp8_dgelu.fits(grad, proj_weight):
-            # Cast here, in the compiled backward, so that Inductor can fuse the rows' amax and the cast into
-            # the kernel that makes the gradient; W_proj transposed, K-major as FP8 GEMMs read it.
-            w8_t, w_inv = to_e4m3(proj_weight.t().contiguous())
-            grad_h = fp8_dgelu.linear_dgelu(*fp8_dgelu.grad_to_e5m2(grad), w8_t, w_inv, h)
-        else:
-            grad_h = linear_dgelu(grad, proj_weight, h)
+        grad_h = linear_dgelu(grad, proj_weight, h)
         if ctx.ones:
             fc_grads = gemm_bias_grad.weight_and_bias_grad(grad_h, saved)
         else:
             fc_grads = grad_h.t() @ saved, grad_h.sum(0)
-        return grad_h @ fc_weight, *fc_grads, grad.t() @ a, grad.sum(0), None, None, None, None
+        return grad_h @ fc_weight, *fc_grads, grad.t() @ a, grad.sum(0), None, None, None
 
 
-def gelu_mlp(x: Tensor, fc: nn.Linear, proj: nn.Linear, ones: bool = False, norm: nn.LayerNorm | None = None,
-             fp8_grad: bool = False) -> Tensor:
+def gelu_mlp(x: Tensor, fc: nn.Linear, proj: nn.Linear, ones: bool = False, norm: nn.LayerNorm | None = None) -> Tensor:
     """proj(gelu(fc(x))) for nn.Linear layers fc and proj, x [..., fc.in_features]. Under autocast, in the
     autocast dtype, as the plain MLP's matmuls would be. With ones, fc's bias gradient comes out of its
     weight-gradient GEMM (Utils.kernels.gemm_bias_grad). With `norm`, the LayerNorm whose output x is, fc's
-    forward GEMM runs in FP8 where fp8_linear fits x (Utils.kernels.fp8_linear). With fp8_grad, the GEMM of
-    GELU's derivative runs on FP8 operands where fp8_dgelu fits them (Utils.kernels.fp8_dgelu)."""
+    forward GEMM runs in FP8 where fp8_linear fits x (Utils.kernels.fp8_linear)."""
     return gemm_bias_grad.apply_in_autocast_dtype(_GeluMLP, x, (fc.weight, fc.bias, proj.weight, proj.bias), ones,
-                                                  *fp8_linear.norm_weights(norm), fp8_grad)
+                                                  *fp8_linear.norm_weights(norm))
 
 
 def reference(x: Tensor, fc: nn.Linear, proj: nn.Linear) -> Tensor:

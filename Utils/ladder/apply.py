@@ -15,8 +15,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from Utils.kernels import (chunked_loss, cublaslt, fp8_dgelu, fp8_linear, fp8_loss, gelu_epilogue, loss_kernel,
-                           packed_attention)
+from Utils.kernels import chunked_loss, cublaslt, fp8_linear, fp8_loss, gelu_epilogue, loss_kernel, packed_attention
 from Utils.ladder import modules
 from Utils.ladder.parallel import wrap
 from Utils.ladder.registry import ADDITIONS, STAGES, check_parallel, resolve
@@ -241,21 +240,6 @@ def apply_fp8_qkv_fc(b: Build) -> str | None:
             modules.read_normed(block.mlp, block.ln_2)
         else:
             _read_normed(block.mlp, "c_fc", block.ln_2)
-    return None
-
-
-def apply_fp8_dgelu(b: Build) -> str | None:
-    """The MLP's GEMM of GELU's derivative, the one backward GEMM whose operands lie along the summed dimension
-    as Hopper's FP8 GEMMs read them, on FP8 operands in a Triton kernel: the residual gradient cast to e5m2 row
-    by row where it is made, c_proj's weight to e4m3. Into the MLPs of gelu_epilogue, which it swaps in itself
-    where that addition is not chosen (the kernel takes the GELU's input that their forward GEMM keeps)."""
-    why = fp8_dgelu.unavailable(b.device) or gelu_epilogue.unavailable(b.device)
-    if why:
-        return f"{why}: GELU's derivative in bf16 instead"
-    if not all(isinstance(block.mlp, modules.EpilogueMLP) for block in modules.blocks(b.model)):
-        apply_gelu_epilogue(b)
-    for block in modules.blocks(b.model):
-        block.mlp.fp8_grad = True
     return None
 
 

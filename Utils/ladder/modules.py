@@ -34,10 +34,8 @@ class Fp8Linear(nn.Linear):
 class EpilogueMLP(nn.Module):
     """The block's MLP with c_fc's bias and GELU, and GELU's derivative, in GEMM epilogues
     (kernels.gelu_epilogue); c_fc's bias gradient from its GEMM too where c_fc is a OnesLinear; c_fc's forward
-    GEMM in FP8 once `read_normed` has named the LayerNorm that makes the MLP's input; the GEMM of GELU's
-    derivative on FP8 operands with `fp8_grad` (kernels.fp8_dgelu)."""
+    GEMM in FP8 once `read_normed` has named the LayerNorm that makes the MLP's input."""
     norm: nn.LayerNorm | None = None
-    fp8_grad: bool = False
 
     def __init__(self, mlp: nn.Module):
         super().__init__()
@@ -45,7 +43,7 @@ class EpilogueMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gelu_epilogue.gelu_mlp(x, self.c_fc, self.c_proj, ones=isinstance(self.c_fc, OnesLinear),
-                                      norm=self.norm, fp8_grad=self.fp8_grad)
+                                      norm=self.norm)
 
 
 def read_normed(module: OnesLinear | Fp8Linear | EpilogueMLP, norm: nn.LayerNorm) -> None:

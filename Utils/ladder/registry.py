@@ -69,9 +69,6 @@ _ADDITIONS = [
     Addition("fp8_qkv_fc", "model", "compute",
              "c_attn's and c_fc's forward GEMMs in FP8, their LayerNorm's output cast with a scale its weights bound",
              needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",), fp8=True),
-    Addition("fp8_dgelu", "model", "compute",
-             "the MLP's GEMM of GELU's derivative on FP8 operands in a Triton kernel, the gradient cast row by row",
-             needs="Triton, cuBLASLt and a Hopper GPU", requires=("bf16",), excludes=("fp8",), fp8=True),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
              needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8=True),
     # compile
@@ -162,7 +159,7 @@ PARALLEL_EXCLUDES = {
     "ddp": {},
     "fsdp": {name: "its kernel takes whole tensors, not FSDP's DTensor shards"
              for name in ("gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel", "fp8_head",
-                          "fp8_qkv_fc", "fp8_dgelu")}
+                          "fp8_qkv_fc")}
     | {"fold_clip": "its grad_scale from the gradients' norm has not been tried on FSDP's DTensor shards",
        "8bit": "bitsandbytes' optimizer takes whole tensors, not FSDP's DTensor shards",
        "cudagraphs": "a CUDA graph cannot hold FSDP's all-gathers and reduce-scatters",

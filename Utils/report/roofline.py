@@ -271,13 +271,12 @@ class Roofline:
 
     def fp8_flops_per_token(self, additions: Iterable[str]) -> int:
         """The FLOPs per token that these additions run in FP8 (a share of flops_per_token): the output layer's
-        three GEMMs (fp8_head), c_attn's and c_fc's forward GEMMs (fp8_qkv_fc), mlp.c_proj's input-gradient GEMM
-        (fp8_dgelu), every block's linear layers forward and backward (fp8)."""
+        three GEMMs (fp8_head), c_attn's and c_fc's forward GEMMs (fp8_qkv_fc), every block's linear layers
+        forward and backward (fp8)."""
         s = self.shape
         C = s.n_embd
         gemms = {"fp8_head": 6 * s.vocab_size * C,             # 2 forward + 4 backward, the tied weight's rows
                  "fp8_qkv_fc": s.n_layer * 2 * (3 + 4) * C * C,  # forward only: [C -> 3C] and [C -> 4C]
-                 "fp8_dgelu": s.n_layer * 2 * 4 * C * C,          # backward, [C] -> [4C] through mlp.c_proj's weight
                  "fp8": s.n_layer * 6 * (3 + 1 + 4 + 4) * C * C}  # c_attn, attn.c_proj, c_fc, mlp.c_proj
         return sum(gemms[a] for a in set(additions) if a in gemms)
 

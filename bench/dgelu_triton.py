@@ -28,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gelu_epilogue import bench  # noqa: E402
 from Utils.kernels import cublaslt as L  # noqa: E402
+from Utils.kernels.fp8_loss import to_e4m3  # noqa: E402
 
 K, N = 768, 3072
 
@@ -116,7 +117,15 @@ FP8 = [dict(BM=BM, BN=BN, BK=128, stages=st, warps=8, halves=True, ws=ws)
        for BM, BN, st in ((128, 256, 3), (256, 128, 3), (128, 128, 4), (128, 256, 4)) for ws in (True, False)]
 
 
+def operands(M):
+    """(grad [M, K], c_proj's weight [K, N], the GELU's input h [M, N]) in bf16, the same draws for every run."""
+    torch.manual_seed(0)
+    return ((torch.randn(M, K, device="cuda") * 1e-3).bfloat16(), (torch.randn(K, N, device="cuda") * 0.02).bfloat16(),
+            torch.randn(M, N, device="cuda").bfloat16())
+
+
 def to_fp8(x, dtype):
+    """fp8_loss.to_e4m3 for either FP8 type: the gradient's cast is timed in both."""
     amax = x.abs().amax().float().clamp(min=1e-12)
     scale = torch.finfo(dtype).max / amax
     return (x.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype), scale.reciprocal()
@@ -126,19 +135,17 @@ def main_fp8():
     print(torch.__version__, "Triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
     cast = torch.compile(to_fp8)
     for M in (65536, 16384):
-        torch.manual_seed(0)
-        grad = (torch.randn(M, K, device="cuda") * 1e-3).bfloat16()
-        weight = (torch.randn(K, N, device="cuda") * 0.02).bfloat16()
-        h = torch.randn(M, N, device="cuda").bfloat16()
-        w8t, w_inv = to_fp8(weight.t().contiguous(), torch.float8_e4m3fn)   # [N, K]
+        grad, weight, h = operands(M)
+        w8t, w_inv = to_e4m3(weight.t().contiguous())   # [N, K]
         print(f"tokens {M}: cuBLASLt bf16 DGELU {bench(lambda: L.linear_dgelu(grad, weight, h)):.1f} us", flush=True)
         out = torch.empty_like(h)
         for dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
             g8, g_inv = cast(grad, dtype)
-            print(f"  {dtype}: the gradient's cast (amax, scale, cast; compiled) {bench(lambda: cast(grad, dtype)):.1f} us, "
-                  f"_scaled_mm without epilogue "
-                  f"{bench(lambda: torch._scaled_mm(g8, w8t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=torch.bfloat16)):.1f} us",
-                  flush=True)
+            cast_us = bench(lambda: cast(grad, dtype))
+            plain_us = bench(lambda: torch._scaled_mm(g8, w8t.t(), scale_a=g_inv, scale_b=w_inv,
+                                                      out_dtype=torch.bfloat16))
+            print(f"  {dtype}: the gradient's cast (amax, scale, cast; compiled) {cast_us:.1f} us, "
+                  f"_scaled_mm without epilogue {plain_us:.1f} us", flush=True)
             # The reference on the same FP8 operands, dequantized, in fp32.
             ref = torch.ops.aten.gelu_backward((g8.float() * g_inv) @ (w8t.float() * w_inv).t(), h.float(),
                                                approximate="tanh")
@@ -158,10 +165,7 @@ def main():
     print(torch.__version__, "Triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
     configs = list(sweep()) if "--sweep" in sys.argv else BEST
     for M in (65536, 16384):
-        torch.manual_seed(0)
-        grad = (torch.randn(M, K, device="cuda") * 1e-3).bfloat16()
-        weight = (torch.randn(K, N, device="cuda") * 0.02).bfloat16()
-        h = torch.randn(M, N, device="cuda").bfloat16()
+        grad, weight, h = operands(M)
         ref = L.reference_linear_dgelu(grad, weight, h).float()
         for _ in range(2):   # twice: the clock settles under the first
             print(f"tokens {M}: cuBLASLt DGELU {bench(lambda: L.linear_dgelu(grad, weight, h)):.1f} us, "

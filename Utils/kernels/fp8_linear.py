@@ -7,7 +7,8 @@ LayerNorm's output needs no amax. Each normalized row x̂ has mean 0 and mean sq
 entry exceeds sqrt(C - 1) for C features (the largest entry of such a row is sqrt(C - 1) when the other
 C - 1 are equal), and y = γ x̂ + β is bounded by max|γ| sqrt(C - 1) + max|β|: a bound from the weights
 alone. The cast then needs nothing from the tensor: one pass, which Inductor fuses into the LayerNorm's
-kernel. The bound costs range, not precision: e4m3 keeps 3 mantissa bits for every
+kernel on the plain layers, and runs after it where the input is kept beside its columns of ones
+(gemm_bias_grad). The bound costs range, not precision: e4m3 keeps 3 mantissa bits for every
 normal value, and at C = 768 the bound (27.7 max|γ|) lies some three binades above a typical row's
 largest entry, so only entries below about 2^-9 of the bound lose bits as subnormals.
 
@@ -15,13 +16,6 @@ The weights' scales come from their amax (fp8_loss.to_e4m3): 2.4M elements, a fe
 The backward pass stays in bf16, from the saved bf16 input and weight: its GEMMs would need FP8 copies
 of the gradients in both layouts (Hopper's FP8 GEMMs read both operands along the summed dimension).
 Accumulation is Hopper's fast FP8 mode, as for the output layer's logits: the sums run over 768 features.
-
-Both GEMMs take `keep`, the bf16 tensor that the layer's backward reads ([x 1] beside gemm_bias_grad's
-columns of ones), and ignore it. The argument makes `keep` an input of a forward operator: compiled, the
-partitioner then makes it in the forward pass and saves it, while the cast reads x and stays in the
-LayerNorm's kernel. Without it, [x 1] is a backward node, rebuilt there by a pass of its own; with the cast
-reading [x 1]'s columns instead, Inductor runs the cast as a kernel of its own after the concatenation
-(BENCHMARKS.md, "[x 1] saved again").
 
 Reference: `reference`, the same GEMMs on the dequantized FP8 operands in fp32 (tests/test_fp8_linear.py).
 """
@@ -70,49 +64,38 @@ def _operands(x: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, weight: 
     return *normed_to_e4m3(x, norm_weight, norm_bias), *to_e4m3(weight)
 
 
-def linear_normed(x: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, weight: Tensor, bias: Tensor,
-                  keep: Tensor | None = None) -> Tensor:
-    """x @ weight.T + bias, x being the output of a LayerNorm with norm_weight and norm_bias, the GEMM in FP8;
-    `keep` as for `linear`."""
-    return linear(*_operands(x, norm_weight, norm_bias, weight), bias, keep)
+def linear_normed(x: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, weight: Tensor, bias: Tensor) -> Tensor:
+    """x @ weight.T + bias, x being the output of a LayerNorm with norm_weight and norm_bias, the GEMM in FP8."""
+    return linear(*_operands(x, norm_weight, norm_bias, weight), bias)
 
 
 def linear_gelu_normed(x: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, weight: Tensor,
-                       bias: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                       bias: Tensor) -> tuple[Tensor, Tensor]:
     """(gelu(h), h) with h = x @ weight.T + bias, x being a LayerNorm's output as for linear_normed, in FP8."""
-    return linear_gelu(*_operands(x, norm_weight, norm_bias, weight), bias, keep)
+    return linear_gelu(*_operands(x, norm_weight, norm_bias, weight), bias)
 
 
-@torch.library.custom_op("gpt_suite::fp8_linear", mutates_args=())
-def linear(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, bias: Tensor, keep: Tensor | None = None) -> Tensor:
-    """x @ w.T + bias in bf16 from e4m3 x8 [M, K] and w8 [N, K] with their inverse scales, bias [N] bf16. `keep`
-    is not read: a tensor the backward needs, made an input here so that a compiled graph saves it (module
-    docstring)."""
+def linear(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, bias: Tensor) -> Tensor:
+    """x @ w.T + bias in bf16 from e4m3 x8 [M, K] and w8 [N, K] with their inverse scales, bias [N] bf16."""
     return torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, bias=bias, out_dtype=torch.bfloat16,
                             use_fast_accum=True)
 
 
-@linear.register_fake
-def _(x8, x_inv, w8, w_inv, bias, keep=None):
-    return bias.new_empty(x8.size(0), w8.size(0))
-
-
 @torch.library.custom_op("gpt_suite::fp8_linear_gelu", mutates_args=())
-def linear_gelu(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, bias: Tensor,
-                keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def linear_gelu(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     """(gelu(h), h) with h = x @ w.T + bias, from e4m3 x8 [M, K] and w8 [N, K] with their inverse scales, in
     bias's dtype; GELU's tanh approximation, as GPT-2's. On a GPU, one cuBLASLt GEMM with the GELU_AUX_BIAS
-    epilogue (cublaslt.linear_gelu); elsewhere, `reference`. `keep` as for `linear`."""
+    epilogue (cublaslt.linear_gelu); elsewhere, `reference`."""
     return reference_gelu(x8, x_inv, w8, w_inv, bias)
 
 
 @linear_gelu.register_kernel("cuda")
-def _(x8, x_inv, w8, w_inv, bias, keep=None):
+def _(x8, x_inv, w8, w_inv, bias):
     return cublaslt.linear_gelu(x8, w8, bias, scales=(x_inv, w_inv))
 
 
 @linear_gelu.register_fake
-def _(x8, x_inv, w8, w_inv, bias, keep=None):
+def _(x8, x_inv, w8, w_inv, bias):
     h = bias.new_empty(x8.size(0), w8.size(0))
     return torch.empty_like(h), h
 

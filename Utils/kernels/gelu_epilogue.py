@@ -69,11 +69,11 @@ class _GeluMLP(torch.autograd.Function):
         # With `ones`, x is kept beside a column of ones, and c_fc's bias gradient comes out of its
         # weight-gradient GEMM (Utils.kernels.gemm_bias_grad).
         saved = gemm_bias_grad.with_ones(x) if ones else x
-        # Both GEMMs take [x 1], so that it is saved (gemm_bias_grad._Linear says why).
+        x = saved[:, :x.size(1)]   # [x 1]'s columns, so that [x 1] is saved (gemm_bias_grad._Linear says why)
         if norm_weight is not None and fp8_linear.fits(x):
-            a, h = fp8_linear.linear_gelu_normed(x, norm_weight, norm_bias, fc_weight, fc_bias, keep=saved)
+            a, h = fp8_linear.linear_gelu_normed(x, norm_weight, norm_bias, fc_weight, fc_bias)
         else:
-            a, h = linear_gelu(saved[:, :x.size(1)], fc_weight, fc_bias)
+            a, h = linear_gelu(x, fc_weight, fc_bias)
         ctx.save_for_backward(saved, fc_weight, proj_weight, a, h)
         ctx.ones = ones
         return torch.addmm(proj_bias, a, proj_weight.t())

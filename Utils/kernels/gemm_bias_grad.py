@@ -48,11 +48,13 @@ class _Linear(torch.autograd.Function):
         saved = with_ones(x) if ones else x
         ctx.save_for_backward(saved, weight)
         ctx.ones = ones
-        # Both GEMMs take [x 1], the bf16 one as its first columns, the FP8 one as `keep`: then [x 1] is made in
-        # the forward pass and saved, not rebuilt by a backward pass of its own (fp8_linear says why).
+        # The forward GEMM reads [x 1]'s columns, not x, in FP8 too: then [x 1] is made in the forward pass and
+        # saved. Read from x, the compiled graph saves only the LayerNorm's statistics and rebuilds [x 1] in a
+        # backward pass of its own (BENCHMARKS.md, "[x 1] saved again").
+        x = saved[:, :x.size(1)]
         if norm_weight is not None and fp8_linear.fits(x):
-            return fp8_linear.linear_normed(x, norm_weight, norm_bias, weight, bias, keep=saved)
-        return torch.addmm(bias, saved[:, :x.size(1)], weight.t())
+            return fp8_linear.linear_normed(x, norm_weight, norm_bias, weight, bias)
+        return torch.addmm(bias, x, weight.t())
 
     @staticmethod
     def backward(ctx, grad):

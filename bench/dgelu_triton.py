@@ -28,7 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gelu_epilogue import bench  # noqa: E402
 from Utils.kernels import cublaslt as L  # noqa: E402
-from Utils.kernels.fp8_loss import to_e4m3  # noqa: E402
+from Utils.kernels.fp8_loss import to_e4m3, to_fp8  # noqa: E402
 
 K, N = 768, 3072
 
@@ -124,11 +124,19 @@ def operands(M):
             torch.randn(M, N, device="cuda").bfloat16())
 
 
-def to_fp8(x, dtype):
-    """fp8_loss.to_e4m3 for either FP8 type: the gradient's cast is timed in both."""
-    amax = x.abs().amax().float().clamp(min=1e-12)
-    scale = torch.finfo(dtype).max / amax
-    return (x.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype), scale.reciprocal()
+def time_configs(configs, grad, weight, h, ref, indent, scale=None):
+    """Check each configuration's output against ref (fp32), then time it; a configuration that does not fit
+    (shared memory) or does not compile is reported and skipped."""
+    out = torch.empty_like(h)
+    for cfg in configs:
+        try:
+            out.zero_()
+            run = launcher(grad, weight, h, out, **cfg, scale=scale)
+            run()
+            err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+            print(f"{indent}{bench(run, reps=30):7.1f} us  error {err:.1e}  {cfg}", flush=True)
+        except Exception as e:
+            print(f"{indent}failed {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
 
 
 def main_fp8():
@@ -138,7 +146,6 @@ def main_fp8():
         grad, weight, h = operands(M)
         w8t, w_inv = to_e4m3(weight.t().contiguous())   # [N, K]
         print(f"tokens {M}: cuBLASLt bf16 DGELU {bench(lambda: L.linear_dgelu(grad, weight, h)):.1f} us", flush=True)
-        out = torch.empty_like(h)
         for dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
             g8, g_inv = cast(grad, dtype)
             cast_us = bench(lambda: cast(grad, dtype))
@@ -149,16 +156,7 @@ def main_fp8():
             # The reference on the same FP8 operands, dequantized, in fp32.
             ref = torch.ops.aten.gelu_backward((g8.float() * g_inv) @ (w8t.float() * w_inv).t(), h.float(),
                                                approximate="tanh")
-            scale = (g_inv * w_inv).reshape(1)
-            for cfg in FP8:
-                try:
-                    out.zero_()
-                    run = launcher(g8, w8t, h, out, **cfg, scale=scale)
-                    run()
-                    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-                    print(f"    {bench(run, reps=30):7.1f} us  error {err:.1e}  {cfg}", flush=True)
-                except Exception as e:
-                    print(f"    failed {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+            time_configs(FP8, g8, w8t, h, ref, "    ", scale=(g_inv * w_inv).reshape(1))
 
 
 def main():
@@ -170,16 +168,7 @@ def main():
         for _ in range(2):   # twice: the clock settles under the first
             print(f"tokens {M}: cuBLASLt DGELU {bench(lambda: L.linear_dgelu(grad, weight, h)):.1f} us, "
                   f"plain GEMM {bench(lambda: grad @ weight):.1f} us", flush=True)
-        out = torch.empty_like(h)
-        for cfg in configs:
-            try:
-                out.zero_()
-                run = launcher(grad, weight, h, out, **cfg)
-                run()
-                err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-                print(f"  {bench(run, reps=30):7.1f} us  error {err:.1e}  {cfg}", flush=True)
-            except Exception as e:   # a configuration that does not fit (shared memory) or does not compile
-                print(f"  failed {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+        time_configs(configs, grad, weight, h, ref, "  ")
 
 
 if __name__ == "__main__":

@@ -74,10 +74,17 @@ def width_problem(width: int) -> str | None:
 
 def to_e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
     """(x scaled by 448 / amax(x) and cast to e4m3, the scale's inverse as a 0-d fp32 tensor): the value
-    that _scaled_mm multiplies the product by. The clamp keeps a rounding up at the amax from overflowing."""
+    that _scaled_mm multiplies the product by."""
+    return to_fp8(x, E4M3)
+
+
+def to_fp8(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """to_e4m3 for either FP8 dtype: x scaled by dtype's largest value over amax(x). The clamp keeps a rounding
+    up at the amax from overflowing."""
+    largest = torch.finfo(dtype).max
     amax = x.detach().abs().amax().float().clamp(min=1e-12)
-    scale = E4M3_MAX / amax
-    return (x.detach().float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale.reciprocal()
+    scale = largest / amax
+    return (x.detach().float() * scale).clamp(-largest, largest).to(dtype), scale.reciprocal()
 
 
 def _define_triton():

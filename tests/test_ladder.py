@@ -76,11 +76,11 @@ def test_max_is_the_fused_rung_and_what_measured_faster_on_the_h200():
                                   "bf16_residual", "gelu_epilogue", "fold_clip", "packed_attention",
                                   "gemm_bias_grad", "fp8_qkv_fc"}
     assert set(MAX_ADDITIONS) < set(ABLATION)
-    # What the ablation tried and max left out (BENCHMARKS.md says why), and autotune, not yet measured. "loss"
+    # What the ablation tried and max left out (BENCHMARKS.md says why), autotune and combo_kernels. "loss"
     # (the chunked loss as Inductor compiles it) and "loss_kernel" (its softmax in one kernel) are superseded
     # by "fp8_head", which cannot run with either and falls back to loss_kernel where FP8 cannot run.
     assert set(ABLATION) - set(MAX_ADDITIONS) == {"loss", "loss_kernel", "cudnn_attention", "fp8", "compiled_update",
-                                                  "autotune"}
+                                                  "autotune", "combo_kernels"}
 
 
 def test_ablation_is_every_addition_beyond_the_seven_rungs_in_registry_order():
@@ -352,6 +352,35 @@ def test_torch_compile_wraps_the_model_after_its_modules_are_swapped():
     assert sorted(map(id, stepped)) == sorted(map(id, b.model.parameters()))
 
 
+def compiled_on_a_gpu(*names):
+    """The step model's Inductor configuration and the build after the compile additions `names`, applied in
+    registry order as on a GPU: compilation is lazy, so nothing touches CUDA."""
+    b = Build(device=torch.device("cuda"), config=SMALL, module=nn.Linear(4, 4))
+    for name in resolve(names):
+        getattr(apply, f"apply_{name}")(b)
+    return b.step_model.get_compiler_config(), b
+
+
+@pytest.mark.parametrize("names, mode", [((), "default"), (("cudagraphs",), "reduce-overhead"),
+                                         (("autotune",), "max-autotune-no-cudagraphs"),
+                                         (("cudagraphs", "autotune"), "max-autotune")])
+def test_the_compile_additions_compile_as_torch_compiles_modes(monkeypatch, names, mode):
+    # The additions compile with options; each set must be exactly the mode's, so that the rungs measured with
+    # modes compile as they did.
+    monkeypatch.setattr(apply, "require_compiler", lambda device: None)
+    config, b = compiled_on_a_gpu("torch_compile", *names)
+    assert config == torch.compile(nn.Linear(4, 4), mode=mode).get_compiler_config()
+    assert b.cudagraphs == ("cudagraphs" in names)
+
+
+def test_combo_kernels_adds_its_option_to_the_other_compile_additions(monkeypatch):
+    monkeypatch.setattr(apply, "require_compiler", lambda device: None)
+    config, b = compiled_on_a_gpu("torch_compile", "cudagraphs", "combo_kernels")
+    assert config["combo_kernels"] and config["triton.cudagraphs"] and b.cudagraphs
+    assert b.compile_options == {"triton.cudagraphs": True, "combo_kernels": True}
+    assert not compiled_on_a_gpu("torch_compile", "cudagraphs")[0]["combo_kernels"]
+
+
 def test_every_rung_starts_from_the_same_weights():
     # The seed is the only source of the initial weights: swaps, settings and padding draw nothing.
     plain = make(()).model.state_dict()
@@ -433,8 +462,8 @@ def _torch_compile(b, base):
 
 
 def _cudagraphs(b, base):
-    # torch_compile's wrapper, left as it was (no CUDA graphs, no other mode), and the build says so.
-    assert b.step_model._orig_mod is b.model and not b.cudagraphs
+    # torch_compile's wrapper, left as it was (no CUDA graphs, no other option), and the build says so.
+    assert b.step_model._orig_mod is b.model and not b.cudagraphs and b.compile_options == {}
 
 
 def _fused(b, base):
@@ -487,6 +516,7 @@ CPU_EFFECTS = {
     "torch_compile": (None, _torch_compile),
     "cudagraphs": (r"CUDA graphs need a GPU: compiled in the default mode", _cudagraphs),
     "autotune": (r"max-autotune tunes GPU GEMMs: compiled in the default mode", _cudagraphs),
+    "combo_kernels": (r"combo kernels group Triton kernels on a GPU: compiled without them", _cudagraphs),
     "fused": (None, _fused),
     "8bit": (None, _8bit),
     "fold_clip": (None, _fold_clip),

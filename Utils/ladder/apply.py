@@ -48,6 +48,7 @@ class Build:
     module: nn.Module | None = None               # the model as the step runs it, before compilation (DDP's
                                                   # wrapper, or the model itself)
     step_model: nn.Module | None = None           # the model the step calls (compiled, or `module`)
+    compile_options: dict = field(default_factory=dict)   # Inductor's options, each compile addition's merged
     cudagraphs: bool = False                      # the step model replays CUDA graphs
     optimizer: torch.optim.Optimizer | None = None
     update: Callable[[], None] | None = None       # clips the gradients and steps the optimizer
@@ -276,28 +277,48 @@ def require_compiler(device: torch.device) -> None:
         raise Unavailable("torch.compile on a CPU needs a C++ compiler (g++ or clang++) on the PATH")
 
 
+def compile_with(b: Build, mode: str = "default", **options: object) -> None:
+    """Compile the step model with the options of `mode` and `options` added to those of the compile additions
+    applied before it. torch.compile takes a mode or options, not both, and a mode is only a set of options
+    (torch._inductor.list_mode_options), so each addition adds its own and compiles again. Compilation is
+    lazy: the wrapper replaced here has compiled nothing yet."""
+    from torch._inductor import list_mode_options   # imports Dynamo: 1.3 s, only for runs that compile
+    b.compile_options = {**b.compile_options, **list_mode_options(mode), **options}
+    b.step_model = torch.compile(b.module, options=b.compile_options or None)
+
+
 def apply_torch_compile(b: Build) -> None:
     """torch.compile fuses elementwise work into few Triton (GPU) or C++ (CPU) kernels."""
     require_compiler(b.device)
-    b.step_model = torch.compile(b.module)
+    compile_with(b)
 
 
 def apply_cudagraphs(b: Build) -> str | None:
-    """torch.compile's reduce-overhead mode replays a whole step's launches as one CUDA graph. Compilation is
-    lazy, so this replaces apply_torch_compile's wrapper before anything was compiled."""
+    """torch.compile's reduce-overhead mode replays a whole step's launches as one CUDA graph."""
     if b.device.type != "cuda":
         return "CUDA graphs need a GPU: compiled in the default mode"
-    b.step_model, b.cudagraphs = torch.compile(b.module, mode="reduce-overhead"), True
+    compile_with(b, "reduce-overhead")
+    b.cudagraphs = True
     return None
 
 
 def apply_autotune(b: Build) -> str | None:
     """max-autotune times Inductor's Triton GEMM templates against cuBLAS for each GEMM shape and keeps the
-    faster: GPT-2 124M's 768-wide GEMMs are small for cuBLAS's large-tile kernels. With cudagraphs (applied
-    first) the mode that keeps CUDA graphs too. Compiling takes minutes longer: every shape is timed once."""
+    faster: GPT-2 124M's 768-wide GEMMs are small for cuBLAS's large-tile kernels. Compiling takes minutes
+    longer: every shape is timed once."""
     if b.device.type != "cuda":
         return "max-autotune tunes GPU GEMMs: compiled in the default mode"
-    b.step_model = torch.compile(b.module, mode="max-autotune" if b.cudagraphs else "max-autotune-no-cudagraphs")
+    compile_with(b, "max-autotune-no-cudagraphs")
+    return None
+
+
+def apply_combo_kernels(b: Build) -> str | None:
+    """Inductor launches up to eight data-independent generated kernels as one (combo kernels): max's step
+    has about 320 Inductor kernels under 10 µs (the weights' casts and amaxes), and inside a CUDA graph each
+    launch still leaves the GPU a gap of a microsecond or two (BENCHMARKS.md)."""
+    if b.device.type != "cuda":
+        return "combo kernels group Triton kernels on a GPU: compiled without them"
+    compile_with(b, combo_kernels=True)
     return None
 
 

@@ -80,6 +80,9 @@ _ADDITIONS = [
     Addition("autotune", "compile", "compute",
              "torch.compile's max-autotune: Inductor times its Triton GEMM templates against cuBLAS, shape by shape",
              needs="Triton on a GPU", requires=("torch_compile",)),
+    Addition("combo_kernels", "compile", "overhead",
+             "Inductor's combo kernels: up to eight data-independent generated kernels launched as one",
+             needs="Triton on a GPU", requires=("torch_compile",)),
     # optimizer
     Addition("fused", "optimizer", "overhead", "AdamW(fused=True): one kernel over all parameters per step",
              excludes=("8bit",)),

@@ -326,6 +326,7 @@ CELLS = [
     """),
     code(r"""
     show(walkthrough.change("torch_compile"), *walkthrough.apply_sources("torch_compile"),
+         walkthrough.source(walkthrough.APPLY_SOURCE, "compile_with"),
          *study.effect("torch_compile"), *study.compile_break_even())
     """),
     md(r"""

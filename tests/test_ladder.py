@@ -355,9 +355,11 @@ def test_torch_compile_wraps_the_model_after_its_modules_are_swapped():
 def compiled_on_a_gpu(*names):
     """The step model's Inductor configuration and the build after the compile additions `names`, applied in
     registry order as on a GPU: compilation is lazy, so nothing touches CUDA."""
-    b = Build(device=torch.device("cuda"), config=SMALL, module=nn.Linear(4, 4))
+    module = nn.Linear(4, 4)
+    b = Build(device=torch.device("cuda"), config=SMALL, module=module, step_model=module)
     for name in resolve(names):
         getattr(apply, f"apply_{name}")(b)
+    assert b.step_model._orig_mod is module   # one wrapper around the module, not a wrapper of a wrapper
     return b.step_model.get_compiler_config(), b
 
 
@@ -461,7 +463,7 @@ def _torch_compile(b, base):
     assert base.step_model is base.model and b.step_model._orig_mod is b.model and not b.cudagraphs
 
 
-def _cudagraphs(b, base):
+def _compiled_as_torch_compile(b, base):
     # torch_compile's wrapper, left as it was (no CUDA graphs, no other option), and the build says so.
     assert b.step_model._orig_mod is b.model and not b.cudagraphs and b.compile_options == {}
 
@@ -514,9 +516,9 @@ CPU_EFFECTS = {
     "fp8_qkv_fc": (r"FP8 GEMMs need an Ada or Hopper GPU .+: c_attn and c_fc in bf16 instead", _bf16_layers),
     "fp8": (None, None),   # refused on a CPU: test_fp8_is_refused_where_it_cannot_run
     "torch_compile": (None, _torch_compile),
-    "cudagraphs": (r"CUDA graphs need a GPU: compiled in the default mode", _cudagraphs),
-    "autotune": (r"max-autotune tunes GPU GEMMs: compiled in the default mode", _cudagraphs),
-    "combo_kernels": (r"combo kernels group Triton kernels on a GPU: compiled without them", _cudagraphs),
+    "cudagraphs": (r"CUDA graphs need a GPU: compiled in the default mode", _compiled_as_torch_compile),
+    "autotune": (r"max-autotune tunes GPU GEMMs: compiled in the default mode", _compiled_as_torch_compile),
+    "combo_kernels": (r"combo kernels group Triton kernels on a GPU: compiled without them", _compiled_as_torch_compile),
     "fused": (None, _fused),
     "8bit": (None, _8bit),
     "fold_clip": (None, _fold_clip),

@@ -18,6 +18,7 @@ from Utils.report import breakdown
 from Utils.report.breakdown import (KERNEL_CLASSES, TraceError, append_breakdown_csv, classify, load_breakdown,
                                     load_trace, plot_breakdown, split, write_report)
 from Utils.report.breakdown import kernels
+from Utils.report.breakdown.trace import STEP_END, STEP_START
 from Utils.results.schema import BREAKDOWN_COLUMNS
 from Utils.results.store import ResultsError, append_run
 
@@ -343,6 +344,26 @@ def test_split_kernel_totals_unknowns_and_transfers():
     assert t[MEMSET].bandwidth == pytest.approx(4096 / 20e-6)
 
 
+def test_the_overhead_is_kept_gap_by_gap_with_the_activities_on_either_side():
+    bd = split(hand_trace())
+    # Window 1: start -> memcpy 10, memcpy -> GEMM 80, add -> flash 50 (add outlasts the GEMM), mystery ->
+    # softmax 50 (mystery outlasts flash), mystery2 -> end 250. Window 2: start -> GEMM 100; the memset
+    # starts as the GEMM ends (no gap); memset -> add 230; the add runs past the window's end (no gap).
+    got = {(g.before, g.after): (g.ms_per_step, g.count_per_step) for g in bd.gaps}
+    assert got == pytest.approx({(STEP_START, HTOD): (0.005, 0.5), (HTOD, GEMM): (0.04, 0.5),
+                                 (ADD, FLASH): (0.025, 0.5), (MYSTERY, SOFTMAX): (0.025, 0.5),
+                                 (MYSTERY2, STEP_END): (0.125, 0.5), (STEP_START, GEMM): (0.05, 0.5),
+                                 (MEMSET, ADD): (0.115, 0.5)})
+    assert [(g.before, g.after) for g in bd.gaps[:2]] == [(MYSTERY2, STEP_END), (MEMSET, ADD)]   # longest first
+    assert sum(g.ms_per_step for g in bd.gaps) == pytest.approx(bd.ms["overhead"])
+
+
+def test_a_window_without_idle_time_has_no_gaps():
+    trace = {"traceEvents": [_step(1, 0, 100), _x("kernel", ADD, 0, 60), _x("kernel", GEMM, 60, 40)]}
+    bd = split(trace)
+    assert bd.ms["overhead"] == 0 and bd.gaps == []
+
+
 def test_split_does_not_depend_on_the_clock_origin():
     a, b = split(hand_trace()), split(hand_trace(shift=1.7e12))
     assert b.ms == pytest.approx(a.ms, abs=1e-6)
@@ -508,6 +529,9 @@ def test_report_files(profiled):
     assert "- `my_custom_kernel`: 0.050 ms/step" in md
     assert "- `another_mystery_kernel`: 0.050 ms/step, 0.5 calls/step" in md
     assert "Memcpy HtoD (Pinned -> Device)" in md and "host link" in md
+    # Where the overhead sits: baseline's (the hand trace) largest gap first, the sum of all gaps its overhead.
+    assert "Where the GPU waits: the overhead's 5 largest parts" in md and "(0.355 of its 0.385 ms)" in md
+    assert re.search(r"\| 1 \| +0\.125 \| +0\.5 \| unknown: `another_mystery_kernel` +\| \(step end\)", md)
     assert "trace: trace_baseline.json (opens in Perfetto" in md
     assert "trace: trace_flash.json.gz (opens in Perfetto" in md
     assert "5.0 TFLOP/s, 0.5% of the 989 TFLOP/s dense bf16 peak" in md

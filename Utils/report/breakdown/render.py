@@ -7,12 +7,14 @@ import pandas as pd
 
 from Utils.ladder.registry import rung_order
 from Utils.report import markdown
-from Utils.report.breakdown.kernels import COMPUTE, CPU_OPS, MEMORY, OVERHEAD, UNKNOWN, short_name
+from Utils.report.breakdown.kernels import COMPUTE, CPU_OPS, MEMORY, OVERHEAD, UNKNOWN, classify, short_name
+from Utils.report.breakdown.trace import STEP_END, STEP_START
 
 # A profiled step may differ from the unprofiled median by this much before the
 # report says so (the profiler adds a little launch overhead of its own).
 MATCH_TOLERANCE = 0.10
 TOP_KERNELS = 10
+TOP_GAPS = 5
 
 
 def off_median(profiled: float, median: float) -> "float | None":
@@ -69,6 +71,7 @@ def _kernel_section(bd, top=TOP_KERNELS):
               markdown.table([["#", "class", "kind", "calls/step", "ms/step", "of step", "kernel"]] + rows,
                              left=(1, 2, 6)),
               ""]
+    lines += _gap_section(bd)
     if bd.unknown:
         unknown = [k for k in bd.kernels if k.cls is None]
         lines += [f"Unknown kernels ({len(unknown)}; add them to KERNEL_CLASSES in "
@@ -90,6 +93,28 @@ def _kernel_section(bd, top=TOP_KERNELS):
         lines += ["Copies and memsets, the GPU activities whose bytes the trace records:", "",
                   markdown.table([["transfer", "MiB/step", "ms/step", "GB/s", "of HBM peak"]] + rows), ""]
     return lines
+
+
+def _activity(name):
+    """A gap's neighbour for a table: its kind and short name, or the step's edge."""
+    if name in (STEP_START, STEP_END):
+        return name
+    label = classify(name)[1] or ("memcpy" if name.startswith("Memcpy") else
+                                  "memset" if name.startswith("Memset") else "unknown")
+    return f"{label}: `{short_name(name, 60)}`"
+
+
+def _gap_section(bd, top=TOP_GAPS):
+    """Where the overhead sits: its longest stretches a step, by the GPU activities on either side."""
+    idle = sum(g.ms_per_step for g in bd.gaps)
+    if not bd.gaps or idle <= 0:
+        return []
+    rows = [[str(i + 1), markdown.cell(g.ms_per_step, ".3f"), markdown.cell(g.count_per_step, ".1f"),
+             _activity(g.before), _activity(g.after)] for i, g in enumerate(bd.gaps[:top])]
+    shown = sum(g.ms_per_step for g in bd.gaps[:top])
+    return [f"Where the GPU waits: the overhead's {min(top, len(bd.gaps))} largest parts, each the idle time "
+            f"between the same two activities, summed over a step ({shown:.3f} of its {idle:.3f} ms):", "",
+            markdown.table([["#", "ms/step", "gaps/step", "idle after", "until"]] + rows, left=(3, 4)), ""]
 
 
 def render_report(df: pd.DataFrame, breakdowns: dict, context: str = "", notes: Sequence[str] = (),

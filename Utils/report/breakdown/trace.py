@@ -8,7 +8,8 @@ are that step's work. The window is split four ways, so that the parts add up to
   optimizer, copies and memsets): bandwidth-bound at GPT-2's sizes;
 - unknown: time when only kernels Utils.report.breakdown.kernels cannot name run: they are listed, never
   guessed;
-- overhead: time when nothing runs on the GPU (Python, launches, synchronization, data waits).
+- overhead: time when nothing runs on the GPU (Python, launches, synchronization, data waits); each idle
+  stretch is kept with the activities on either side of it, so that the report can say where it sits.
 
 Kernels that overlap (another stream, or a trace's clock jitter) are counted once, compute first, then
 memory, then unknown. A trace without GPU activity (a CPU run) gets the time inside PyTorch operators
@@ -45,6 +46,18 @@ class KernelStat:
 
 
 @dataclass
+class Gap:
+    """GPU idle time between two activities, summed over the profiled steps: its part of overhead."""
+    before: str                   # the activity that ended last before the gap, or STEP_START
+    after: str                    # the activity that starts the gap's end, or STEP_END
+    ms_per_step: float
+    count_per_step: float
+
+
+STEP_START, STEP_END = "(step start)", "(step end)"
+
+
+@dataclass
 class Transfer:
     """A memcpy or memset kind: the only GPU activities whose byte counts a Chrome trace records."""
     name: str                     # e.g. "Memcpy HtoD (Pinned -> Device)", "Memset (Device)"
@@ -75,6 +88,7 @@ class Breakdown:
     kernels: list = field(default_factory=list)     # [KernelStat], longest first
     unknown: list = field(default_factory=list)     # names of unclassified kernels, longest first
     transfers: list = field(default_factory=list)   # [Transfer] with bytes, longest first
+    gaps: list = field(default_factory=list)        # [Gap], longest first: overhead, by where it sits
     flops_per_step: "float | None" = None
     peak_flops: "float | None" = None
     peak_bandwidth: "float | None" = None
@@ -140,6 +154,20 @@ def _union_length(intervals):
     return total
 
 
+def _idle(spans, w_start, w_end):
+    """The stretches of [w_start, w_end] that no (start, end, name) span covers, as (before, after, length):
+    the name of the span that ended last before each stretch (STEP_START at the window's start) and of the
+    one that ends it (STEP_END at the window's end)."""
+    cur_end, cur_name = w_start, STEP_START
+    for start, end, name in sorted(spans):
+        if start > cur_end:
+            yield cur_name, name, start - cur_end
+        if end > cur_end:
+            cur_end, cur_name = end, name
+    if w_end > cur_end:
+        yield cur_name, STEP_END, w_end - cur_end
+
+
 def trace_gpu_name(trace: dict, device: "int | None" = None) -> str:
     """The name of the GPU `device` (the first listed when None or not found) in the trace's deviceProperties;
     "" when it lists none."""
@@ -156,8 +184,9 @@ def split(trace: dict, flops_per_step: "float | None" = None, peak_flops: "float
     only when it runs with a schedule. Each GPU activity (cat "kernel", "gpu_memcpy", "gpu_memset") that
     starts inside a window is that step's, cut off at the window's end. Per window: compute = the union
     of compute kernels; memory = the union of memory kernels, copies and memsets outside compute;
-    unknown = unclassified kernels outside both; overhead = the window minus all GPU activity. The
-    Breakdown holds their means over the windows, per-kernel totals, and the copies' bytes.
+    unknown = unclassified kernels outside both; overhead = the window minus all GPU activity, also kept
+    stretch by stretch with the activities on either side (gaps). The Breakdown holds their means over the
+    windows, per-kernel totals, and the copies' bytes.
 
     flops_per_step (model FLOPs of one step), peak_flops (FLOP/s) and peak_bandwidth (bytes/s) are
     carried for the achieved-throughput figures; peak_bandwidth defaults to the HBM peak of the GPU whose
@@ -194,10 +223,11 @@ def split(trace: dict, flops_per_step: "float | None" = None, peak_flops: "float
     for e in (gpu_events if gpu else [e for e in events if e.get("cat") == "cpu_op"]):
         place(e)
 
-    per_step, kernel_totals, transfer_totals = [], {}, {}
+    per_step, kernel_totals, transfer_totals, gap_totals = [], {}, {}, {}
     for (w_start, w_end, name), evs in zip(windows, by_window):
         window = w_end - w_start
         spans = {COMPUTE: [], MEMORY: [], UNKNOWN: [], CPU_OPS: []}
+        named = []   # (start, end, name) of every GPU activity: where the idle stretches sit
         for e in evs:
             start, end = e["ts"], min(e["ts"] + e["dur"], w_end)
             kname = str(e.get("name", ""))
@@ -215,6 +245,7 @@ def split(trace: dict, flops_per_step: "float | None" = None, peak_flops: "float
             else:
                 cls, label = classify(kname)
             spans[cls or UNKNOWN].append((start, end))
+            named.append((start, end, kname))
             k = kernel_totals.setdefault(kname, [cls, label, 0.0, 0])
             k[2] += end - start
             k[3] += 1
@@ -223,6 +254,10 @@ def split(trace: dict, flops_per_step: "float | None" = None, peak_flops: "float
             cm = _union_length(spans[COMPUTE] + spans[MEMORY])
             busy = _union_length(spans[COMPUTE] + spans[MEMORY] + spans[UNKNOWN])
             us = {COMPUTE: c, MEMORY: cm - c, UNKNOWN: busy - cm, OVERHEAD: window - busy}
+            for before, after, length in _idle(named, w_start, w_end):
+                g = gap_totals.setdefault((before, after), [0.0, 0])
+                g[0] += length
+                g[1] += 1
         else:
             busy = _union_length(spans[CPU_OPS])
             us = {CPU_OPS: busy, OVERHEAD: window - busy}
@@ -236,11 +271,14 @@ def split(trace: dict, flops_per_step: "float | None" = None, peak_flops: "float
                      key=lambda k: (-k.ms_per_step, k.name))
     transfers = sorted((Transfer(name, b / n, t / 1e3 / n) for name, (b, t) in transfer_totals.items()),
                        key=lambda t: (-t.ms_per_step, t.name))
+    gaps = sorted((Gap(before, after, total / 1e3 / n, count / n)
+                   for (before, after), (total, count) in gap_totals.items()),
+                  key=lambda g: (-g.ms_per_step, g.before, g.after))
     meta = {key: trace.get(key) for key in ("run_id", "git_commit", "started_at", "torch_version")}
     meta = {key: str(value) if value is not None else None for key, value in meta.items()}
     return Breakdown(gpu=gpu, gpu_name=gpu_name, steps=n, step_ms=sum(s["window_ms"] for s in per_step) / n,
                      ms=ms, per_step=per_step, kernels=kernels,
-                     unknown=[k.name for k in kernels if k.cls is None], transfers=transfers,
+                     unknown=[k.name for k in kernels if k.cls is None], transfers=transfers, gaps=gaps,
                      flops_per_step=flops_per_step, peak_flops=peak_flops,
                      peak_bandwidth=peak_bandwidth if peak_bandwidth is not None else gpu_peak_bandwidth(gpu_name),
                      **meta)

@@ -113,7 +113,10 @@ def _gap_section(bd, top=TOP_GAPS):
              _activity(g.before), _activity(g.after)] for i, g in enumerate(bd.gaps[:top])]
     shown = sum(g.ms_per_step for g in bd.gaps[:top])
     return [f"Where the GPU waits: the overhead's {min(top, len(bd.gaps))} largest parts, each the idle time "
-            f"between the same two activities, summed over a step ({shown:.3f} of its {idle:.3f} ms):", "",
+            f"between the same two activities, summed over a step ({shown:.3f} of its {idle:.3f} ms). The host "
+            f"waits for each profiled step to end before it launches the next, as a rung that reads its loss "
+            f"back every step does; so the gaps at a step's start are the host's time to its first launches, "
+            f"which sync_every hides in nine unprofiled steps of ten.", "",
             markdown.table([["#", "ms/step", "gaps/step", "idle after", "until"]] + rows, left=(3, 4)), ""]
 
 

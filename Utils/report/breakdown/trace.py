@@ -49,7 +49,7 @@ class KernelStat:
 class Gap:
     """GPU idle time between two activities, summed over the profiled steps: its part of overhead."""
     before: str                   # the activity that ended last before the gap, or STEP_START
-    after: str                    # the activity that starts the gap's end, or STEP_END
+    after: str                    # the activity whose start ends the gap, or STEP_END
     ms_per_step: float
     count_per_step: float
 

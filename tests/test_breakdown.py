@@ -17,7 +17,7 @@ from Utils.ladder.registry import LADDER
 from Utils.report import breakdown
 from Utils.report.breakdown import (KERNEL_CLASSES, TraceError, append_breakdown_csv, classify, load_breakdown,
                                     load_trace, plot_breakdown, split, write_report)
-from Utils.report.breakdown import kernels
+from Utils.report.breakdown import kernels, render
 from Utils.report.breakdown.trace import STEP_END, STEP_START
 from Utils.results.schema import BREAKDOWN_COLUMNS
 from Utils.results.store import ResultsError, append_run
@@ -364,6 +364,28 @@ def test_a_window_without_idle_time_has_no_gaps():
     assert bd.ms["overhead"] == 0 and bd.gaps == []
 
 
+def test_a_gap_follows_the_activity_that_ended_last_and_repeats_add_up():
+    # Per window: a GEMM with an add nested inside it (the add starts later but ends first), then softmax,
+    # GEMM, softmax: the GEMM -> softmax pair twice a window, and in both windows.
+    events = []
+    for w in (0, 200):
+        events += [_step(w // 200 + 1, w, 200), _x("kernel", GEMM, w + 10, 90), _x("kernel", ADD, w + 20, 10),
+                   _x("kernel", SOFTMAX, w + 120, 10), _x("kernel", GEMM, w + 150, 10),
+                   _x("kernel", SOFTMAX, w + 170, 5)]
+    bd = split({"traceEvents": events})
+    got = {(g.before, g.after): (g.ms_per_step, g.count_per_step) for g in bd.gaps}
+    assert got == pytest.approx({(STEP_START, GEMM): (0.010, 1.0), (GEMM, SOFTMAX): (0.030, 2.0),
+                                 (SOFTMAX, GEMM): (0.020, 1.0), (SOFTMAX, STEP_END): (0.025, 1.0)})
+    assert sum(g.ms_per_step for g in bd.gaps) == pytest.approx(bd.ms["overhead"]) == pytest.approx(0.085)
+
+
+def test_a_window_without_gpu_activity_is_one_gap_from_edge_to_edge():
+    trace = {"traceEvents": [_step(1, 0, 100), _step(2, 100, 50), _x("kernel", GEMM, 100, 50)]}
+    bd = split(trace)
+    assert [(g.before, g.after, g.ms_per_step, g.count_per_step) for g in bd.gaps] == \
+        [(STEP_START, STEP_END, pytest.approx(0.05), 0.5)]
+
+
 def test_split_does_not_depend_on_the_clock_origin():
     a, b = split(hand_trace()), split(hand_trace(shift=1.7e12))
     assert b.ms == pytest.approx(a.ms, abs=1e-6)
@@ -532,6 +554,10 @@ def test_report_files(profiled):
     # Where the overhead sits: baseline's (the hand trace) largest gap first, the sum of all gaps its overhead.
     assert "Where the GPU waits: the overhead's 5 largest parts" in md and "(0.355 of its 0.385 ms)" in md
     assert re.search(r"\| 1 \| +0\.125 \| +0\.5 \| unknown: `another_mystery_kernel` +\| \(step end\)", md)
+    assert re.search(r"\| 2 \| +0\.115 \| +0\.5 \| memset: `Memset \(Device\)` +\| elementwise: `", md)
+    # Neither hand-made rung has sync_every: each pays the host's time to its first launches every step.
+    assert "which this rung, reading its loss back every step, pays in its own steps too" in md
+    assert "hides" not in md
     assert "trace: trace_baseline.json (opens in Perfetto" in md
     assert "trace: trace_flash.json.gz (opens in Perfetto" in md
     assert "5.0 TFLOP/s, 0.5% of the 989 TFLOP/s dense bf16 peak" in md
@@ -749,3 +775,11 @@ def test_the_runs_metadata_survives_quotes_backslashes_and_tabs_in_a_real_trace(
         prof.add_metadata("context", _metadata_text('data C:\\my "texts"\tdir'))
         model(torch.randn(2, 4)).sum().backward()
     assert load_trace(path)["context"] == "data C:/my 'texts' dir"
+
+
+@pytest.mark.parametrize("rung, hides", [("max", True), ("max-sync_every", False), ("fused", False)])
+def test_the_gap_table_says_whether_the_rung_hides_its_launch_latency(rung, hides):
+    # Only a run with sync_every queues steps ahead of the GPU between read-backs (Utils/train/loop.py).
+    text = "\n".join(render._gap_section(split(hand_trace()), rung))
+    assert ("`sync_every` hides" in text) == hides
+    assert ("reading its loss back every step" in text) == (not hides)

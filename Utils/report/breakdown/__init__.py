@@ -16,9 +16,10 @@ from Utils.report.breakdown.files import (CHART_FILE, REPORT_FILE, add_traces, a
 from Utils.report.breakdown.kernels import (COMPUTE, CPU_CLASSES, CPU_OPS, GPU_CLASSES, KERNEL_CLASSES, MEMORY,
                                             OVERHEAD, UNKNOWN, classify, kernel_id, short_name)
 from Utils.report.breakdown.render import render_report
-from Utils.report.breakdown.trace import Breakdown, KernelStat, TraceError, Transfer, load_trace, split
+from Utils.report.breakdown.trace import (STEP_END, STEP_START, Breakdown, Gap, KernelStat, TraceError, Transfer,
+                                          load_trace, split)
 
 __all__ = ["CHART_FILE", "COMPUTE", "CPU_CLASSES", "CPU_OPS", "GPU_CLASSES", "KERNEL_CLASSES", "MEMORY", "OVERHEAD",
-           "REPORT_FILE", "UNKNOWN", "Breakdown", "KernelStat", "TraceError", "Transfer", "add_traces",
-           "append_breakdown_csv", "classify", "kernel_id", "load_breakdown", "load_trace", "plot_breakdown",
-           "render_report", "short_name", "split", "trace_path", "write_report"]
+           "REPORT_FILE", "STEP_END", "STEP_START", "UNKNOWN", "Breakdown", "Gap", "KernelStat", "TraceError",
+           "Transfer", "add_traces", "append_breakdown_csv", "classify", "kernel_id", "load_breakdown", "load_trace",
+           "plot_breakdown", "render_report", "short_name", "split", "trace_path", "write_report"]

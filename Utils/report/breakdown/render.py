@@ -5,7 +5,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from Utils.ladder.registry import rung_order
+from Utils.ladder.registry import additions_of, rung_order
 from Utils.report import markdown
 from Utils.report.breakdown.kernels import COMPUTE, CPU_OPS, MEMORY, OVERHEAD, UNKNOWN, classify, short_name
 from Utils.report.breakdown.trace import STEP_END, STEP_START
@@ -58,7 +58,7 @@ def _summary_table(df):
     return markdown.table([header] + rows)
 
 
-def _kernel_section(bd, top=TOP_KERNELS):
+def _kernel_section(bd, rung, top=TOP_KERNELS):
     lines = []
     if not bd.gpu:
         lines += ["No GPU kernels: this trace is from a CPU run. The compute / memory / overhead split is "
@@ -71,7 +71,7 @@ def _kernel_section(bd, top=TOP_KERNELS):
               markdown.table([["#", "class", "kind", "calls/step", "ms/step", "of step", "kernel"]] + rows,
                              left=(1, 2, 6)),
               ""]
-    lines += _gap_section(bd)
+    lines += _gap_section(bd, rung)
     if bd.unknown:
         unknown = [k for k in bd.kernels if k.cls is None]
         lines += [f"Unknown kernels ({len(unknown)}; add them to KERNEL_CLASSES in "
@@ -104,19 +104,25 @@ def _activity(name):
     return f"{label}: `{short_name(name, 60)}`"
 
 
-def _gap_section(bd, top=TOP_GAPS):
-    """Where the overhead sits: its longest stretches a step, by the GPU activities on either side."""
+def _gap_section(bd, rung, top=TOP_GAPS):
+    """Where the overhead sits: its longest stretches a step, by the GPU activities on either side, and why the
+    stretches at a profiled step's edges are longer than in the run's own steps."""
     idle = sum(g.ms_per_step for g in bd.gaps)
     if not bd.gaps or idle <= 0:
         return []
     rows = [[str(i + 1), markdown.cell(g.ms_per_step, ".3f"), markdown.cell(g.count_per_step, ".1f"),
              _activity(g.before), _activity(g.after)] for i, g in enumerate(bd.gaps[:top])]
     shown = sum(g.ms_per_step for g in bd.gaps[:top])
+    # profile_steps (Utils/train/loop.py) waits for each profiled step's end before it launches the next.
+    hidden = ("which `sync_every` hides in every unprofiled step but the first after each read-back"
+              if "sync_every" in (additions_of(rung) or ()) else
+              "which this rung, reading its loss back every step, pays in its own steps too")
     return [f"Where the GPU waits: the overhead's {min(top, len(bd.gaps))} largest parts, each the idle time "
-            f"between the same two activities, summed over a step ({shown:.3f} of its {idle:.3f} ms). The host "
-            f"waits for each profiled step to end before it launches the next, as a rung that reads its loss "
-            f"back every step does; so the gaps at a step's start are the host's time to its first launches, "
-            f"which sync_every hides in nine unprofiled steps of ten.", "",
+            f"between the same two activities, summed over a step ({shown:.3f} of its {idle:.3f} ms). The "
+            f"activities on either side say where a gap sits, not what causes it. The profiler's loop waits for "
+            f"each step to end before it launches the next, so the gaps before a step's first kernels (after "
+            f"(step start), and after the batch's copy to the GPU) are the host's time to launch them, {hidden}; "
+            f"the gap before (step end) is the host waking from that wait.", "",
             markdown.table([["#", "ms/step", "gaps/step", "idle after", "until"]] + rows, left=(3, 4)), ""]
 
 
@@ -172,5 +178,5 @@ def render_report(df: pd.DataFrame, breakdowns: dict, context: str = "", notes: 
         if bd is None:
             lines += [f"No readable trace_{rung}.json in PREFIX: the kernel tables are left out.", ""]
         else:
-            lines += _kernel_section(bd)
+            lines += _kernel_section(bd, rung)
     return "\n".join(lines).rstrip("\n") + "\n"

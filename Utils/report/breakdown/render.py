@@ -7,7 +7,7 @@ import pandas as pd
 
 from Utils.ladder.registry import additions_of, rung_order
 from Utils.report import markdown
-from Utils.report.breakdown.kernels import COMPUTE, CPU_OPS, MEMORY, OVERHEAD, UNKNOWN, classify, short_name
+from Utils.report.breakdown.kernels import COMPUTE, CPU_OPS, MEMORY, OVERHEAD, UNKNOWN, short_name
 from Utils.report.breakdown.trace import STEP_END, STEP_START
 
 # A profiled step may differ from the unprofiled median by this much before the
@@ -95,13 +95,11 @@ def _kernel_section(bd, rung, top=TOP_KERNELS):
     return lines
 
 
-def _activity(name):
-    """A gap's neighbour for a table: its kind and short name, or the step's edge."""
+def _activity(name, labels):
+    """A gap's neighbour for a table: its kind (labels: the split's, by name) and short name, or the step's edge."""
     if name in (STEP_START, STEP_END):
         return name
-    label = classify(name)[1] or ("memcpy" if name.startswith("Memcpy") else
-                                  "memset" if name.startswith("Memset") else "unknown")
-    return f"{label}: `{short_name(name, 60)}`"
+    return f"{labels.get(name) or 'unknown'}: `{short_name(name, 60)}`"
 
 
 def _gap_section(bd, rung, top=TOP_GAPS):
@@ -110,8 +108,9 @@ def _gap_section(bd, rung, top=TOP_GAPS):
     idle = sum(g.ms_per_step for g in bd.gaps)
     if not bd.gaps or idle <= 0:
         return []
+    labels = {k.name: k.label for k in bd.kernels}
     rows = [[str(i + 1), markdown.cell(g.ms_per_step, ".3f"), markdown.cell(g.count_per_step, ".1f"),
-             _activity(g.before), _activity(g.after)] for i, g in enumerate(bd.gaps[:top])]
+             _activity(g.before, labels), _activity(g.after, labels)] for i, g in enumerate(bd.gaps[:top])]
     shown = sum(g.ms_per_step for g in bd.gaps[:top])
     # profile_steps (Utils/train/loop.py) waits for each profiled step's end before it launches the next.
     hidden = ("which `sync_every` hides in every unprofiled step but the first after each read-back"

@@ -241,7 +241,7 @@ CELLS = [
     `breakdown.csv` next to the results (`Utils.report.breakdown`: per rung, the milliseconds per step
     during which matrix-multiply and attention kernels run, only other kernels run, or the GPU idles). Set
     next to the floors, it says how close each class of kernels comes to its peak. Its `breakdown.md` also
-    says where the GPU idles: the overhead's largest parts, each between the same two kernels every step.
+    says where the GPU idles: the overhead's largest parts, each between the same two GPU activities every step.
     """),
     code(r"""
     show(*study.breakdown())

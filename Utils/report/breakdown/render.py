@@ -105,7 +105,7 @@ def _activity(name, labels):
 def _gap_section(bd, rung, top=TOP_GAPS):
     """Where the overhead sits: its longest stretches a step, by the GPU activities on either side, and why the
     stretches at a profiled step's edges are longer than in the run's own steps."""
-    idle = sum(g.ms_per_step for g in bd.gaps)
+    idle = bd.ms[OVERHEAD]   # the gaps' sum (split keeps them so)
     if not bd.gaps or idle <= 0:
         return []
     labels = {k.name: k.label for k in bd.kernels}

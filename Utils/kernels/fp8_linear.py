@@ -47,10 +47,15 @@ def norm_bound(norm_weight: Tensor, norm_bias: Tensor | None) -> Tensor:
     return bound + norm_bias.detach().float().abs().amax() if norm_bias is not None else bound
 
 
-def normed_to_e4m3(y: Tensor, norm_weight: Tensor, norm_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+def normed_to_e4m3(y: Tensor, norm_weight: Tensor | None, norm_bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """(y, a LayerNorm's output, scaled by 448 / norm_bound and cast to e4m3; the scale's inverse, 0-d fp32).
-    The clamp keeps rounding at the bound (y rounded to bf16 may exceed it by half a step) from overflowing."""
-    inv = norm_bound(norm_weight, norm_bias).clamp(min=1e-12) / E4M3_MAX
+    Without norm_weight, y is the normalized x̂ alone (a LayerNorm folded into its reader, Utils.kernels.norm_fold),
+    bounded by sqrt(C - 1). The clamp keeps rounding at the bound (y rounded to bf16 may exceed it by half a
+    step) from overflowing."""
+    if norm_weight is None:
+        inv = torch.full((), (y.size(-1) - 1) ** 0.5 / E4M3_MAX, dtype=torch.float32, device=y.device)
+    else:
+        inv = norm_bound(norm_weight, norm_bias).clamp(min=1e-12) / E4M3_MAX
     return (y.detach().float() / inv).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), inv
 
 
@@ -59,17 +64,19 @@ def norm_weights(norm: torch.nn.LayerNorm | None) -> tuple[Tensor | None, Tensor
     return (None, None) if norm is None else (norm.weight, norm.bias)
 
 
-def _operands(x: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, weight: Tensor):
+def _operands(x: Tensor, norm_weight: Tensor | None, norm_bias: Tensor | None, weight: Tensor):
     """(x8, x_inv, w8, w_inv): x, a LayerNorm's output, and weight in e4m3 with their inverse scales."""
     return *normed_to_e4m3(x, norm_weight, norm_bias), *to_e4m3(weight)
 
 
-def linear_normed(x: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, weight: Tensor, bias: Tensor) -> Tensor:
-    """x @ weight.T + bias, x being the output of a LayerNorm with norm_weight and norm_bias, the GEMM in FP8."""
+def linear_normed(x: Tensor, norm_weight: Tensor | None, norm_bias: Tensor | None, weight: Tensor,
+                  bias: Tensor) -> Tensor:
+    """x @ weight.T + bias, x being the output of a LayerNorm with norm_weight and norm_bias (x̂ alone without
+    them), the GEMM in FP8."""
     return linear(*_operands(x, norm_weight, norm_bias, weight), bias)
 
 
-def linear_gelu_normed(x: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, weight: Tensor,
+def linear_gelu_normed(x: Tensor, norm_weight: Tensor | None, norm_bias: Tensor | None, weight: Tensor,
                        bias: Tensor) -> tuple[Tensor, Tensor]:
     """(gelu(h), h) with h = x @ weight.T + bias, x being a LayerNorm's output as for linear_normed, in FP8."""
     return linear_gelu(*_operands(x, norm_weight, norm_bias, weight), bias)

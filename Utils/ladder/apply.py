@@ -270,6 +270,15 @@ def apply_fp8(b: Build) -> None:
     convert_to_float8_training(b.model, module_filter_fn=lambda module, fqn: fqn.startswith("transformer.h."))
 
 
+def apply_fold_norm(b: Build) -> None:
+    """Each block's LayerNorms only normalize, and c_attn and c_fc apply their weights and biases (W diag(γ),
+    b + Wβ), whose gradients come from those layers' weight and bias gradients: the LayerNorms' backward sums
+    over the tokens, and the memsets before them, go (Utils.kernels.norm_fold)."""
+    for block in modules.blocks(b.model):
+        modules.fold_norm(block, "ln_1", block.attn.c_attn)
+        modules.fold_norm(block, "ln_2", block.mlp if isinstance(block.mlp, modules.EpilogueMLP) else block.mlp.c_fc)
+
+
 # --- compile ---------------------------------------------------------------------------------------------
 
 def require_compiler(device: torch.device) -> None:

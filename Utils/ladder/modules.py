@@ -7,6 +7,7 @@ before torch.compile and before the optimizer is built.
 """
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from Utils.kernels import chunked_loss, fp8_loss, gelu_epilogue, gemm_bias_grad, packed_attention
@@ -15,11 +16,13 @@ from Utils.model import GPT, CausalSelfAttention, OutputLoss
 
 class OnesLinear(nn.Linear):
     """nn.Linear whose bias gradient comes out of its weight-gradient GEMM (kernels.gemm_bias_grad); its forward
-    GEMM in FP8 once `read_normed` has named the LayerNorm that makes its input."""
+    GEMM in FP8 once `read_normed` has named the LayerNorm that makes its input; that LayerNorm's γ and β
+    applied here once `fold_norm` has folded it."""
     norm: nn.LayerNorm | None = None
+    fold: nn.LayerNorm | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm_bias_grad.linear(x, self, self.norm)
+        return gemm_bias_grad.linear(x, self, self.norm, fold=self.fold)
 
 
 class Fp8Linear(nn.Linear):
@@ -34,8 +37,10 @@ class Fp8Linear(nn.Linear):
 class EpilogueMLP(nn.Module):
     """The block's MLP with c_fc's bias and GELU, and GELU's derivative, in GEMM epilogues
     (kernels.gelu_epilogue); c_fc's bias gradient from its GEMM too where c_fc is a OnesLinear; c_fc's forward
-    GEMM in FP8 once `read_normed` has named the LayerNorm that makes the MLP's input."""
+    GEMM in FP8 once `read_normed` has named the LayerNorm that makes the MLP's input; that LayerNorm's γ and β
+    applied by c_fc once `fold_norm` has folded it."""
     norm: nn.LayerNorm | None = None
+    fold: nn.LayerNorm | None = None
 
     def __init__(self, mlp: nn.Module):
         super().__init__()
@@ -43,7 +48,7 @@ class EpilogueMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gelu_epilogue.gelu_mlp(x, self.c_fc, self.c_proj, ones=isinstance(self.c_fc, OnesLinear),
-                                      norm=self.norm)
+                                      norm=self.norm, fold=self.fold)
 
 
 def read_normed(module: OnesLinear | Fp8Linear | EpilogueMLP, norm: nn.LayerNorm) -> None:
@@ -51,6 +56,25 @@ def read_normed(module: OnesLinear | Fp8Linear | EpilogueMLP, norm: nn.LayerNorm
     with a scale bounded by norm's weights (kernels.fp8_linear). A reference, not a submodule: norm's parameters
     stay registered once, where the model has them, and the state dict is unchanged."""
     object.__setattr__(module, "norm", norm)
+
+
+class NormalizeOnly(nn.LayerNorm):
+    """A LayerNorm that only normalizes: its weight and bias stay registered here (the state dict is unchanged)
+    and are applied by the layer that reads its output (kernels.norm_fold), so that its backward has no sums
+    over the tokens."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+
+
+def fold_norm(parent: nn.Module, name: str, reader: OnesLinear | EpilogueMLP) -> None:
+    """Make parent.<name>, the LayerNorm whose output `reader` alone reads, a NormalizeOnly holding the same
+    Parameters, and name it as the LayerNorm whose weight and bias `reader` applies."""
+    old = getattr(parent, name)
+    new = NormalizeOnly(old.normalized_shape, eps=old.eps, device="meta")
+    new.weight, new.bias = old.weight, old.bias
+    setattr(parent, name, new)
+    object.__setattr__(reader, "fold", new)   # a reference, as read_normed's: the parameters stay where they are
 
 
 class CudnnAttention(CausalSelfAttention):

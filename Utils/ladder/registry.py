@@ -71,6 +71,9 @@ _ADDITIONS = [
              needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",), fp8=True),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
              needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8=True),
+    Addition("fold_norm", "model", "memory",
+             "each block LayerNorm's weight and bias applied by the layer reading it: no sums over the tokens",
+             requires=("gemm_bias_grad",)),
     # compile
     Addition("torch_compile", "compile", "overhead",
              "torch.compile: elementwise work fused into few kernels, far fewer launches",

@@ -1,0 +1,155 @@
+"""Utils.kernels.norm_fold and the `fold_norm` addition: a LayerNorm's γ and β applied by the linear layer that
+reads its output, against the plain LayerNorm then linear layer, in float64 (the same function and gradients,
+to rounding), float32 and bf16, through gemm_bias_grad's layer, gelu_epilogue's MLP and the built model."""
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from Utils.kernels import fp8_linear, gelu_epilogue, gemm_bias_grad, norm_fold
+from Utils.ladder import modules
+from Utils.ladder.apply import build
+from Utils.ladder.registry import RegistryError, resolve
+from Utils.model_config import PRESETS
+
+CPU = torch.device("cpu")
+SMALL = replace(PRESETS["tiny"], vocab_size=97)
+TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-4, atol=1e-5)}
+
+
+def _norm(width, dtype, g):
+    """A LayerNorm whose weight and bias are far from their initial 1 and 0, so that folding them matters."""
+    norm = nn.LayerNorm(width).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn(width, generator=g, dtype=dtype))
+        norm.bias.copy_(0.5 * torch.randn(width, generator=g, dtype=dtype))
+    return norm
+
+
+def test_the_fold_and_its_gradients_are_the_chain_rule_of_the_plain_layer():
+    g = torch.Generator().manual_seed(0)
+    xhat, weight, bias, gamma, beta, dy = (torch.randn(*s, generator=g, dtype=torch.float64)
+                                           for s in ((30, 12), (7, 12), (7,), (12,), (12,), (30, 7)))
+    w, b = norm_fold.folded(weight, bias, gamma, beta)
+    plain = [t.clone().requires_grad_() for t in (weight, bias, gamma, beta)]
+    y = F.linear(xhat * plain[2] + plain[3], plain[0], plain[1])
+    torch.testing.assert_close(F.linear(xhat, w, b), y, rtol=1e-12, atol=1e-12)
+    y.backward(dy)
+    got = norm_fold.unfolded_grads(dy.t() @ xhat, dy.sum(0), weight, gamma, beta)
+    for mine, autograd in zip(got, plain):
+        torch.testing.assert_close(mine, autograd.grad, rtol=1e-12, atol=1e-12)
+
+
+def _plain_and_folded(dtype, width=24, out=16):
+    """(x, norm, layer) drawn in float64 and rounded to dtype, so that float64 can give the exact answer."""
+    torch.manual_seed(1)   # nn.Linear draws its initial weights from the global generator
+    g = torch.Generator().manual_seed(1)
+    norm, layer = _norm(width, torch.float64, g), nn.Linear(width, out).double()
+    x = torch.randn(3, 10, width, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        for p in (*norm.parameters(), *layer.parameters()):
+            p.copy_(p.to(dtype))
+    return x.to(dtype), norm, layer
+
+
+@pytest.mark.parametrize("ones", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_folded_linear_is_layernorm_then_linear(dtype, ones):
+    # Against the plain LayerNorm and layer in float64 on the same values: the fold in dtype must be as close to
+    # it as dtype allows (in bf16 the plain path on a CPU, whose LayerNorm backward sums in bf16, is further off).
+    results = []
+    for folded, run_dtype in ((True, dtype), (False, torch.float64)):
+        x, norm, layer = _plain_and_folded(dtype)
+        x = x.to(run_dtype).requires_grad_()
+        norm, layer = norm.to(run_dtype), layer.to(run_dtype)
+        if folded:
+            y = gemm_bias_grad.linear(F.layer_norm(x, (24,)), layer, ones=ones, fold=norm)
+        else:
+            y = gemm_bias_grad.linear(norm(x), layer, ones=ones)
+        y.backward(torch.linspace(-1, 1, y.numel(), dtype=run_dtype).view_as(y))
+        results.append((y, x.grad, layer.weight.grad, layer.bias.grad, norm.weight.grad, norm.bias.grad))
+    for got, want in zip(*results):
+        assert got.dtype == dtype and got.shape == want.shape
+        scale = want.abs().max().item()
+        tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=tol * scale)
+
+
+def test_folded_linear_gradcheck_in_float64():
+    g = torch.Generator().manual_seed(2)
+    x, weight, bias, gamma, beta = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+                                    for s in ((2, 3, 5), (4, 5), (4,), (5,), (5,)))
+
+    def folded_linear(x, weight, bias, gamma, beta):
+        layer, norm = nn.Module(), nn.Module()   # gradcheck differentiates their tensors as inputs
+        layer.weight, layer.bias, norm.weight, norm.bias = weight, bias, gamma, beta
+        return gemm_bias_grad.linear(x, layer, fold=norm)
+    assert torch.autograd.gradcheck(folded_linear, (x, weight, bias, gamma, beta))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_folded_gelu_mlp_is_layernorm_then_mlp(dtype):
+    results = []
+    for folded in (True, False):
+        torch.manual_seed(3)
+        g = torch.Generator().manual_seed(3)
+        norm, fc, proj = _norm(16, dtype, g), nn.Linear(16, 64).to(dtype), nn.Linear(64, 16).to(dtype)
+        x = torch.randn(2, 8, 16, generator=g, dtype=dtype, requires_grad=True)
+        if folded:
+            y = gelu_epilogue.gelu_mlp(F.layer_norm(x, (16,)), fc, proj, ones=True, fold=norm)
+        else:
+            y = gelu_epilogue.gelu_mlp(norm(x), fc, proj, ones=True)
+        y.backward(torch.linspace(-1, 1, y.numel(), dtype=dtype).view_as(y))
+        results.append((y, x.grad, fc.weight.grad, fc.bias.grad, proj.weight.grad, norm.weight.grad, norm.bias.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+
+
+def test_normalized_input_casts_to_e4m3_with_the_bound_of_a_row_alone():
+    # The largest entry a normalized row of C features can hold is sqrt(C - 1): one entry against C - 1 equal ones.
+    row = torch.zeros(1, 768)
+    row[0, 0] = 1000.0   # large against LayerNorm's eps
+    xhat = F.layer_norm(row, (768,))
+    assert abs(xhat.max().item() - 767 ** 0.5) < 1e-3
+    x8, inv = fp8_linear.normed_to_e4m3(xhat, None, None)
+    assert torch.isfinite(x8.float()).all() and x8.float().abs().max().item() <= 448
+    torch.testing.assert_close(x8.float() * inv, xhat, rtol=2 ** -3, atol=1e-6)
+
+
+def _built(names, dtype=torch.float64):
+    b = build(names, CPU, SMALL, seed=0, loader=None)
+    b.model.to(dtype)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in b.model.named_parameters():
+            if ".ln_" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=dtype) * 0.5 + name.endswith("weight"))
+    return b
+
+
+def test_fold_norm_in_the_model_keeps_its_parameters_loss_and_gradients():
+    idx = torch.randint(0, SMALL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+    runs = {}
+    for names in (("gemm_bias_grad",), ("gemm_bias_grad", "fold_norm")):
+        b = _built(names)
+        loss = b.model(idx, idx)[1]
+        loss.backward()
+        runs[names] = b, loss, {n: p.grad for n, p in b.model.named_parameters()}
+    (plain, loss_a, grads_a), (folded, loss_b, grads_b) = runs.values()
+    block = folded.model.transformer.h[0]
+    assert isinstance(block.ln_1, modules.NormalizeOnly) and isinstance(block.ln_2, modules.NormalizeOnly)
+    assert block.attn.c_attn.fold is block.ln_1 and block.mlp.c_fc.fold is block.ln_2
+    assert type(folded.model.transformer.ln_f) is nn.LayerNorm   # the output layer has no bias to take β
+    assert list(folded.model.state_dict()) == list(plain.model.state_dict())
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-12, atol=1e-12)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_fold_norm_needs_gemm_bias_grad():
+    assert resolve(("gemm_bias_grad", "fold_norm")) == ("gemm_bias_grad", "fold_norm")
+    with pytest.raises(RegistryError, match="fold_norm needs gemm_bias_grad: add gemm_bias_grad"):
+        resolve(("fold_norm",))

@@ -76,11 +76,12 @@ def test_max_is_the_fused_rung_and_what_measured_faster_on_the_h200():
                                   "bf16_residual", "gelu_epilogue", "fold_clip", "packed_attention",
                                   "gemm_bias_grad", "fp8_qkv_fc", "combo_kernels"}
     assert set(MAX_ADDITIONS) < set(ABLATION)
-    # What the ablation tried and max left out (BENCHMARKS.md says why), and autotune, not yet measured. "loss"
+    # What the ablation tried and max left out (BENCHMARKS.md says why), and autotune and fold_norm, not yet
+    # measured on max. "loss"
     # (the chunked loss as Inductor compiles it) and "loss_kernel" (its softmax in one kernel) are superseded
     # by "fp8_head", which cannot run with either and falls back to loss_kernel where FP8 cannot run.
     assert set(ABLATION) - set(MAX_ADDITIONS) == {"loss", "loss_kernel", "cudnn_attention", "fp8", "compiled_update",
-                                                  "autotune"}
+                                                  "autotune", "fold_norm"}
 
 
 def test_ablation_is_every_addition_beyond_the_seven_rungs_in_registry_order():
@@ -441,6 +442,12 @@ def _gemm_bias_grad(b, base):
         assert type(block.attn.c_proj) is type(block.mlp.c_proj) is nn.Linear
 
 
+def _fold_norm(b, base):
+    for block, plain in zip(b.model.transformer.h, base.model.transformer.h):
+        assert type(block.ln_1) is type(block.ln_2) is modules.NormalizeOnly and type(plain.ln_1) is nn.LayerNorm
+        assert block.attn.c_attn.fold is block.ln_1 and block.mlp.c_fc.fold is block.ln_2
+
+
 def _plain_mlp(b, base):
     assert all(type(block.mlp) is MLP for block in b.model.transformer.h)
 
@@ -515,6 +522,7 @@ CPU_EFFECTS = {
                  r"the loss kernel needs .+: the plain chunked loss instead", _chunked_loss),
     "fp8_qkv_fc": (r"FP8 GEMMs need an Ada or Hopper GPU .+: c_attn and c_fc in bf16 instead", _bf16_layers),
     "fp8": (None, None),   # refused on a CPU: test_fp8_is_refused_where_it_cannot_run
+    "fold_norm": (None, _fold_norm),
     "torch_compile": (None, _torch_compile),
     "cudagraphs": (r"CUDA graphs need a GPU: compiled in the default mode", _compiled_as_torch_compile),
     "autotune": (r"max-autotune tunes GPU GEMMs: compiled in the default mode", _compiled_as_torch_compile),
@@ -641,8 +649,8 @@ def test_where_fp8_runs_fp8_qkv_fc_names_each_layernorm_to_the_layer_that_reads_
         if bases:   # the modules gemm_bias_grad and gelu_epilogue swapped in take the LayerNorm
             assert type(block.attn.c_attn) is modules.OnesLinear and type(block.mlp) is modules.EpilogueMLP
             assert block.mlp.norm is block.ln_2 and block.mlp.c_fc.norm is None
-        else:       # plain layers become Fp8Linear, keeping their parameters
-            assert type(block.attn.c_attn) is type(block.mlp.c_fc) is modules.Fp8Linear
+        else:       # plain layers become NormLinear, keeping their parameters
+            assert type(block.attn.c_attn) is type(block.mlp.c_fc) is modules.NormLinear
             assert block.mlp.c_fc.norm is block.ln_2
         assert block.attn.c_attn.norm is block.ln_1
     assert set(b.model.state_dict()) == set(make(("bf16",) + bases).model.state_dict())

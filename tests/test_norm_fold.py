@@ -129,10 +129,11 @@ def _built(names, dtype=torch.float64):
     return b
 
 
-def test_fold_norm_in_the_model_keeps_its_parameters_loss_and_gradients():
+@pytest.mark.parametrize("base", [(), ("gemm_bias_grad",)])
+def test_fold_norm_in_the_model_keeps_its_parameters_loss_and_gradients(base):
     idx = torch.randint(0, SMALL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
     runs = {}
-    for names in (("gemm_bias_grad",), ("gemm_bias_grad", "fold_norm")):
+    for names in (base, base + ("fold_norm",)):
         b = _built(names)
         loss = b.model(idx, idx)[1]
         loss.backward()
@@ -141,6 +142,7 @@ def test_fold_norm_in_the_model_keeps_its_parameters_loss_and_gradients():
     block = folded.model.transformer.h[0]
     assert isinstance(block.ln_1, modules.NormalizeOnly) and isinstance(block.ln_2, modules.NormalizeOnly)
     assert block.attn.c_attn.fold is block.ln_1 and block.mlp.c_fc.fold is block.ln_2
+    assert type(block.attn.c_attn) is (modules.OnesLinear if base else modules.NormLinear)
     assert type(folded.model.transformer.ln_f) is nn.LayerNorm   # the output layer has no bias to take β
     assert list(folded.model.state_dict()) == list(plain.model.state_dict())
     torch.testing.assert_close(loss_b, loss_a, rtol=1e-12, atol=1e-12)
@@ -149,7 +151,10 @@ def test_fold_norm_in_the_model_keeps_its_parameters_loss_and_gradients():
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
-def test_fold_norm_needs_gemm_bias_grad():
-    assert resolve(("gemm_bias_grad", "fold_norm")) == ("gemm_bias_grad", "fold_norm")
-    with pytest.raises(RegistryError, match="fold_norm needs gemm_bias_grad: add gemm_bias_grad"):
-        resolve(("fold_norm",))
+def test_fold_norm_alone_swaps_the_plain_layers_and_excludes_torchaos_fp8():
+    b = _built(("fold_norm",))
+    block = b.model.transformer.h[0]
+    assert type(block.attn.c_attn) is type(block.mlp.c_fc) is modules.NormLinear
+    assert block.attn.c_attn.fold is block.ln_1 and block.mlp.c_fc.fold is block.ln_2
+    with pytest.raises(RegistryError, match="fold_norm cannot run with fp8"):
+        resolve(("bf16", "fp8", "fold_norm"))

@@ -241,18 +241,22 @@ def apply_fp8_qkv_fc(b: Build) -> str | None:
     if why:
         return f"{why}: c_attn and c_fc in bf16 instead"
     for block in modules.blocks(b.model):
-        _read_normed(block.attn, "c_attn", block.ln_1)
-        if isinstance(block.mlp, modules.EpilogueMLP):
-            modules.read_normed(block.mlp, block.ln_2)
-        else:
-            _read_normed(block.mlp, "c_fc", block.ln_2)
+        modules.read_normed(_norm_reader(block.attn, "c_attn"), block.ln_1)
+        modules.read_normed(_mlp_norm_reader(block), block.ln_2)
     return None
 
 
-def _read_normed(parent: nn.Module, name: str, norm: nn.LayerNorm) -> None:
-    if not isinstance(getattr(parent, name), modules.OnesLinear):
-        modules.swap_linear(parent, name, modules.Fp8Linear)
-    modules.read_normed(getattr(parent, name), norm)
+def _norm_reader(parent: nn.Module, name: str) -> nn.Module:
+    """parent.<name>, a linear layer that reads a LayerNorm's output, made a NormLinear where gemm_bias_grad has
+    not made it a OnesLinear, so that it can cast that output to FP8 or apply the LayerNorm's weights."""
+    if not isinstance(getattr(parent, name), (modules.OnesLinear, modules.NormLinear)):
+        modules.swap_linear(parent, name, modules.NormLinear)
+    return getattr(parent, name)
+
+
+def _mlp_norm_reader(block: nn.Module) -> nn.Module:
+    """What reads ln_2's output: gelu_epilogue's MLP, which runs c_fc's GEMM itself, or c_fc."""
+    return block.mlp if isinstance(block.mlp, modules.EpilogueMLP) else _norm_reader(block.mlp, "c_fc")
 
 
 def apply_fp8(b: Build) -> None:
@@ -275,8 +279,8 @@ def apply_fold_norm(b: Build) -> None:
     b + Wβ), whose gradients come from those layers' weight and bias gradients: the LayerNorms' backward sums
     over the tokens, and the memsets before them, go (Utils.kernels.norm_fold)."""
     for block in modules.blocks(b.model):
-        modules.fold_norm(block, "ln_1", block.attn.c_attn)
-        modules.fold_norm(block, "ln_2", block.mlp if isinstance(block.mlp, modules.EpilogueMLP) else block.mlp.c_fc)
+        modules.fold_norm(block, "ln_1", _norm_reader(block.attn, "c_attn"))
+        modules.fold_norm(block, "ln_2", _mlp_norm_reader(block))
 
 
 # --- compile ---------------------------------------------------------------------------------------------

@@ -25,13 +25,15 @@ class OnesLinear(nn.Linear):
         return gemm_bias_grad.linear(x, self, self.norm, fold=self.fold)
 
 
-class Fp8Linear(nn.Linear):
-    """nn.Linear whose forward GEMM runs in FP8 once `read_normed` has named the LayerNorm that makes its input
-    (kernels.fp8_linear), for a layer that is not a OnesLinear; its bias gradient autograd's sum."""
+class NormLinear(nn.Linear):
+    """nn.Linear that reads a LayerNorm's output, for a layer that is not a OnesLinear (its bias gradient autograd's
+    sum): its forward GEMM in FP8 once `read_normed` has named that LayerNorm (kernels.fp8_linear), and the
+    LayerNorm's γ and β applied here once `fold_norm` has folded it (kernels.norm_fold)."""
     norm: nn.LayerNorm | None = None
+    fold: nn.LayerNorm | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm_bias_grad.linear(x, self, self.norm, ones=False)
+        return gemm_bias_grad.linear(x, self, self.norm, ones=False, fold=self.fold)
 
 
 class EpilogueMLP(nn.Module):
@@ -51,7 +53,7 @@ class EpilogueMLP(nn.Module):
                                       norm=self.norm, fold=self.fold)
 
 
-def read_normed(module: OnesLinear | Fp8Linear | EpilogueMLP, norm: nn.LayerNorm) -> None:
+def read_normed(module: OnesLinear | NormLinear | EpilogueMLP, norm: nn.LayerNorm) -> None:
     """Name `norm` as the LayerNorm whose output `module` reads, so that its forward GEMM casts that output to FP8
     with a scale bounded by norm's weights (kernels.fp8_linear). A reference, not a submodule: norm's parameters
     stay registered once, where the model has them, and the state dict is unchanged."""
@@ -67,7 +69,7 @@ class NormalizeOnly(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
 
 
-def fold_norm(parent: nn.Module, name: str, reader: OnesLinear | EpilogueMLP) -> None:
+def fold_norm(parent: nn.Module, name: str, reader: OnesLinear | NormLinear | EpilogueMLP) -> None:
     """Make parent.<name>, the LayerNorm whose output `reader` alone reads, a NormalizeOnly holding the same
     Parameters, and name it as the LayerNorm whose weight and bias `reader` applies."""
     old = getattr(parent, name)

@@ -73,7 +73,7 @@ _ADDITIONS = [
              needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8=True),
     Addition("fold_norm", "model", "memory",
              "each block LayerNorm's weight and bias applied by the layer reading it: no sums over the tokens",
-             requires=("gemm_bias_grad",)),
+             excludes=("fp8",)),
     # compile
     Addition("torch_compile", "compile", "overhead",
              "torch.compile: elementwise work fused into few kernels, far fewer launches",

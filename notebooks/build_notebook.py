@@ -407,8 +407,9 @@ CELLS = [
     cuDNN's graph API on the packed
     QKV tensor (`packed_attention`), and c_attn's and c_fc's bias gradients taken from their
     weight-gradient GEMMs (`gemm_bias_grad`), and the forward GEMMs of c_attn and c_fc in FP8 (`fp8_qkv_fc`), their
-    input cast to e4m3 by the LayerNorm that makes it, and Inductor's combo kernels (`combo_kernels`), which
-    launch up to eight of its small independent kernels as one. `make ablation` runs each addition alone on the fused rung,
+    input cast to e4m3 by the LayerNorm that makes it, Inductor's combo kernels (`combo_kernels`), which
+    launch up to eight of its small independent kernels as one, and each block LayerNorm's γ and β applied by
+    the layer that reads its output (`fold_norm`). `make ablation` runs each addition alone on the fused rung,
     together with the ones that were tried and left out or superseded: the chunked loss as Inductor compiles it
     (`loss`) and in bf16 with its kernel (`loss_kernel`), cuDNN attention (`cudnn_attention`), FP8 matmuls (`fp8`)
     and a compiled optimizer step (`compiled_update`).
@@ -429,7 +430,10 @@ CELLS = [
     kernel (at batch 64 every run sits at the card's power cap, where less work is a shorter step); prefetch,
     deferred read-back and CUDA graphs remove the time the GPU waits on the host, and combo kernels the gap of
     a microsecond or two that even a graph leaves between two launches, of which the step has some 300
-    under 10 µs (the weights' casts and amaxes).
+    under 10 µs (the weights' casts and amaxes). Folding a LayerNorm's weights into its reader
+    ((x̂γ + β)Wᵀ + b = x̂(W diag γ)ᵀ + (b + Wβ)) turns the LayerNorm's weight gradients, sums over the 65,536
+    tokens of a batch-64 step that Inductor finishes with a memset and an ATen reduction each, into sums over
+    the layer's 2,304 or 3,072 rows, out of the weight gradients the layer's GEMM already makes.
     """),
     code(r"""
     show(walkthrough.change("max"), *walkthrough.apply_sources("max"), *study.effect("max"), *study.ablation(),

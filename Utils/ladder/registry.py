@@ -116,7 +116,8 @@ _FUSED = _FLASH + ("fused",)
 # The fused rung plus every addition that measured faster on an H200 and kept the loss (BENCHMARKS.md
 # gives each one's predicted and measured gain, and why the others were left out).
 MAX_ADDITIONS = ("vocab_multiple", "fp8_head", "prefetch", "sync_every", "cudagraphs", "bf16_residual",
-                 "gelu_epilogue", "fold_clip", "packed_attention", "gemm_bias_grad", "fp8_qkv_fc", "combo_kernels")
+                 "gelu_epilogue", "fold_clip", "packed_attention", "gemm_bias_grad", "fp8_qkv_fc", "combo_kernels",
+                 "fold_norm")
 RUNGS = {r.name: r for r in [
     Rung("baseline", "no_optimization.py", ()),
     Rung("tf32", "tensorFloat32.py", ("tf32",)),

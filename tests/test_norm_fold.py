@@ -1,6 +1,7 @@
 """Utils.kernels.norm_fold and the `fold_norm` addition: a LayerNorm's γ and β applied by the linear layer that
-reads its output, against the plain LayerNorm then linear layer, in float64 (the same function and gradients,
-to rounding), float32 and bf16, through gemm_bias_grad's layer, gelu_epilogue's MLP and the built model."""
+reads its output, against the plain LayerNorm then linear layer: gemm_bias_grad's layer in float64 (the same
+function and gradients, to rounding), float32 and bf16; gelu_epilogue's MLP in float64 and float32; both with
+their forward GEMM in FP8; and the built model."""
 from dataclasses import replace
 
 import pytest
@@ -58,7 +59,7 @@ def _plain_and_folded(dtype, width=24, out=16):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_folded_linear_is_layernorm_then_linear(dtype, ones):
     # Against the plain LayerNorm and layer in float64 on the same values: the fold in dtype must be as close to
-    # it as dtype allows (in bf16 the plain path on a CPU, whose LayerNorm backward sums in bf16, is further off).
+    # it as dtype allows.
     results = []
     for folded, run_dtype in ((True, dtype), (False, torch.float64)):
         x, norm, layer = _plain_and_folded(dtype)
@@ -158,3 +159,44 @@ def test_fold_norm_alone_swaps_the_plain_layers_and_excludes_torchaos_fp8():
     assert block.attn.c_attn.fold is block.ln_1 and block.mlp.c_fc.fold is block.ln_2
     with pytest.raises(RegistryError, match="fold_norm cannot run with fp8"):
         resolve(("bf16", "fp8", "fold_norm"))
+
+
+@pytest.mark.parametrize("mlp", [False, True], ids=["linear", "gelu_mlp"])
+def test_the_fp8_forward_with_the_fold_reads_the_folded_weights_and_bounds_xhat_alone(mlp):
+    # γ small: a bound from the LayerNorm's weights (max|γ| sqrt(C - 1) + max|β| < 2.5) would clamp the spike row's
+    # x̂ of sqrt(63); unfolded weights would give another output altogether. FP8 where fold_norm runs with fp8_qkv_fc.
+    torch.manual_seed(6)
+    g = torch.Generator().manual_seed(6)
+    norm = nn.LayerNorm(64)
+    with torch.no_grad():
+        norm.weight.uniform_(-0.3, 0.3, generator=g)
+        norm.bias.uniform_(-0.1, 0.1, generator=g)
+    x = torch.randn(32, 64, generator=g)
+    x[0] = 0
+    x[0, 5] = 50.0
+    xhat = F.layer_norm(x, (64,)).bfloat16()
+    layers = (nn.Linear(64, 256).bfloat16(), nn.Linear(256, 64).bfloat16()) if mlp else (nn.Linear(64, 48).bfloat16(),)
+    with torch.no_grad():
+        layers[0].weight[:, 5] *= 30   # so that the spike's feature carries its row's output
+    grad = torch.randn(32, layers[-1].out_features, generator=g).bfloat16()
+    runs = []
+    for fp8 in (False, True):
+        norm.zero_grad()
+        for layer in layers:
+            layer.zero_grad()
+        xi = xhat.clone().requires_grad_()
+        options = dict(norm=norm if fp8 else None, fold=norm)
+        out = (gelu_epilogue.gelu_mlp(xi, *layers, ones=True, **options) if mlp
+               else gemm_bias_grad.linear(xi, layers[0], **options))
+        out.backward(grad)
+        runs.append((out.detach().float(), [xi.grad, norm.weight.grad, norm.bias.grad,
+                                            *(p.grad for layer in layers for p in layer.parameters())]))
+    (bf16, grads_bf16), (fp8, grads_fp8) = runs
+    assert not torch.equal(bf16, fp8)
+    row_error = (fp8 - bf16).norm(dim=1) / bf16.norm(dim=1)
+    assert row_error.max().item() < 0.1, row_error[:4]
+    for a, b in zip(grads_bf16, grads_fp8):
+        if mlp:   # GELU's derivative reads the pre-activation the FP8 GEMM wrote
+            assert ((a.float() - b.float()).norm() / a.float().norm()).item() < 0.1
+        else:     # the backward reads the saved bf16 [x̂ 1] and W'
+            assert torch.equal(a, b)

@@ -6,7 +6,8 @@ is as long as the GEMM's saving (torchao's casts made the fused rung 9% slower, 
 LayerNorm's output needs no amax. Each normalized row x̂ has mean 0 and mean square at most 1, so no
 entry exceeds sqrt(C - 1) for C features (the largest entry of such a row is sqrt(C - 1) when the other
 C - 1 are equal), and y = γ x̂ + β is bounded by max|γ| sqrt(C - 1) + max|β|: a bound from the weights
-alone. The cast then needs nothing from the tensor: one pass, which Inductor fuses into the LayerNorm's
+alone; folded into its reader (Utils.kernels.norm_fold), the LayerNorm outputs x̂ alone, bounded by
+sqrt(C - 1). The cast then needs nothing from the tensor: one pass, which Inductor fuses into the LayerNorm's
 kernel on the plain layers, and runs after it where the input is kept beside its columns of ones
 (gemm_bias_grad). The bound costs range, not precision: e4m3 keeps 3 mantissa bits for every
 normal value, and at C = 768 the bound (27.7 max|γ|) lies some three binades above a typical row's

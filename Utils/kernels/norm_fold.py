@@ -8,7 +8,7 @@ gradients"). Folded, the LayerNorm only normalizes, and the layer computes the s
 
     (x̂ γ + β) Wᵀ + b  =  x̂ W'ᵀ + b',   W' = W diag(γ),  b' = b + W β.
 
-The chain rule gives every gradient from the two the layer's GEMMs already make, dW' = gᵀ x̂ and db' = gᵀ 1
+The chain rule gives every gradient from the two that the layer's GEMMs already make, dW' = gᵀ x̂ and db' = gᵀ 1
 (one GEMM with x̂ beside a column of ones, Utils.kernels.gemm_bias_grad), as sums over the layer's output
 features (2,304 or 3,072), not over the tokens:
 

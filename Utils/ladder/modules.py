@@ -55,7 +55,7 @@ class EpilogueMLP(nn.Module):
 
 def read_normed(module: OnesLinear | NormLinear | EpilogueMLP, norm: nn.LayerNorm) -> None:
     """Name `norm` as the LayerNorm whose output `module` reads, so that its forward GEMM casts that output to FP8
-    with a scale bounded by norm's weights (kernels.fp8_linear). A reference, not a submodule: norm's parameters
+    with a scale bounded by norm's weights, or by sqrt(C - 1) once folded (kernels.fp8_linear). A reference, not a submodule: norm's parameters
     stay registered once, where the model has them, and the state dict is unchanged."""
     object.__setattr__(module, "norm", norm)
 
@@ -77,6 +77,8 @@ def fold_norm(parent: nn.Module, name: str, reader: OnesLinear | NormLinear | Ep
     new.weight, new.bias = old.weight, old.bias
     setattr(parent, name, new)
     object.__setattr__(reader, "fold", new)   # a reference, as read_normed's: the parameters stay where they are
+    if getattr(reader, "norm", None) is old:   # fp8_qkv_fc named the LayerNorm before it was folded
+        object.__setattr__(reader, "norm", new)
 
 
 class CudnnAttention(CausalSelfAttention):

@@ -67,7 +67,7 @@ _ADDITIONS = [
              "the output layer's three GEMMs in FP8 inside the chunked loss (e4m3 inputs, e5m2 gradient)",
              needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("loss", "loss_kernel"), fp8=True),
     Addition("fp8_qkv_fc", "model", "compute",
-             "c_attn's and c_fc's forward GEMMs in FP8, their LayerNorm's output cast with a scale its weights bound",
+             "c_attn's and c_fc's forward GEMMs in FP8, their LayerNorm's output cast with a scale bounded in advance",
              needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",), fp8=True),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
              needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8=True),
@@ -168,6 +168,7 @@ PARALLEL_EXCLUDES = {
              for name in ("gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel", "fp8_head",
                           "fp8_qkv_fc")}
     | {"fold_clip": "its grad_scale from the gradients' norm has not been tried on FSDP's DTensor shards",
+       "fold_norm": "its folded weights have not been tried on FSDP's DTensor shards on a GPU",
        "8bit": "bitsandbytes' optimizer takes whole tensors, not FSDP's DTensor shards",
        "cudagraphs": "a CUDA graph cannot hold FSDP's all-gathers and reduce-scatters",
        "fp8": "its scaled matmuls have not been tried on FSDP's shards"},

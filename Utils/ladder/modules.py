@@ -55,8 +55,8 @@ class EpilogueMLP(nn.Module):
 
 def read_normed(module: OnesLinear | NormLinear | EpilogueMLP, norm: nn.LayerNorm) -> None:
     """Name `norm` as the LayerNorm whose output `module` reads, so that its forward GEMM casts that output to FP8
-    with a scale bounded by norm's weights, or by sqrt(C - 1) once folded (kernels.fp8_linear). A reference, not a submodule: norm's parameters
-    stay registered once, where the model has them, and the state dict is unchanged."""
+    with a scale bounded by norm's weights, or by sqrt(C - 1) once folded (kernels.fp8_linear). A reference, not a
+    submodule: norm's parameters stay registered once, where the model has them, and the state dict is unchanged."""
     object.__setattr__(module, "norm", norm)
 
 

@@ -80,7 +80,7 @@ def test_max_is_the_fused_rung_and_what_measured_faster_on_the_h200():
     # (the chunked loss as Inductor compiles it) and "loss_kernel" (its softmax in one kernel) are superseded
     # by "fp8_head", which cannot run with either and falls back to loss_kernel where FP8 cannot run.
     assert set(ABLATION) - set(MAX_ADDITIONS) == {"loss", "loss_kernel", "cudnn_attention", "fp8", "compiled_update",
-                                                  "autotune", "pdl"}
+                                                  "autotune"}
 
 
 def test_ablation_is_every_addition_beyond_the_seven_rungs_in_registry_order():
@@ -383,18 +383,6 @@ def test_combo_kernels_adds_its_option_to_the_other_compile_additions(monkeypatc
     assert not compiled_on_a_gpu("torch_compile", "cudagraphs")[0]["combo_kernels"]
 
 
-@pytest.mark.parametrize("capability, launched", [((9, 0), True), ((8, 0), False)])
-def test_pdl_adds_its_option_on_hopper_and_says_why_not_before_it(monkeypatch, capability, launched):
-    monkeypatch.setattr(apply, "require_compiler", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    config, b = compiled_on_a_gpu("torch_compile", "cudagraphs", "combo_kernels", "pdl")
-    assert config["triton.enable_pdl"] is launched and config["combo_kernels"] and b.cudagraphs
-    assert ("triton.enable_pdl" in b.compile_options) is launched
-    if not launched:
-        b = Build(device=torch.device("cuda"), config=SMALL, module=nn.Linear(4, 4), step_model=None)
-        assert apply.apply_pdl(b) == "programmatic dependent launch needs a Hopper or newer GPU: compiled without it"
-
-
 def test_every_rung_starts_from_the_same_weights():
     # The seed is the only source of the initial weights: swaps, settings and padding draw nothing.
     plain = make(()).model.state_dict()
@@ -538,7 +526,6 @@ CPU_EFFECTS = {
     "cudagraphs": (r"CUDA graphs need a GPU: compiled in the default mode", _compiled_as_torch_compile),
     "autotune": (r"max-autotune tunes GPU GEMMs: compiled in the default mode", _compiled_as_torch_compile),
     "combo_kernels": (r"combo kernels group Triton kernels on a GPU: compiled without them", _compiled_as_torch_compile),
-    "pdl": (r"programmatic dependent launch needs a Hopper or newer GPU: compiled without it", _compiled_as_torch_compile),
     "fused": (None, _fused),
     "8bit": (None, _8bit),
     "fold_clip": (None, _fold_clip),

@@ -340,19 +340,6 @@ def apply_combo_kernels(b: Build) -> str | None:
     return None
 
 
-def apply_pdl(b: Build) -> str | None:
-    """Programmatic dependent launch (Hopper's griddepcontrol): Inductor's Triton kernels are launched so that
-    each is resident and set up while the kernel before it drains, and waits for its results only before its
-    first load. Inside a CUDA graph each kernel boundary still leaves the GPU a gap of a microsecond or two, and
-    max's step has some 200 generated kernels (BENCHMARKS.md)."""
-    if b.device.type != "cuda" or torch.cuda.get_device_capability(b.device) < (9, 0):
-        return "programmatic dependent launch needs a Hopper or newer GPU: compiled without it"
-    if not hasattr(torch._inductor.config.triton, "enable_pdl"):
-        return f"PyTorch {torch.__version__}'s Inductor has no programmatic dependent launch: compiled without it"
-    compile_with(b, **{"triton.enable_pdl": True})
-    return None
-
-
 # --- optimizer -------------------------------------------------------------------------------------------
 
 def param_groups(model: nn.Module) -> list:

@@ -86,9 +86,6 @@ _ADDITIONS = [
     Addition("combo_kernels", "compile", "overhead",
              "Inductor's combo kernels: up to eight data-independent generated kernels launched as one",
              needs="Triton on a GPU", requires=("torch_compile",)),
-    Addition("pdl", "compile", "overhead",
-             "Inductor's kernels launched with programmatic dependent launch: each starts as the one before drains",
-             needs="Triton on a Hopper or newer GPU", requires=("torch_compile",)),
     # optimizer
     Addition("fused", "optimizer", "overhead", "AdamW(fused=True): one kernel over all parameters per step",
              excludes=("8bit",)),

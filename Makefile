@@ -86,7 +86,13 @@ define repeat
 		$(call wait_for,$(2)); [ $$rc -eq 0 ] || exit $$rc; \
 		$(call split_traces,exit $$?) \
 	done
+	$(redraw)
 endef
+
+# After a rung's or custom's runs into a PREFIX that holds a summary.md already (make plots, peers or all drew
+# it), the summary and the charts are drawn again: left as they were, they would leave out the runs just
+# appended. make all, scaling and profile draw once at their end, so their rungs skip it (DRAWN=1).
+redraw = $(if $(DRAWN)$(filter 1 yes true,$(PROFILE)),,@if [ -f $(call q,PREFIX)/summary.md ]; then $(plot); fi)
 
 # The charts after several runs; with PROFILE=1 none, since profiled runs are recorded in breakdown.md only.
 # plot_results.py itself, not $(MAKE) plots, so that make -n peers runs nothing. make runs a recipe line
@@ -152,11 +158,11 @@ scaling: require-run
 	@if [ $(words $(RUNG)) != 1 ] || [ -z "$(filter $(strip $(RUNG)),$(RUNGS))" ]; then echo 'error: RUNG must name one rung ($(RUNGS)), e.g. make scaling RUNG=max NPROC="1 2" STEPS=60 BATCH_SIZE=16 PREFIX=./out' >&2; exit 2; fi
 	@if [ -z "$(strip $(NPROC))" ]; then echo 'error: NPROC is required: the GPU counts to run, e.g. NPROC="1 2 4 8"' >&2; exit 2; fi
 	@for n in $(NPROC); do $(PYTHON) -m Utils.train.distributed check "$$n" '$(or $(PARALLEL),ddp)' '$(or $(DEVICE),auto)' $(RUNG) || exit $$?; done
-	$(call each,scaling,$(NPROC),$(MAKE) --no-print-directory $(RUNG) NPROC=$$x PARALLEL=$(or $(PARALLEL),ddp) $${data:+DATA=$$data},$(charts_beside_make))
+	$(call each,scaling,$(NPROC),$(MAKE) --no-print-directory $(RUNG) DRAWN=1 NPROC=$$x PARALLEL=$(or $(PARALLEL),ddp) $${data:+DATA=$$data},$(charts_beside_make))
 
 all: require-run
 	$(call check_parallel,)
-	$(call each,all,$(RUNGS),$(MAKE) --no-print-directory $$x $${data:+DATA=$$data},$(charts_beside_make))
+	$(call each,all,$(RUNGS),$(MAKE) --no-print-directory $$x DRAWN=1 $${data:+DATA=$$data},$(charts_beside_make))
 
 # Each addition tried for the max rung alone on top of the fused rung, as rungs fused+<addition>, after a
 # run of the fused rung itself: every "vs fused" then divides runs of one commit on one machine, back to
@@ -183,7 +189,7 @@ peers: require-run
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
 # breakdown files and a trace per rung, and leaves results.csv alone.
 profile: require-run
-	$(call each,profile,$(RUNGS),$(MAKE) --no-print-directory $$x PROFILE=1 $${data:+DATA=$$data})
+	$(call each,profile,$(RUNGS),$(MAKE) --no-print-directory $$x DRAWN=1 PROFILE=1 $${data:+DATA=$$data})
 
 plots: require-prefix
 	$(plot)

@@ -94,12 +94,14 @@ def test_make_one_rung_appends_to_existing_results(make_all, tmp_path, suite_env
     prefix, _ = make_all
     copy = tmp_path / "copy"
     shutil.copytree(prefix, copy)
-    before = (copy / "results.csv").read_bytes()
+    before, summary = (copy / "results.csv").read_bytes(), (copy / "summary.md").read_text()
     # make all's shapes, so that the compiled graph comes from Inductor's cache; another warm-up and seed
     r = make(["fused", "STEPS=3", "BATCH_SIZE=2", f"PREFIX={copy}", "SEQ_LEN=64", "WARMUP=1", "SEED=7"], suite_env,
              timeout=600)
     assert r.returncode == 0, r.stderr
     assert (copy / "results.csv").read_bytes().startswith(before)
+    # The folder had a summary: it is drawn again with the new run, not left behind it.
+    assert "wrote speedup.png" in r.stdout and (copy / "summary.md").read_text() != summary
     last = read_csv(copy / "runs.csv")[-1]
     assert (last["optimization"], last["seq_len"], last["warmup_steps"]) == ("fused", "64", "1")
     assert '"seed": 7' in last["config"]
@@ -113,6 +115,7 @@ def test_make_repeat_runs_a_rung_that_many_times_and_stops_at_a_failure(tmp_path
                                                                           "=== bf16, run 2 of 2 ==="]
     runs = read_csv(tmp_path / "runs.csv")
     assert [(x["optimization"], x["status"]) for x in runs] == [("bf16", "ok"), ("bf16", "ok")]
+    assert not (tmp_path / "summary.md").exists()   # no charts where none were drawn: make plots draws them
     assert len({x["run_id"] for x in runs}) == 2
     # A run that is not ok ends the repetition with its exit status.
     r = make(["bf16", "REPEAT=3"] + args + [f"DATA={tmp_path / 'no-such-text.txt'}"], suite_env, timeout=600)

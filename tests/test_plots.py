@@ -504,3 +504,58 @@ def test_a_run_over_two_processes_reports_global_tokens_and_per_gpu_mfu(tmp_path
     assert rows["tf32"]["tokens/s"] == f"{2 * BATCH * SEQ / 0.1:,.0f}"   # both processes' tokens
     assert rows["tf32"]["MFU"] == "20.0%"                                 # per GPU, as each step recorded it
     assert f"batch 2 × {BATCH} (2 processes, ddp) × seq_len" in summary_text(p).splitlines()[0]
+
+
+def ablation_rows(prefix):
+    """summary.md's "Each addition against its base" tables as {run: {column header: cell text}}."""
+    text = summary_text(prefix)
+    assert "## Each addition against its base" in text
+    lines = [ln for ln in text.split("## Each addition against its base")[1].splitlines() if ln.startswith("|")]
+    rows = {}
+    for ln in lines:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        if cells[0] == "run":
+            header = cells
+        elif not set(cells[0]) <= set("-:"):
+            rows[cells[0]] = dict(zip(header, cells))
+    return rows
+
+
+def test_the_summary_divides_each_leave_one_out_run_by_the_max_runs_of_its_commit(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "max", [1, 30, 30, 30], git_commit="c1")
+    add_run(p, "max", [1, 32, 32, 32], git_commit="c1")
+    add_run(p, "max-fp8_head", [1, 34, 34, 34], git_commit="c1")
+    add_run(p, "max-prefetch", [1, 30.9, 31, 31.1], git_commit="c1")
+    add_run(p, "max-sync_every", [1, 40, 40, 40], git_commit="c2")   # no max run of its commit
+    rc, out, err = run_main(p)
+    assert rc == 0, err
+    rows = ablation_rows(p)
+    assert rows["max-fp8_head"]["vs max"] == f"+{100 * (34 / 31 - 1):.1f}%"
+    assert rows["max-fp8_head"]["max ms, same commit"] == "31.0"
+    assert rows["max-prefetch"]["vs max"] == "+0.0%"     # 31 against 31: no "-0.0%" either
+    assert rows["max"]["vs max"] == "-"
+    assert "max-sync_every" not in rows and "max-sync_every" in summary_table(p)
+    assert "positive is slower without it" in summary_text(p) and "## Each addition against its base" in out
+
+
+def test_the_summary_divides_each_added_run_by_the_fused_runs_of_its_commit(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "fused", [1, 40, 40, 40], git_commit="c1")
+    add_run(p, "fused+loss_kernel", [1, 38, 38, 38], git_commit="c1")
+    add_run(p, "fused+8bit", [], status="skipped", message="no bitsandbytes", git_commit="c1")
+    rc, _, err = run_main(p)
+    assert rc == 0, err
+    rows = ablation_rows(p)
+    assert rows["fused+loss_kernel"]["vs fused"] == "-5.0%"
+    assert set(rows) == {"fused", "fused+loss_kernel"}   # a skipped run has no time to divide
+    assert "negative is faster with the addition" in summary_text(p)
+
+
+def test_a_ladder_without_ablation_runs_has_no_ablation_section(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "fused", [1, 40, 40, 40])
+    add_run(p, "max", [1, 30, 30, 30])
+    rc, _, err = run_main(p)
+    assert rc == 0, err
+    assert "Each addition against its base" not in summary_text(p)

@@ -6,6 +6,7 @@ that `make plots` runs where torch cannot be imported.
     charts     speedup.png, step_time.png, throughput.png, memory.png, loss.png
     scaling    one rung across GPU counts: global tokens/s, scaling efficiency, scaling.png
     compare    several results folders (machines, commits) side by side: compare.md, compare.png
+    ablation   each addition against the rung it joined or left (make ablation), for summary.md and the notebook
     summary    summary.md
     cli        plot_results.py's command line
     figures    what every chart shares: resolution, wrapped titles and footnotes, writing

@@ -7,8 +7,8 @@ speedup.png, step_time.png, throughput.png, memory.png, loss.png and summary.md;
 printed to the terminal too. Where DIR holds ok runs of one rung at two or more GPU counts (make scaling),
 scaling.png too, and summary.md gains a scaling section; elsewhere no scaling.png is written (an old one
 is left as it is). Which runs are compared is Utils.report.selection's business, the numbers
-Utils.report.stats', the charts Utils.report.charts', the scaling across GPUs Utils.report.scaling's and
-summary.md Utils.report.summary's.
+Utils.report.stats', the charts Utils.report.charts', the scaling across GPUs Utils.report.scaling's, each
+addition against its base (make ablation) Utils.report.ablation's and summary.md Utils.report.summary's.
 
 Exit codes: 0 when everything was written; 2 for bad arguments, unusable input or an unwritable
 PREFIX, with a single "error: ..." line on stderr.
@@ -18,6 +18,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+import pandas as pd
+
+from Utils.report.ablation import ablation_tables
 from Utils.report.charts import CHARTS
 from Utils.report.figures import save_figure
 from Utils.report.scaling import SCALING_FILE, Scaling, build_scaling, plot_scaling
@@ -29,10 +32,11 @@ from Utils.results.store import ResultsError
 OUTPUT_FILES = (*CHARTS, SCALING_FILE, SUMMARY_FILE)   # scaling.png only where a rung ran on several GPU counts
 
 
-def write_outputs(prefix: str | os.PathLike, report: Report,
-                  scaling: "Scaling | None" = None) -> tuple[str, list[str]]:
+def write_outputs(prefix: str | os.PathLike, report: Report, scaling: "Scaling | None" = None,
+                  ablation: "dict[str, pd.DataFrame] | None" = None) -> tuple[str, list[str]]:
     """Write every chart, scaling.png where `scaling` holds a rung measured at two or more GPU counts, and
-    summary.md into prefix; return (summary text, written paths)."""
+    summary.md (with `ablation`'s tables, where there are any) into prefix; return (summary text, written
+    paths)."""
     written = []
     for name, plot in CHARTS.items():
         path = os.path.join(prefix, name)
@@ -43,7 +47,7 @@ def write_outputs(prefix: str | os.PathLike, report: Report,
         save_figure(plot_scaling(scaling.table, scaling.context, scaling.provenance), path)
         written.append(path)
     path = os.path.join(prefix, SUMMARY_FILE)
-    text = write_summary(report, path, scaling)
+    text = write_summary(report, path, scaling, ablation)
     written.append(path)
     return text, written
 
@@ -80,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         steps, runs = load(prefix)
         report = build_report(steps, runs, load_peak(prefix))
-        text, written = write_outputs(prefix, report, build_scaling(steps, runs))
+        text, written = write_outputs(prefix, report, build_scaling(steps, runs), ablation_tables(steps, runs))
     except ResultsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,6 +16,11 @@ TABLE_HEADER = ["rung", "runs", "median ms", "IQR ms", "trimmed mean ms", "sprea
                 "MFU", "MFU of measured peak", "peak alloc GiB", "peak reserved GiB", "compile s", "cache",
                 "final loss", "status"]
 SCALING_HEADER = ["rung", "GPUs", "parallel", "median ms", "global tokens/s", "tokens/s per GPU", "efficiency"]
+ABLATION_WORDS = {   # base -> what its runs are, and which sign means the addition pays
+    "fused": "The fused rung with each addition alone (`make ablation`): negative is faster with the addition.",
+    "max": "`max` without each of its additions (`make ablation FROM=max`): positive is slower without it, so the "
+           "addition pays.",
+}
 
 
 def table_rows(table: pd.DataFrame) -> list[list[str]]:
@@ -79,6 +84,25 @@ def scaling_section(scaling: "Scaling | None") -> list[str]:
     return lines
 
 
+def ablation_section(tables: "dict[str, pd.DataFrame] | None") -> list[str]:
+    """The lines of the "## Each addition against its base" section: one table a base (ablation.ablation_tables),
+    each run against its base's runs from the same commit; none where no run was compared with a base."""
+    if not tables:
+        return []
+    lines = ["", "## Each addition against its base"]
+    for base, frame in tables.items():
+        rows = [["run", "median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit", "peak alloc GiB"]]
+        for run, r in frame.iterrows():
+            rows.append([run, markdown.cell(r["median ms"], ".1f"), markdown.cell(r["IQR ms"], ".1f"),
+                         markdown.cell(round(100 * r[f"vs {base}"], 1) + 0.0, "+.1f", "%"),   # + 0.0: no "-0.0%"
+                         markdown.cell(r[f"{base} ms, same commit"], ".1f"), markdown.cell(r["peak alloc GiB"], ".1f")])
+        lines += ["", ABLATION_WORDS[base], "", markdown.table(rows)]
+    lines += ["", "Each run is divided by the mean of the median steps of its base's ok runs from the same commit (runs "
+                  "from a commit without one are left out). A difference smaller than the runs' IQRs is not "
+                  "resolved by one run each: `REPEAT=n` runs the base again, or run the pair again."]
+    return lines
+
+
 def timing_sentence(report: Report) -> str:
     """How the compared runs' steps were timed (their selection matches on it): end to end since schema
     version 2, each step alone before."""
@@ -90,10 +114,12 @@ def timing_sentence(report: Report) -> str:
             "it, so that the measured steps leave out the host's time between them.")
 
 
-def render_summary(report: Report, scaling: "Scaling | None" = None) -> str:
+def render_summary(report: Report, scaling: "Scaling | None" = None,
+                   ablation: "dict[str, pd.DataFrame] | None" = None) -> str:
     """summary.md's text: heading (what was measured, and where the figures come from), the table in ladder
-    order, excluded runs, notes; and the scaling section where `scaling` (scaling.build_scaling) holds a rung
-    measured at two or more GPU counts."""
+    order, excluded runs, notes; the scaling section where `scaling` (scaling.build_scaling) holds a rung
+    measured at two or more GPU counts; and each addition against its base where `ablation`
+    (ablation.ablation_tables) holds one."""
     lines = [f"# Ladder results: {report.context} · {report.provenance}", ""]
     if not report.has_baseline:
         lines += [f"**{NO_BASELINE_NOTE}**", ""]
@@ -115,12 +141,14 @@ def render_summary(report: Report, scaling: "Scaling | None" = None) -> str:
     if report.notes:
         lines += ["", "## Notes", ""]
         lines += [f"- {n}" for n in report.notes]
+    lines += ablation_section(ablation)
     lines += scaling_section(scaling)
     return "\n".join(lines) + "\n"
 
 
-def write_summary(report: Report, path: str | os.PathLike, scaling: "Scaling | None" = None) -> str:
-    """Write render_summary(report, scaling) to path through a temporary file; return the text."""
-    text = render_summary(report, scaling)
+def write_summary(report: Report, path: str | os.PathLike, scaling: "Scaling | None" = None,
+                  ablation: "dict[str, pd.DataFrame] | None" = None) -> str:
+    """Write render_summary(report, scaling, ablation) to path through a temporary file; return the text."""
+    text = render_summary(report, scaling, ablation)
     write_atomic(path, lambda f: f.write(text.encode("utf-8")))
     return text

@@ -22,8 +22,9 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from Utils.ladder.registry import ADDITIONS, LADDER, MAX_ADDITIONS, RUNGS, rung_order
+from Utils.ladder.registry import ADDITIONS, LADDER, RUNGS, rung_order
 from Utils.report import roofline
+from Utils.report.ablation import ablation_table
 from Utils.report.breakdown import load_breakdown, plot_breakdown
 from Utils.report.charts import CHARTS, plot_loss, rung_colors
 from Utils.report.stats import Report, build_report, short_commit, summarize
@@ -737,36 +738,6 @@ class Study:
 
 
 # --- the companion sets ---------------------------------------------------------------------------------------
-
-
-def ablation_table(steps: pd.DataFrame, runs: pd.DataFrame, base: str = "fused") -> pd.DataFrame:
-    """Each ok run of an ablation set against the mean median step of the ok runs of `base` made by the same
-    commit: GPU speed drifts between calls and machines by about as much as some additions gain. base
-    "fused": the runs fused+<addition> (`make ablation`), with a column "in max" (whether the addition is one of
-    the max rung's); base "max": the runs max-<addition> (`make ablation FROM=max`). Columns: median ms, vs
-    <base> (fraction; negative is faster), <base> ms of the same commit, peak alloc GiB. Runs without a base
-    run of their commit are left out; empty without any ok base run."""
-    table = summarize(steps, runs)
-    commit = runs.set_index("run_id")["git_commit"]
-    ok_runs = runs[runs["status"] == "ok"]
-    base_ms = ok_runs[ok_runs["optimization"] == base].groupby("git_commit")["median_step_ms"].mean()
-    columns = ["median ms", f"vs {base}", f"{base} ms, same commit", "peak alloc GiB"]
-    columns += ["in max"] if base == "fused" else []
-    rows = {}
-    if len(base_ms):
-        for r in table.index:
-            if table.at[r, "status"] != "ok" or not (r == base or r.startswith(base + ("+" if base == "fused" else "-"))):
-                continue
-            same = base_ms.get(commit[table.at[r, "run_id"]]) if r != base else None
-            if r != base and same is None:
-                continue
-            rows[r] = {"median ms": table.at[r, "median_step_ms"],
-                       f"vs {base}": table.at[r, "median_step_ms"] / same - 1 if same else np.nan,
-                       f"{base} ms, same commit": same if same else np.nan,
-                       "peak alloc GiB": table.at[r, "peak_mem_allocated_gib"]}
-            if base == "fused":
-                rows[r]["in max"] = r.split("+", 1)[-1] in MAX_ADDITIONS if r != base else None
-    return pd.DataFrame.from_dict(rows, orient="index", columns=columns)
 
 
 def loss_tail(report: Report, last: int = LOSS_TAIL_STEPS) -> pd.DataFrame:

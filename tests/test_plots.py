@@ -526,16 +526,18 @@ def test_the_summary_divides_each_leave_one_out_run_by_the_max_runs_of_its_commi
     add_run(p, "max", [1, 30, 30, 30], git_commit="c1")
     add_run(p, "max", [1, 32, 32, 32], git_commit="c1")
     add_run(p, "max-fp8_head", [1, 34, 34, 34], git_commit="c1")
-    add_run(p, "max-prefetch", [1, 30.9, 31, 31.1], git_commit="c1")
+    add_run(p, "max-prefetch", [1, 30.99, 30.99, 30.99], git_commit="c1")   # -0.03%: rounds to zero
     add_run(p, "max-sync_every", [1, 40, 40, 40], git_commit="c2")   # no max run of its commit
     rc, out, err = run_main(p)
     assert rc == 0, err
     rows = ablation_rows(p)
     assert rows["max-fp8_head"]["vs max"] == f"+{100 * (34 / 31 - 1):.1f}%"
     assert rows["max-fp8_head"]["max ms, same commit"] == "31.0"
-    assert rows["max-prefetch"]["vs max"] == "+0.0%"     # 31 against 31: no "-0.0%" either
-    assert rows["max"]["vs max"] == "-"
+    assert rows["max-prefetch"]["vs max"] == "+0.0%"     # not "-0.0%"
+    assert rows["max"]["vs max"] == "-" and rows["max"]["median ms"] == "31.0"   # the mean its rows divide by
     assert "max-sync_every" not in rows and "max-sync_every" in summary_table(p)
+    assert "Left out: max-sync_every (no max run of its commit)." in summary_text(p)
+    assert list(rows) == ["max", "max-fp8_head", "max-prefetch"]   # the registry's order of additions
     assert "positive is slower without it" in summary_text(p) and "## Each addition against its base" in out
 
 
@@ -559,3 +561,23 @@ def test_a_ladder_without_ablation_runs_has_no_ablation_section(tmp_path):
     rc, _, err = run_main(p)
     assert rc == 0, err
     assert "Each addition against its base" not in summary_text(p)
+
+
+def test_a_base_run_of_another_configuration_is_not_divided_by(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "max", [1, 10, 10, 10], git_commit="c1", batch_size=4)   # another batch: the table leaves it out
+    add_run(p, "max", [1, 30, 30, 30], git_commit="c1")
+    add_run(p, "max-fp8_head", [1, 33, 33, 33], git_commit="c1")
+    rc, _, err = run_main(p)
+    assert rc == 0, err
+    assert ablation_rows(p)["max-fp8_head"]["vs max"] == "+10.0%"
+
+
+def test_runs_whose_commit_is_unknown_are_not_paired(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "max", [1, 30, 30, 30], git_commit="")
+    add_run(p, "max-fp8_head", [1, 33, 33, 33], git_commit="")
+    rc, _, err = run_main(p)
+    assert rc == 0, err
+    assert "Left out: max-fp8_head (its commit is not recorded)." in summary_text(p)
+    assert "vs max" not in summary_text(p)   # no table: nothing was paired

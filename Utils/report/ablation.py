@@ -2,59 +2,90 @@
 (the fused rung with one addition more), `make ablation FROM=max` records max-<addition> runs (max with one
 addition less). summary.md and the notebook show the same tables.
 
-A run is divided by the mean of the median steps of its base's ok runs from the same commit, not by the base's
-latest run: two calls, or two cards, differ by about as much as some additions gain (BENCHMARKS.md), so a row
-whose commit has no base run is left out rather than compared across commits.
+The runs are those the summary compares (Utils.report.selection: one configuration, usable step times). A run
+is divided by the mean of the median steps of its base's runs from the same commit, not by the base's latest
+run: two calls, or two cards, differ by about as much as some additions gain (BENCHMARKS.md), so a run whose
+commit has no base run, or names no one tree of code, is left out and named rather than compared across
+commits.
 """
+from dataclasses import dataclass, field
+
 import numpy as np
 import pandas as pd
 
-from Utils.ladder.registry import MAX_ADDITIONS
-from Utils.report.selection import measured, steps_by_run
+from Utils.ladder.registry import ADDITIONS, MAX_ADDITIONS
+from Utils.report.selection import measured, names_one_tree, select, steps_by_run
 from Utils.report.stats import summarize
 
 # base rung -> what joins it to an addition in a run's name: fused+loss, max-fp8_head
 SEPARATOR = {"fused": "+", "max": "-"}
 
 
-def ablation_table(steps: pd.DataFrame, runs: pd.DataFrame, base: str = "fused") -> pd.DataFrame:
-    """Each ok run of an ablation set against the mean median step of the ok runs of `base` made by the same
-    commit. base "fused": the runs fused+<addition>, with a column "in max" (whether the addition is one of the
-    max rung's); base "max": the runs max-<addition>. Index: the base, then those runs, in ladder order.
-    Columns: median ms, IQR ms (the run's, or the latest base run's), vs <base> (fraction; negative is faster),
-    <base> ms, same commit, peak alloc GiB. Runs without a base run of their commit are left out; empty without
-    any ok base run."""
+@dataclass
+class Ablation:
+    """One base's comparison: the table (see ablation_table) and the runs left out of it, with why."""
+    base: str
+    table: pd.DataFrame
+    left_out: list[str] = field(default_factory=list)   # e.g. "max-sync_every (no max run of its commit)"
+
+
+def compare(steps: pd.DataFrame, runs: pd.DataFrame, base: str) -> Ablation:
+    """The runs <base><separator><addition> that the summary compares, each against the mean median step of
+    the compared ok runs of `base` from its commit; see ablation_table for the columns."""
     table = summarize(steps, runs)
-    commit = runs.set_index("run_id")["git_commit"]
+    selection = select(runs, steps)
+    left = {e.run_id for e in selection.excluded}
     by_run = steps_by_run(steps)
-    base_runs = runs[(runs["status"] == "ok") & (runs["optimization"] == base) & runs["run_id"].isin(by_run)]
+    usable = runs[(runs["status"] == "ok") & ~runs["run_id"].isin(left) & runs["run_id"].isin(by_run)
+                  & runs["git_commit"].map(names_one_tree)]
+    base_runs = usable[usable["optimization"] == base]
     # each base run's median over its measured steps, as summarize() takes a run's
     medians = base_runs["run_id"].map(lambda rid: float(np.median(measured(by_run[rid])["step_ms"]))).astype(float)
-    base_ms = medians.groupby(base_runs["git_commit"]).mean().dropna()
+    base_ms = medians.groupby(base_runs["git_commit"].astype(str).str.strip()).mean()
+
+    prefix = base + SEPARATOR[base]
+    order = list(ADDITIONS)
+    names = sorted((r for r in selection.chosen if r.startswith(prefix)),
+                   key=lambda r: (order.index(r[len(prefix):]) if r[len(prefix):] in order else len(order), r))
     columns = ["median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit", "peak alloc GiB"]
     columns += ["in max"] if base == "fused" else []
-    rows = {}
-    if len(base_ms):
-        for r in table.index:
-            if table.at[r, "status"] != "ok" or not (r == base or r.startswith(base + SEPARATOR[base])):
-                continue
-            same = base_ms.get(commit[table.at[r, "run_id"]]) if r != base else None
-            if r != base and same is None:
-                continue
-            rows[r] = {"median ms": table.at[r, "median_step_ms"], "IQR ms": table.at[r, "iqr_step_ms"],
-                       f"vs {base}": table.at[r, "median_step_ms"] / same - 1 if same else np.nan,
-                       f"{base} ms, same commit": same if same else np.nan,
-                       "peak alloc GiB": table.at[r, "peak_mem_allocated_gib"]}
-            if base == "fused":
-                rows[r]["in max"] = r.split("+", 1)[-1] in MAX_ADDITIONS if r != base else None
-    return pd.DataFrame.from_dict(rows, orient="index", columns=columns)
+    rows, left_out = {}, []
+    for name in ([base] if base in selection.chosen else []) + names:
+        commit = str(selection.chosen[name]["git_commit"]).strip()
+        same = base_ms.get(commit) if names_one_tree(commit) else None
+        if name == base:
+            median = same if same is not None else table.at[name, "median_step_ms"]
+            rows[name] = {"median ms": median, "IQR ms": table.at[name, "iqr_step_ms"], f"vs {base}": np.nan,
+                          f"{base} ms, same commit": np.nan, "peak alloc GiB": table.at[name, "peak_mem_allocated_gib"]}
+        elif same is None:
+            why = "its commit is not recorded" if not names_one_tree(commit) else f"no {base} run of its commit"
+            left_out.append(f"{name} ({why})")
+            continue
+        else:
+            rows[name] = {"median ms": table.at[name, "median_step_ms"], "IQR ms": table.at[name, "iqr_step_ms"],
+                          f"vs {base}": table.at[name, "median_step_ms"] / same - 1, f"{base} ms, same commit": same,
+                          "peak alloc GiB": table.at[name, "peak_mem_allocated_gib"]}
+        if base == "fused":
+            rows[name]["in max"] = name[len(prefix):] in MAX_ADDITIONS if name != base else None
+    if len(base_ms) == 0:   # nothing to divide by: no row is compared
+        rows = {}
+    return Ablation(base, pd.DataFrame.from_dict(rows, orient="index", columns=columns), left_out)
 
 
-def ablation_tables(steps: pd.DataFrame, runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """{base: ablation_table(steps, runs, base)} for each base with at least one run compared against it."""
-    tables = {}
+def ablation_table(steps: pd.DataFrame, runs: pd.DataFrame, base: str = "fused") -> pd.DataFrame:
+    """The base, then each run <base><separator><addition> in the registry's order, of the runs the summary
+    compares: base "fused" (`make ablation`), with a column "in max" (whether the addition is one of the max
+    rung's); base "max" (`make ablation FROM=max`). Columns: median ms (the base's: the mean over its runs of
+    that commit), IQR ms (the latest run's), vs <base> (fraction; negative is faster), <base> ms, same commit,
+    peak alloc GiB. Runs without a base run of their commit are left out; empty without any base run."""
+    return compare(steps, runs, base).table
+
+
+def ablation_sets(steps: pd.DataFrame, runs: pd.DataFrame) -> list[Ablation]:
+    """compare() for each base that has runs named after it (fused+..., max-...), in SEPARATOR's order."""
+    sets = []
     for base in SEPARATOR:
-        frame = ablation_table(steps, runs, base)
-        if len(frame.index.drop(base, errors="ignore")):
-            tables[base] = frame
-    return tables
+        found = compare(steps, runs, base)
+        if len(found.table.index.drop(base, errors="ignore")) or found.left_out:
+            sets.append(found)
+    return sets

@@ -18,9 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-import pandas as pd
-
-from Utils.report.ablation import ablation_tables
+from Utils.report.ablation import Ablation, ablation_sets
 from Utils.report.charts import CHARTS
 from Utils.report.figures import save_figure
 from Utils.report.scaling import SCALING_FILE, Scaling, build_scaling, plot_scaling
@@ -33,7 +31,7 @@ OUTPUT_FILES = (*CHARTS, SCALING_FILE, SUMMARY_FILE)   # scaling.png only where 
 
 
 def write_outputs(prefix: str | os.PathLike, report: Report, scaling: "Scaling | None" = None,
-                  ablation: "dict[str, pd.DataFrame] | None" = None) -> tuple[str, list[str]]:
+                  ablation: "list[Ablation] | None" = None) -> tuple[str, list[str]]:
     """Write every chart, scaling.png where `scaling` holds a rung measured at two or more GPU counts, and
     summary.md (with `ablation`'s tables, where there are any) into prefix; return (summary text, written
     paths)."""
@@ -84,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         steps, runs = load(prefix)
         report = build_report(steps, runs, load_peak(prefix))
-        text, written = write_outputs(prefix, report, build_scaling(steps, runs), ablation_tables(steps, runs))
+        text, written = write_outputs(prefix, report, build_scaling(steps, runs), ablation_sets(steps, runs))
     except ResultsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

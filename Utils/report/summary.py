@@ -5,6 +5,7 @@ import os
 import pandas as pd
 
 from Utils.report import markdown
+from Utils.report.ablation import Ablation
 from Utils.report.scaling import GOALS, Scaling
 from Utils.report.stats import BOOTSTRAP_RESAMPLES, NO_BASELINE_NOTE, NOISY_IQR, TRIM, Report
 from Utils.results.files import write_atomic
@@ -84,22 +85,30 @@ def scaling_section(scaling: "Scaling | None") -> list[str]:
     return lines
 
 
-def ablation_section(tables: "dict[str, pd.DataFrame] | None") -> list[str]:
-    """The lines of the "## Each addition against its base" section: one table a base (ablation.ablation_tables),
-    each run against its base's runs from the same commit; none where no run was compared with a base."""
-    if not tables:
+def ablation_section(sets: "list[Ablation] | None") -> list[str]:
+    """The lines of the "## Each addition against its base" section: one table a base (ablation.ablation_sets),
+    each run against its base's runs from the same commit, and the runs left out; none where no run is named
+    after a base."""
+    if not sets:
         return []
     lines = ["", "## Each addition against its base"]
-    for base, frame in tables.items():
-        rows = [["run", "median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit", "peak alloc GiB"]]
-        for run, r in frame.iterrows():
-            rows.append([run, markdown.cell(r["median ms"], ".1f"), markdown.cell(r["IQR ms"], ".1f"),
-                         markdown.cell(round(100 * r[f"vs {base}"], 1) + 0.0, "+.1f", "%"),   # + 0.0: no "-0.0%"
-                         markdown.cell(r[f"{base} ms, same commit"], ".1f"), markdown.cell(r["peak alloc GiB"], ".1f")])
-        lines += ["", ABLATION_WORDS[base], "", markdown.table(rows)]
-    lines += ["", "Each run is divided by the mean of the median steps of its base's ok runs from the same commit (runs "
-                  "from a commit without one are left out). A difference smaller than the runs' IQRs is not "
-                  "resolved by one run each: `REPEAT=n` runs the base again, or run the pair again."]
+    for found in sets:
+        base, frame = found.base, found.table
+        lines += ["", ABLATION_WORDS[base]]
+        if len(frame.index.drop(base, errors="ignore")):
+            rows = [["run", "median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit", "peak alloc GiB"]]
+            for run, r in frame.iterrows():
+                rows.append([run, markdown.cell(r["median ms"], ".1f"), markdown.cell(r["IQR ms"], ".1f"),
+                             markdown.cell(round(100 * r[f"vs {base}"], 1) + 0.0, "+.1f", "%"),   # + 0.0: no "-0.0%"
+                             markdown.cell(r[f"{base} ms, same commit"], ".1f"),
+                             markdown.cell(r["peak alloc GiB"], ".1f")])
+            lines += ["", markdown.table(rows)]
+        if found.left_out:
+            lines += ["", f"Left out: {', '.join(found.left_out)}."]
+    lines += ["", "Each run is divided by the mean of the median steps of its base's runs from the same commit, "
+                  "among the runs the table above compares; the base's row shows that mean for its latest run's commit. One run each: the "
+                  "clock and power state of the GPU move a step by a percent or two between runs, so run the pair "
+                  "again (or the base with REPEAT=n) before trusting a difference that small."]
     return lines
 
 
@@ -115,11 +124,11 @@ def timing_sentence(report: Report) -> str:
 
 
 def render_summary(report: Report, scaling: "Scaling | None" = None,
-                   ablation: "dict[str, pd.DataFrame] | None" = None) -> str:
+                   ablation: "list[Ablation] | None" = None) -> str:
     """summary.md's text: heading (what was measured, and where the figures come from), the table in ladder
     order, excluded runs, notes; the scaling section where `scaling` (scaling.build_scaling) holds a rung
     measured at two or more GPU counts; and each addition against its base where `ablation`
-    (ablation.ablation_tables) holds one."""
+    (ablation.ablation_sets) holds a set."""
     lines = [f"# Ladder results: {report.context} · {report.provenance}", ""]
     if not report.has_baseline:
         lines += [f"**{NO_BASELINE_NOTE}**", ""]
@@ -147,7 +156,7 @@ def render_summary(report: Report, scaling: "Scaling | None" = None,
 
 
 def write_summary(report: Report, path: str | os.PathLike, scaling: "Scaling | None" = None,
-                  ablation: "dict[str, pd.DataFrame] | None" = None) -> str:
+                  ablation: "list[Ablation] | None" = None) -> str:
     """Write render_summary(report, scaling, ablation) to path through a temporary file; return the text."""
     text = render_summary(report, scaling, ablation)
     write_atomic(path, lambda f: f.write(text.encode("utf-8")))

@@ -58,7 +58,7 @@ help:
 	@echo ""
 	@echo "Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE=auto|cuda|cpu"
 	@echo "          DATA=auto|shakespeare|synthetic|path.txt  WARMUP=n  SEED=n  DATA_DIR=dir  PYTHON=python3"
-	@echo "          REPEAT=n (rung targets, custom and all: n runs in a row, judged on their median)"
+	@echo "          REPEAT=n (rung targets, custom and all: n runs in a row, judged on their median; ablation: n rounds)"
 	@echo "          PROFILE=1 (a rung target: profile it too)  ADDITIONS=\"a b\" (make ablation: only these)"
 	@echo "          COLD=1 (compile with an empty Inductor cache, as on a fresh machine)"
 	@echo "          NPROC=n (runs, all, custom, ablation: n processes through torchrun, one GPU each; BATCH_SIZE stays per GPU)"
@@ -76,10 +76,11 @@ require-prefix:
 	$(call need,PREFIX)
 
 REPEAT ?= 1
+check_repeat = @case '$(REPEAT)' in [1-9]|[1-9][0-9]) ;; *) echo "error: REPEAT must be a number of runs from 1 to 99, not '$(REPEAT)' (e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)" >&2; exit 2;; esac
 # $(call repeat,NAME,COMMAND): COMMAND REPEAT times in a row, stopping at the first run that is not ok: on
 # a GPU whose clock moves one run's median by a few percent, summary.md then reports the median of medians.
 define repeat
-	@case '$(REPEAT)' in [1-9]|[1-9][0-9]) ;; *) echo "error: REPEAT must be a number of runs from 1 to 99, not '$(REPEAT)' (e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)" >&2; exit 2;; esac
+	$(check_repeat)
 	@printf '%s\n' '$(subst ','\'',$(strip $(2)))'
 	@run=0; while [ $$run -lt $(REPEAT) ]; do run=$$((run + 1)); \
 		if [ $(REPEAT) -gt 1 ]; then echo "=== $(1), run $$run of $(REPEAT) ==="; fi; \
@@ -167,14 +168,17 @@ all: require-run
 # Each addition tried for the max rung alone on top of the fused rung, as rungs fused+<addition>, after a
 # run of the fused rung itself: every "vs fused" then divides runs of one commit on one machine, back to
 # back. FROM=max: the max rung, then max without each of its additions beyond the fused rung in turn, as
-# max-<addition>. Then the charts.
+# max-<addition>. REPEAT=n: n such rounds, so that each pair is measured n times, alternated, across the
+# same stretch of the GPU's clock and power; summary.md gives each row the median of its runs. Then the charts.
 ABLATION_FROM = $(or $(strip $(FROM)),fused)
 ABLATION_TRIES = $(if $(filter max,$(ABLATION_FROM)),$(LEAVE_ONE_OUT),$(ABLATION))
+ABLATION_ROUND = $(ABLATION_FROM) $(if $(ADDITIONS),$(ADDITIONS),$(ABLATION_TRIES))
 ablation: require-run
+	$(check_repeat)
 	@case '$(ABLATION_FROM)' in fused|max) ;; *) echo "error: FROM='$(ABLATION_FROM)': use FROM=fused (each addition alone on the fused rung, the default) or FROM=max (max without each addition)" >&2; exit 2;; esac
 	@for x in $(ADDITIONS); do case " $(ABLATION_TRIES) " in *" $$x "*) ;; *) echo "error: ADDITIONS names $$x, which make ablation FROM=$(ABLATION_FROM) does not try: use some of $(ABLATION_TRIES)" >&2; exit 2;; esac; done
 	$(call check_parallel,$(ABLATION_FROM))
-	$(call each,ablation,$(ABLATION_FROM) $(if $(ADDITIONS),$(ADDITIONS),$(ABLATION_TRIES)),if [ $$x = $(ABLATION_FROM) ]; then run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(call split_traces,failed="$$failed profile") $(charts))
+	$(call each,ablation,$$(r=0; while [ $$r -lt $(REPEAT) ]; do r=$$((r + 1)); echo $(ABLATION_ROUND); done),if [ $$x = $(ABLATION_FROM) ]; then run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(call split_traces,failed="$$failed profile") $(charts))
 
 # The peers (Utils/peers): llm.c built from source, and Hugging Face's GPT-2, recorded as peer-<name>.
 PEER_NAMES := $(shell $(PYTHON) -c "from Utils.peers import PEERS; print(*PEERS)")

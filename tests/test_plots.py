@@ -535,6 +535,7 @@ def test_the_summary_divides_each_leave_one_out_run_by_the_max_runs_of_its_commi
     assert rows["max-fp8_head"]["max ms, same commit"] == "31.0"
     assert rows["max-prefetch"]["vs max"] == "+0.0%"     # not "-0.0%"
     assert rows["max"]["vs max"] == "-" and rows["max"]["median ms"] == "31.0"   # the mean its rows divide by
+    assert rows["max"]["runs"] == "2" and rows["max-fp8_head"]["runs"] == "1"
     assert "max-sync_every" not in rows and "max-sync_every" in summary_table(p)
     assert "Left out: max-sync_every (no max run of its commit)." in summary_text(p)
     assert list(rows) == ["max", "max-fp8_head", "max-prefetch"]   # the registry's order of additions

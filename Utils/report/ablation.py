@@ -41,13 +41,14 @@ def compare(steps: pd.DataFrame, runs: pd.DataFrame, base: str) -> Ablation:
     base_runs = usable[usable["optimization"] == base]
     # each base run's median over its measured steps, as summarize() takes a run's
     medians = base_runs["run_id"].map(lambda rid: float(np.median(measured(by_run[rid])["step_ms"]))).astype(float)
-    base_ms = medians.groupby(base_runs["git_commit"].astype(str).str.strip()).mean()
+    by_commit = medians.groupby(base_runs["git_commit"].astype(str).str.strip())
+    base_ms, base_n = by_commit.mean(), by_commit.size()
 
     prefix = base + SEPARATOR[base]
     order = list(ADDITIONS)
     names = sorted((r for r in selection.chosen if r.startswith(prefix)),
                    key=lambda r: (order.index(r[len(prefix):]) if r[len(prefix):] in order else len(order), r))
-    columns = ["median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit", "peak alloc GiB"]
+    columns = ["runs", "median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit", "peak alloc GiB"]
     columns += ["in max"] if base == "fused" else []
     rows, left_out = {}, []
     for name in ([base] if base in selection.chosen else []) + names:
@@ -55,15 +56,16 @@ def compare(steps: pd.DataFrame, runs: pd.DataFrame, base: str) -> Ablation:
         same = base_ms.get(commit) if names_one_tree(commit) else None
         if name == base:
             median = same if same is not None else table.at[name, "median_step_ms"]
-            rows[name] = {"median ms": median, "IQR ms": table.at[name, "iqr_step_ms"], f"vs {base}": np.nan,
+            runs_of = base_n.get(commit) if same is not None else table.at[name, "runs"]
+            rows[name] = {"runs": runs_of, "median ms": median, "IQR ms": table.at[name, "iqr_step_ms"], f"vs {base}": np.nan,
                           f"{base} ms, same commit": np.nan, "peak alloc GiB": table.at[name, "peak_mem_allocated_gib"]}
         elif same is None:
             why = "its commit is not recorded" if not names_one_tree(commit) else f"no {base} run of its commit"
             left_out.append(f"{name} ({why})")
             continue
         else:
-            rows[name] = {"median ms": table.at[name, "median_step_ms"], "IQR ms": table.at[name, "iqr_step_ms"],
-                          f"vs {base}": table.at[name, "median_step_ms"] / same - 1, f"{base} ms, same commit": same,
+            rows[name] = {"runs": table.at[name, "runs"], "median ms": table.at[name, "median_step_ms"],
+                          "IQR ms": table.at[name, "iqr_step_ms"], f"vs {base}": table.at[name, "median_step_ms"] / same - 1, f"{base} ms, same commit": same,
                           "peak alloc GiB": table.at[name, "peak_mem_allocated_gib"]}
         if base == "fused":
             rows[name]["in max"] = name[len(prefix):] in MAX_ADDITIONS if name != base else None
@@ -75,8 +77,8 @@ def compare(steps: pd.DataFrame, runs: pd.DataFrame, base: str) -> Ablation:
 def ablation_table(steps: pd.DataFrame, runs: pd.DataFrame, base: str = "fused") -> pd.DataFrame:
     """The base, then each run <base><separator><addition> in the registry's order, of the runs the summary
     compares: base "fused" (`make ablation`), with a column "in max" (whether the addition is one of the max
-    rung's); base "max" (`make ablation FROM=max`). Columns: median ms (the base's: the mean over its runs of
-    that commit), IQR ms (the latest run's), vs <base> (fraction; negative is faster), <base> ms, same commit,
+    rung's); base "max" (`make ablation FROM=max`). Columns: runs, median ms (the median of the run's or, repeated
+    from one commit, of its runs' medians; the base's: the mean over its runs of that commit), IQR ms (the latest run's), vs <base> (fraction; negative is faster), <base> ms, same commit,
     peak alloc GiB. Runs without a base run of their commit are left out; empty without any base run."""
     return compare(steps, runs, base).table
 

@@ -96,9 +96,9 @@ def ablation_section(sets: "list[Ablation] | None") -> list[str]:
         base, frame = found.base, found.table
         lines += ["", ABLATION_WORDS[base]]
         if len(frame.index.drop(base, errors="ignore")):
-            rows = [["run", "median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit", "peak alloc GiB"]]
+            rows = [["run", "runs", "median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit", "peak alloc GiB"]]
             for run, r in frame.iterrows():
-                rows.append([run, markdown.cell(r["median ms"], ".1f"), markdown.cell(r["IQR ms"], ".1f"),
+                rows.append([run, markdown.cell(r["runs"], ".0f"), markdown.cell(r["median ms"], ".1f"), markdown.cell(r["IQR ms"], ".1f"),
                              markdown.cell(round(100 * r[f"vs {base}"], 1) + 0.0, "+.1f", "%"),   # + 0.0: no "-0.0%"
                              markdown.cell(r[f"{base} ms, same commit"], ".1f"),
                              markdown.cell(r["peak alloc GiB"], ".1f")])
@@ -106,9 +106,9 @@ def ablation_section(sets: "list[Ablation] | None") -> list[str]:
         if found.left_out:
             lines += ["", f"Left out: {', '.join(found.left_out)}."]
     lines += ["", "Each run is divided by the mean of the median steps of its base's runs from the same commit, "
-                  "among the runs the table above compares; the base's row shows that mean for its latest run's commit. One run each: the "
-                  "clock and power state of the GPU move a step by a percent or two between runs, so run the pair "
-                  "again (or the base with REPEAT=n) before trusting a difference that small."]
+                  "among the runs the table above compares; the base's row shows that mean for its latest run's commit. The "
+                  "clock and power state of the GPU move a run's median by a percent or two, so a difference that "
+                  "small needs several runs of each: `make ablation REPEAT=n` runs n rounds, alternated."]
     return lines
 
 

@@ -284,7 +284,7 @@ def test_make_ablation_refuses_an_unknown_addition_before_running_any(tmp_path, 
     assert not (tmp_path / "runs.csv").exists()
 
 
-def test_make_ablation_repeat_runs_rounds_of_the_base_and_each_addition_alternated(tmp_path, suite_env):
+def test_make_ablation_repeat_runs_rounds_of_the_base_and_each_addition_alternated(tmp_path):
     # The runs are stand-ins that name themselves; the order of the commands is what is tested.
     fake = tmp_path / "python"
     fake.write_text(f'#!/bin/sh\ncase "$1" in\n'
@@ -294,7 +294,7 @@ def test_make_ablation_repeat_runs_rounds_of_the_base_and_each_addition_alternat
     fake.chmod(0o755)
     r = subprocess.run(["make", "--no-print-directory", "ablation", f"PYTHON={fake}", "STEPS=2", "BATCH_SIZE=1",
                         "DATA=synthetic", f"PREFIX={tmp_path / 'out'}", "FROM=max", "ADDITIONS=prefetch sync_every",
-                        "REPEAT=2"], cwd=REPO, env=suite_env, capture_output=True, text=True, timeout=300)
+                        "REPEAT=2"], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     ran = [line.split(" --steps")[0] for line in r.stdout.splitlines() if line.startswith("ran: ")]
     one_round = ["ran: max_throughput.py", "ran: ablation.py --drop prefetch", "ran: ablation.py --drop sync_every"]
@@ -302,8 +302,8 @@ def test_make_ablation_repeat_runs_rounds_of_the_base_and_each_addition_alternat
     assert r.stdout.count("charts drawn") == 1   # once, after both rounds
 
 
-def test_make_ablation_refuses_a_bad_repeat_before_running_any(tmp_path, suite_env):
-    r = make(["ablation", "STEPS=2", "BATCH_SIZE=1", f"PREFIX={tmp_path}", "REPEAT=two"], suite_env, timeout=120)
+def test_make_ablation_refuses_a_bad_repeat_before_running_any(tmp_path):
+    r = make(["ablation", "STEPS=2", "BATCH_SIZE=1", f"PREFIX={tmp_path}", "REPEAT=two"], clean_env(), timeout=120)
     assert r.returncode == 2 and r.stderr.splitlines()[0].startswith("error: REPEAT must be a number of runs")
     assert not (tmp_path / "runs.csv").exists()
 

@@ -540,6 +540,7 @@ def test_the_summary_divides_each_leave_one_out_run_by_the_max_runs_of_its_commi
     assert "Left out: max-sync_every (no max run of its commit)." in summary_text(p)
     assert list(rows) == ["max", "max-fp8_head", "max-prefetch"]   # the registry's order of additions
     assert "positive is slower without it" in summary_text(p) and "## Each addition against its base" in out
+    assert "no ok baseline run: speedups left out** (each addition against its base: see below)" in out
 
 
 def test_the_summary_divides_each_added_run_by_the_fused_runs_of_its_commit(tmp_path):

@@ -131,7 +131,8 @@ def render_summary(report: Report, scaling: "Scaling | None" = None,
     (ablation.ablation_sets) holds a set."""
     lines = [f"# Ladder results: {report.context} · {report.provenance}", ""]
     if not report.has_baseline:
-        lines += [f"**{NO_BASELINE_NOTE}**", ""]
+        compared = " (each addition against its base: see below)" if ablation_section(ablation) else ""
+        lines += [f"**{NO_BASELINE_NOTE}**{compared}", ""]
     lines += [markdown.table(table_rows(report.table), left=(0, len(TABLE_HEADER) - 1)), ""]
     lines.append(f"{timing_sentence(report)} Median and IQR (75th minus 25th percentile) of the "
                  "step time over each run's measured steps, warm-up left out; a rung run several times from one "

@@ -583,3 +583,17 @@ def test_runs_whose_commit_is_unknown_are_not_paired(tmp_path):
     assert rc == 0, err
     assert "Left out: max-fp8_head (its commit is not recorded)." in summary_text(p)
     assert "vs max" not in summary_text(p)   # no table: nothing was paired
+
+
+def test_a_folder_with_both_ablations_shows_each_against_its_own_base(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "fused", [1, 40, 40, 40], git_commit="c1")
+    add_run(p, "fused+loss_kernel", [1, 36, 36, 36], git_commit="c1")
+    add_run(p, "max", [1, 30, 30, 30], git_commit="c1")
+    add_run(p, "max-prefetch", [1, 33, 33, 33], git_commit="c1")
+    rc, _, err = run_main(p)
+    assert rc == 0, err
+    text = summary_text(p)
+    assert text.index("The fused rung with each addition alone") < text.index("`max` without each of its additions")
+    rows = ablation_rows(p)
+    assert rows["fused+loss_kernel"]["vs fused"] == "-10.0%" and rows["max-prefetch"]["vs max"] == "+10.0%"

@@ -76,7 +76,7 @@ require-prefix:
 	$(call need,PREFIX)
 
 REPEAT ?= 1
-check_repeat = @case '$(REPEAT)' in [1-9]|[1-9][0-9]) ;; *) echo "error: REPEAT must be a number of runs from 1 to 99, not '$(REPEAT)' (e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)" >&2; exit 2;; esac
+check_repeat = @case '$(subst ','\'',$(REPEAT))' in [1-9]|[1-9][0-9]) ;; *) echo "error: REPEAT must be a number of runs from 1 to 99, not '$(subst ','\'',$(REPEAT))' (e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)" >&2; exit 2;; esac
 # $(call repeat,NAME,COMMAND): COMMAND REPEAT times in a row, stopping at the first run that is not ok: on
 # a GPU whose clock moves one run's median by a few percent, summary.md then reports the median of medians.
 define repeat
@@ -151,6 +151,7 @@ define each
 		$(call wait_for,$(3)); [ $$rc -eq 0 ] || failed="$$failed $$x"; \
 	done; \
 	$(4) \
+	failed=$$(printf '%s\n' $$failed | awk 'NF && !seen[$$0]++ { printf " %s", $$0 }'); \
 	if [ -n "$$failed" ]; then echo "error: make $(1): not ok:$$failed (see "$(call q,PREFIX)")" >&2; exit 1; fi
 endef
 
@@ -178,7 +179,7 @@ ablation: require-run
 	@case '$(ABLATION_FROM)' in fused|max) ;; *) echo "error: FROM='$(ABLATION_FROM)': use FROM=fused (each addition alone on the fused rung, the default) or FROM=max (max without each addition)" >&2; exit 2;; esac
 	@for x in $(ADDITIONS); do case " $(ABLATION_TRIES) " in *" $$x "*) ;; *) echo "error: ADDITIONS names $$x, which make ablation FROM=$(ABLATION_FROM) does not try: use some of $(ABLATION_TRIES)" >&2; exit 2;; esac; done
 	$(call check_parallel,$(ABLATION_FROM))
-	$(call each,ablation,$$(r=0; while [ $$r -lt $(REPEAT) ]; do r=$$((r + 1)); echo $(ABLATION_ROUND); done),if [ $$x = $(ABLATION_FROM) ]; then run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(call split_traces,failed="$$failed profile") $(charts))
+	$(call each,ablation,$$(r=0; while [ $$r -lt $(REPEAT) ]; do r=$$((r + 1)); echo $(ABLATION_ROUND); done),if [ $$x = $(ABLATION_FROM) ]; then round=$$(($${round:-0} + 1)); [ $(REPEAT) -eq 1 ] || echo "--- round $$round of $(REPEAT) ---"; run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(call split_traces,failed="$$failed profile") $(charts))
 
 # The peers (Utils/peers): llm.c built from source, and Hugging Face's GPT-2, recorded as peer-<name>.
 PEER_NAMES := $(shell $(PYTHON) -c "from Utils.peers import PEERS; print(*PEERS)")

@@ -523,8 +523,9 @@ def ablation_rows(prefix):
 
 def test_the_summary_divides_each_leave_one_out_run_by_the_max_runs_of_its_commit(tmp_path):
     p = str(tmp_path)
-    add_run(p, "max", [1, 30, 30, 30], git_commit="c1")
-    add_run(p, "max", [1, 32, 32, 32], git_commit="c1")
+    for i, ms in enumerate((30, 31, 35)):   # median 31, mean 32: the median of medians, as a repeated row has
+        add_run(p, "max", [1, ms, ms, ms], git_commit="c1", run_id=f"max-{i}")
+    add_run(p, "max-vocab_multiple", [1, 31, 31, 31], git_commit="c1")   # first in the registry, last by name
     add_run(p, "max-fp8_head", [1, 34, 34, 34], git_commit="c1")
     add_run(p, "max-prefetch", [1, 30.99, 30.99, 30.99], git_commit="c1")   # -0.03%: rounds to zero
     add_run(p, "max-sync_every", [1, 40, 40, 40], git_commit="c2")   # no max run of its commit
@@ -534,13 +535,38 @@ def test_the_summary_divides_each_leave_one_out_run_by_the_max_runs_of_its_commi
     assert rows["max-fp8_head"]["vs max"] == f"+{100 * (34 / 31 - 1):.1f}%"
     assert rows["max-fp8_head"]["max ms, same commit"] == "31.0"
     assert rows["max-prefetch"]["vs max"] == "+0.0%"     # not "-0.0%"
-    assert rows["max"]["vs max"] == "-" and rows["max"]["median ms"] == "31.0"   # the mean its rows divide by
-    assert rows["max"]["runs"] == "2" and rows["max-fp8_head"]["runs"] == "1"
+    assert rows["max"]["vs max"] == "-" and rows["max"]["median ms"] == "31.0"   # what its rows divide by
+    assert rows["max"]["runs"] == "3" and rows["max-fp8_head"]["runs"] == "1" and rows["max"]["commit"] == "c1"
     assert "max-sync_every" not in rows and "max-sync_every" in summary_table(p)
     assert "Left out: max-sync_every (no max run of its commit)." in summary_text(p)
-    assert list(rows) == ["max", "max-fp8_head", "max-prefetch"]   # the registry's order of additions
+    assert list(rows) == ["max", "max-vocab_multiple", "max-fp8_head", "max-prefetch"]   # the registry's order
     assert "positive is slower without it" in summary_text(p) and "## Each addition against its base" in out
     assert "no ok baseline run: speedups left out** (each addition against its base: see below)" in out
+
+
+def test_rounds_of_pairs_that_do_not_differ_show_no_difference(tmp_path):
+    # make ablation REPEAT=3: one slow round moves the base and the row alike, and the medians see through it.
+    p = str(tmp_path)
+    for i, ms in enumerate((30, 30, 45)):
+        add_run(p, "max", [1, ms, ms, ms], run_id=f"max-{i}")
+        add_run(p, "max-prefetch", [1, ms, ms, ms], run_id=f"max-prefetch-{i}")
+    rc, _, err = run_main(p)
+    assert rc == 0, err
+    rows = ablation_rows(p)
+    assert rows["max-prefetch"]["vs max"] == "+0.0%" and rows["max-prefetch"]["runs"] == "3"
+
+
+def test_the_base_row_shows_the_runs_its_rows_were_divided_by(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "max", [1, 30, 30, 30], git_commit="c1", run_id="max-a")
+    add_run(p, "max", [1, 30, 30, 30], git_commit="c1", run_id="max-b")
+    add_run(p, "max-prefetch", [1, 33, 33, 33], git_commit="c1")
+    add_run(p, "max", [1, 20, 20, 20], git_commit="c2")   # the latest max, but no row of its commit
+    rc, _, err = run_main(p)
+    assert rc == 0, err
+    rows = ablation_rows(p)
+    assert rows["max"]["commit"] == "c1" and rows["max"]["runs"] == "2" and rows["max"]["median ms"] == "30.0"
+    assert rows["max-prefetch"]["vs max"] == "+10.0%"
 
 
 def test_the_summary_divides_each_added_run_by_the_fused_runs_of_its_commit(tmp_path):
@@ -562,7 +588,7 @@ def test_a_ladder_without_ablation_runs_has_no_ablation_section(tmp_path):
     add_run(p, "max", [1, 30, 30, 30])
     rc, _, err = run_main(p)
     assert rc == 0, err
-    assert "Each addition against its base" not in summary_text(p)
+    assert "Each addition against its base" not in summary_text(p) and "see below" not in summary_text(p)
 
 
 def test_a_base_run_of_another_configuration_is_not_divided_by(tmp_path):
@@ -582,7 +608,7 @@ def test_runs_whose_commit_is_unknown_are_not_paired(tmp_path):
     rc, _, err = run_main(p)
     assert rc == 0, err
     assert "Left out: max-fp8_head (its commit is not recorded)." in summary_text(p)
-    assert "vs max" not in summary_text(p)   # no table: nothing was paired
+    assert "vs max" not in summary_text(p) and "see below" not in summary_text(p)   # nothing was paired
 
 
 def test_a_folder_with_both_ablations_shows_each_against_its_own_base(tmp_path):

@@ -3,7 +3,7 @@
 addition less). summary.md and the notebook show the same tables.
 
 The runs are those the summary compares (Utils.report.selection: one configuration, usable step times). A run
-is divided by the mean of the median steps of its base's runs from the same commit, not by the base's latest
+is divided by the median of the median steps of its base's runs from the same commit, not by the base's latest
 run: two calls, or two cards, differ by about as much as some additions gain (BENCHMARKS.md), so a run whose
 commit has no base run, or names no one tree of code, is left out and named rather than compared across
 commits.
@@ -30,8 +30,9 @@ class Ablation:
 
 
 def compare(steps: pd.DataFrame, runs: pd.DataFrame, base: str) -> Ablation:
-    """The runs <base><separator><addition> that the summary compares, each against the mean median step of
-    the compared ok runs of `base` from its commit; see ablation_table for the columns."""
+    """The runs <base><separator><addition> that the summary compares, each against the median of the median
+    steps of the compared ok runs of `base` from its commit (a rung run several times from one commit is
+    summarized the same way); see ablation_table for the columns."""
     table = summarize(steps, runs)
     selection = select(runs, steps)
     left = {e.run_id for e in selection.excluded}
@@ -39,47 +40,52 @@ def compare(steps: pd.DataFrame, runs: pd.DataFrame, base: str) -> Ablation:
     usable = runs[(runs["status"] == "ok") & ~runs["run_id"].isin(left) & runs["run_id"].isin(by_run)
                   & runs["git_commit"].map(names_one_tree)]
     base_runs = usable[usable["optimization"] == base]
+    base_commits = base_runs["git_commit"].astype(str).str.strip()
     # each base run's median over its measured steps, as summarize() takes a run's
     medians = base_runs["run_id"].map(lambda rid: float(np.median(measured(by_run[rid])["step_ms"]))).astype(float)
-    by_commit = medians.groupby(base_runs["git_commit"].astype(str).str.strip())
-    base_ms, base_n = by_commit.mean(), by_commit.size()
+    base_ms = medians.groupby(base_commits).median()
 
     prefix = base + SEPARATOR[base]
     order = list(ADDITIONS)
     names = sorted((r for r in selection.chosen if r.startswith(prefix)),
                    key=lambda r: (order.index(r[len(prefix):]) if r[len(prefix):] in order else len(order), r))
-    columns = ["runs", "median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit", "peak alloc GiB"]
+    columns = ["commit", "runs", "median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit", "peak alloc GiB"]
     columns += ["in max"] if base == "fused" else []
-    rows, left_out = {}, []
-    for name in ([base] if base in selection.chosen else []) + names:
+    rows, left_out, used = {}, [], []
+    for name in names:
         commit = str(selection.chosen[name]["git_commit"]).strip()
         same = base_ms.get(commit) if names_one_tree(commit) else None
-        if name == base:
-            median = same if same is not None else table.at[name, "median_step_ms"]
-            runs_of = base_n.get(commit) if same is not None else table.at[name, "runs"]
-            rows[name] = {"runs": runs_of, "median ms": median, "IQR ms": table.at[name, "iqr_step_ms"], f"vs {base}": np.nan,
-                          f"{base} ms, same commit": np.nan, "peak alloc GiB": table.at[name, "peak_mem_allocated_gib"]}
-        elif same is None:
+        if same is None:
             why = "its commit is not recorded" if not names_one_tree(commit) else f"no {base} run of its commit"
             left_out.append(f"{name} ({why})")
             continue
-        else:
-            rows[name] = {"runs": table.at[name, "runs"], "median ms": table.at[name, "median_step_ms"],
-                          "IQR ms": table.at[name, "iqr_step_ms"], f"vs {base}": table.at[name, "median_step_ms"] / same - 1, f"{base} ms, same commit": same,
-                          "peak alloc GiB": table.at[name, "peak_mem_allocated_gib"]}
+        used.append(commit)
+        rows[name] = {"commit": commit[:7], "runs": table.at[name, "runs"], "median ms": table.at[name, "median_step_ms"],
+                      "IQR ms": table.at[name, "iqr_step_ms"], f"vs {base}": table.at[name, "median_step_ms"] / same - 1,
+                      f"{base} ms, same commit": same, "peak alloc GiB": table.at[name, "peak_mem_allocated_gib"]}
         if base == "fused":
-            rows[name]["in max"] = name[len(prefix):] in MAX_ADDITIONS if name != base else None
-    if len(base_ms) == 0:   # nothing to divide by: no row is compared
-        rows = {}
-    return Ablation(base, pd.DataFrame.from_dict(rows, orient="index", columns=columns), left_out)
+            rows[name]["in max"] = name[len(prefix):] in MAX_ADDITIONS
+    if not rows:
+        return Ablation(base, pd.DataFrame(columns=columns), left_out)
+    # The base's row: its runs from the commit most rows were divided by (the latest such run's IQR and memory).
+    commit = max(dict.fromkeys(used), key=used.count)
+    latest = base_runs[base_commits == commit].iloc[-1]
+    q25, q75 = np.percentile(measured(by_run[latest["run_id"]])["step_ms"], [25, 75])
+    head = {"commit": commit[:7], "runs": int((base_commits == commit).sum()), "median ms": base_ms[commit],
+            "IQR ms": q75 - q25, f"vs {base}": np.nan, f"{base} ms, same commit": np.nan,
+            "peak alloc GiB": latest["peak_mem_allocated_gib"]}
+    if base == "fused":
+        head["in max"] = None
+    return Ablation(base, pd.DataFrame.from_dict({base: head, **rows}, orient="index", columns=columns), left_out)
 
 
 def ablation_table(steps: pd.DataFrame, runs: pd.DataFrame, base: str = "fused") -> pd.DataFrame:
     """The base, then each run <base><separator><addition> in the registry's order, of the runs the summary
     compares: base "fused" (`make ablation`), with a column "in max" (whether the addition is one of the max
-    rung's); base "max" (`make ablation FROM=max`). Columns: runs, median ms (the median of the run's or, repeated
-    from one commit, of its runs' medians; the base's: the mean over its runs of that commit), IQR ms (the latest run's), vs <base> (fraction; negative is faster), <base> ms, same commit,
-    peak alloc GiB. Runs without a base run of their commit are left out; empty without any base run."""
+    rung's); base "max" (`make ablation FROM=max`). Columns: commit (short), runs, median ms (the median of the
+    run's or, repeated from one commit, of its runs' medians; the base's over its runs from the commit most rows
+    were divided by), IQR ms (the latest run's), vs <base> (fraction; negative is faster), <base> ms, same commit,
+    peak alloc GiB. Runs without a base run of their commit are left out; empty where no run is compared."""
     return compare(steps, runs, base).table
 
 

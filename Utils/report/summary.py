@@ -96,17 +96,19 @@ def ablation_section(sets: "list[Ablation] | None") -> list[str]:
         base, frame = found.base, found.table
         lines += ["", ABLATION_WORDS[base]]
         if len(frame.index.drop(base, errors="ignore")):
-            rows = [["run", "runs", "median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit", "peak alloc GiB"]]
+            rows = [["run", "commit", "runs", "median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit",
+                     "peak alloc GiB"]]
             for run, r in frame.iterrows():
-                rows.append([run, markdown.cell(r["runs"], ".0f"), markdown.cell(r["median ms"], ".1f"), markdown.cell(r["IQR ms"], ".1f"),
+                rows.append([run, r["commit"], markdown.cell(r["runs"], ".0f"), markdown.cell(r["median ms"], ".1f"), markdown.cell(r["IQR ms"], ".1f"),
                              markdown.cell(round(100 * r[f"vs {base}"], 1) + 0.0, "+.1f", "%"),   # + 0.0: no "-0.0%"
                              markdown.cell(r[f"{base} ms, same commit"], ".1f"),
                              markdown.cell(r["peak alloc GiB"], ".1f")])
-            lines += ["", markdown.table(rows)]
+            lines += ["", markdown.table(rows, left=(0, 1))]
         if found.left_out:
             lines += ["", f"Left out: {', '.join(found.left_out)}."]
-    lines += ["", "Each run is divided by the mean of the median steps of its base's runs from the same commit, "
-                  "among the runs the table above compares; the base's row shows that mean for its latest run's commit. The "
+    lines += ["", "Each run is divided by the median of the median steps of its base's runs from its own commit, "
+                  "among the runs the table above compares; the base's row shows them for the commit most rows were "
+                  "divided by. The "
                   "clock and power state of the GPU move a run's median by a percent or two, so a difference that "
                   "small needs several runs of each: `make ablation REPEAT=n` runs n rounds, alternated."]
     return lines
@@ -131,7 +133,8 @@ def render_summary(report: Report, scaling: "Scaling | None" = None,
     (ablation.ablation_sets) holds a set."""
     lines = [f"# Ladder results: {report.context} · {report.provenance}", ""]
     if not report.has_baseline:
-        compared = " (each addition against its base: see below)" if ablation_section(ablation) else ""
+        compared = (" (each addition against its base: see below)"
+                    if any(len(found.table.index.drop(found.base, errors="ignore")) for found in ablation or []) else "")
         lines += [f"**{NO_BASELINE_NOTE}**{compared}", ""]
     lines += [markdown.table(table_rows(report.table), left=(0, len(TABLE_HEADER) - 1)), ""]
     lines.append(f"{timing_sentence(report)} Median and IQR (75th minus 25th percentile) of the "

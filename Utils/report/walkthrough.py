@@ -627,7 +627,7 @@ class Study:
         if frame.empty:
             return [f"{rel(path)} holds no ok fused run to compare the additions with."]
         slower = [r for r in frame.index if r != "fused" and frame.at[r, "vs fused"] > ABLATION_NOISE]
-        return [Verbatim(f"{rel(path)}: each addition alone on the fused rung, against the mean of the fused runs made "
+        return [Verbatim(f"{rel(path)}: each addition alone on the fused rung, against the median of the fused runs made "
                          f"by the same commit:"), frame.round(3),
                 f"Slower than the fused rung on their own, beyond the runs' spread: {', '.join(slower)}."
                 if slower else None]
@@ -653,7 +653,7 @@ class Study:
             idle = [r.split("-", 1)[1] for r in others if abs(frame.at[r, "vs max"]) <= ABLATION_NOISE]
             hurt = [r.split("-", 1)[1] for r in others if frame.at[r, "vs max"] < -ABLATION_NOISE]
             items += [Verbatim(f"{rel(path)}: max as of commit {', '.join(commits)}, without each of its additions, "
-                               f"against the mean of the max runs made by the same commit (positive: slower "
+                               f"against the median of the max runs made by the same commit (positive: slower "
                                f"without it, so the addition pays):"),
                       frame.round(3),
                       f"Within the runs' spread without them: {', '.join(idle)}." if idle else None,

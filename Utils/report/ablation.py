@@ -8,14 +8,15 @@ run: two calls, or two cards, differ by about as much as some additions gain (BE
 commit has no base run, or names no one tree of code, is left out and named rather than compared across
 commits.
 """
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
 from Utils.ladder.registry import ADDITIONS, MAX_ADDITIONS
-from Utils.report.selection import measured, names_one_tree, select, steps_by_run
-from Utils.report.stats import summarize
+from Utils.report.selection import measured, names_one_tree, steps_by_run
+from Utils.report.stats import Report, build_report
 
 # base rung -> what joins it to an addition in a run's name: fused+loss, max-fp8_head
 SEPARATOR = {"fused": "+", "max": "-"}
@@ -28,14 +29,19 @@ class Ablation:
     table: pd.DataFrame
     left_out: list[str] = field(default_factory=list)   # e.g. "max-sync_every (no max run of its commit)"
 
+    @property
+    def compared(self) -> bool:
+        """Whether any run was divided by the base (the table holds more than the base's row)."""
+        return len(self.table.index.drop(self.base, errors="ignore")) > 0
 
-def compare(steps: pd.DataFrame, runs: pd.DataFrame, base: str) -> Ablation:
-    """The runs <base><separator><addition> that the summary compares, each against the median of the median
-    steps of the compared ok runs of `base` from its commit (a rung run several times from one commit is
-    summarized the same way); see ablation_table for the columns."""
-    table = summarize(steps, runs)
-    selection = select(runs, steps)
-    left = {e.run_id for e in selection.excluded}
+
+def compare(report: Report, steps: pd.DataFrame, runs: pd.DataFrame, base: str) -> Ablation:
+    """The runs <base><separator><addition> that `report` (build_report of these frames) compares, each against
+    the median of the median steps of the compared ok runs of `base` from its commit (a rung run several times
+    from one commit is summarized the same way); see ablation_table for the columns."""
+    table = report.table
+    left = {e.run_id for e in report.excluded}
+    commit_of = runs.set_index("run_id")["git_commit"].astype(str).str.strip()
     by_run = steps_by_run(steps)
     usable = runs[(runs["status"] == "ok") & ~runs["run_id"].isin(left) & runs["run_id"].isin(by_run)
                   & runs["git_commit"].map(names_one_tree)]
@@ -47,13 +53,13 @@ def compare(steps: pd.DataFrame, runs: pd.DataFrame, base: str) -> Ablation:
 
     prefix = base + SEPARATOR[base]
     order = list(ADDITIONS)
-    names = sorted((r for r in selection.chosen if r.startswith(prefix)),
+    names = sorted((r for r in report.rungs_with_steps() if r.startswith(prefix)),
                    key=lambda r: (order.index(r[len(prefix):]) if r[len(prefix):] in order else len(order), r))
     columns = ["commit", "runs", "median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit", "peak alloc GiB"]
     columns += ["in max"] if base == "fused" else []
     rows, left_out, used = {}, [], []
     for name in names:
-        commit = str(selection.chosen[name]["git_commit"]).strip()
+        commit = commit_of[table.at[name, "run_id"]]
         same = base_ms.get(commit) if names_one_tree(commit) else None
         if same is None:
             why = "its commit is not recorded" if not names_one_tree(commit) else f"no {base} run of its commit"
@@ -68,7 +74,7 @@ def compare(steps: pd.DataFrame, runs: pd.DataFrame, base: str) -> Ablation:
     if not rows:
         return Ablation(base, pd.DataFrame(columns=columns), left_out)
     # The base's row: its runs from the commit most rows were divided by (the latest such run's IQR and memory).
-    commit = max(dict.fromkeys(used), key=used.count)
+    commit = Counter(used).most_common(1)[0][0]
     latest = base_runs[base_commits == commit].iloc[-1]
     q25, q75 = np.percentile(measured(by_run[latest["run_id"]])["step_ms"], [25, 75])
     head = {"commit": commit[:7], "runs": int((base_commits == commit).sum()), "median ms": base_ms[commit],
@@ -86,14 +92,10 @@ def ablation_table(steps: pd.DataFrame, runs: pd.DataFrame, base: str = "fused")
     run's or, repeated from one commit, of its runs' medians; the base's over its runs from the commit most rows
     were divided by), IQR ms (the latest run's), vs <base> (fraction; negative is faster), <base> ms, same commit,
     peak alloc GiB. Runs without a base run of their commit are left out; empty where no run is compared."""
-    return compare(steps, runs, base).table
+    return compare(build_report(steps, runs), steps, runs, base).table
 
 
-def ablation_sets(steps: pd.DataFrame, runs: pd.DataFrame) -> list[Ablation]:
+def ablation_sets(report: Report, steps: pd.DataFrame, runs: pd.DataFrame) -> list[Ablation]:
     """compare() for each base that has runs named after it (fused+..., max-...), in SEPARATOR's order."""
-    sets = []
-    for base in SEPARATOR:
-        found = compare(steps, runs, base)
-        if len(found.table.index.drop(base, errors="ignore")) or found.left_out:
-            sets.append(found)
-    return sets
+    found = [compare(report, steps, runs, base) for base in SEPARATOR]
+    return [f for f in found if f.compared or f.left_out]

@@ -82,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         steps, runs = load(prefix)
         report = build_report(steps, runs, load_peak(prefix))
-        text, written = write_outputs(prefix, report, build_scaling(steps, runs), ablation_sets(steps, runs))
+        text, written = write_outputs(prefix, report, build_scaling(steps, runs),
+                                      ablation_sets(report, steps, runs))
     except ResultsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

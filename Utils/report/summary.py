@@ -95,11 +95,12 @@ def ablation_section(sets: "list[Ablation] | None") -> list[str]:
     for found in sets:
         base, frame = found.base, found.table
         lines += ["", ABLATION_WORDS[base]]
-        if len(frame.index.drop(base, errors="ignore")):
+        if found.compared:
             rows = [["run", "commit", "runs", "median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit",
                      "peak alloc GiB"]]
             for run, r in frame.iterrows():
-                rows.append([run, r["commit"], markdown.cell(r["runs"], ".0f"), markdown.cell(r["median ms"], ".1f"), markdown.cell(r["IQR ms"], ".1f"),
+                rows.append([run, r["commit"], markdown.cell(r["runs"], ".0f"), markdown.cell(r["median ms"], ".1f"),
+                             markdown.cell(r["IQR ms"], ".1f"),
                              markdown.cell(round(100 * r[f"vs {base}"], 1) + 0.0, "+.1f", "%"),   # + 0.0: no "-0.0%"
                              markdown.cell(r[f"{base} ms, same commit"], ".1f"),
                              markdown.cell(r["peak alloc GiB"], ".1f")])
@@ -133,8 +134,7 @@ def render_summary(report: Report, scaling: "Scaling | None" = None,
     (ablation.ablation_sets) holds a set."""
     lines = [f"# Ladder results: {report.context} · {report.provenance}", ""]
     if not report.has_baseline:
-        compared = (" (each addition against its base: see below)"
-                    if any(len(found.table.index.drop(found.base, errors="ignore")) for found in ablation or []) else "")
+        compared = " (each addition against its base: see below)" if any(f.compared for f in ablation or []) else ""
         lines += [f"**{NO_BASELINE_NOTE}**{compared}", ""]
     lines += [markdown.table(table_rows(report.table), left=(0, len(TABLE_HEADER) - 1)), ""]
     lines.append(f"{timing_sentence(report)} Median and IQR (75th minus 25th percentile) of the "

@@ -66,9 +66,10 @@ def compare(report: Report, steps: pd.DataFrame, runs: pd.DataFrame, base: str) 
             left_out.append(f"{name} ({why})")
             continue
         used.append(commit)
-        rows[name] = {"commit": commit[:7], "runs": table.at[name, "runs"], "median ms": table.at[name, "median_step_ms"],
-                      "IQR ms": table.at[name, "iqr_step_ms"], f"vs {base}": table.at[name, "median_step_ms"] / same - 1,
-                      f"{base} ms, same commit": same, "peak alloc GiB": table.at[name, "peak_mem_allocated_gib"]}
+        row = table.loc[name]
+        rows[name] = {"commit": commit[:7], "runs": row["runs"], "median ms": row["median_step_ms"],
+                      "IQR ms": row["iqr_step_ms"], f"vs {base}": row["median_step_ms"] / same - 1,
+                      f"{base} ms, same commit": same, "peak alloc GiB": row["peak_mem_allocated_gib"]}
         if base == "fused":
             rows[name]["in max"] = name[len(prefix):] in MAX_ADDITIONS
     if not rows:

@@ -379,8 +379,19 @@ def test_combo_kernels_adds_its_option_to_the_other_compile_additions(monkeypatc
     monkeypatch.setattr(apply, "require_compiler", lambda device: None)
     config, b = compiled_on_a_gpu("torch_compile", "cudagraphs", "combo_kernels")
     assert config["combo_kernels"] and config["triton.cudagraphs"] and b.cudagraphs
-    assert b.compile_options == {"triton.cudagraphs": True, "combo_kernels": True}
+    assert b.compile_options == {"triton.cudagraphs": True, "combo_kernels": True,
+                                 "combo_kernel_per_subkernel_blocks": True}
+    assert config["combo_kernel_per_subkernel_blocks"]
     assert not compiled_on_a_gpu("torch_compile", "cudagraphs")[0]["combo_kernels"]
+
+
+def test_combo_kernels_share_one_block_shape_where_inductor_has_no_other(monkeypatch):
+    # An older PyTorch without the option still compiles: the option is left out, not passed unknown.
+    monkeypatch.setattr(apply, "require_compiler", lambda device: None)
+    monkeypatch.setattr(apply, "inductor_has", lambda option: False)
+    config, b = compiled_on_a_gpu("torch_compile", "combo_kernels")
+    assert b.compile_options == {"combo_kernels": True}
+    assert config["combo_kernels"] and not config["combo_kernel_per_subkernel_blocks"]
 
 
 def test_every_rung_starts_from_the_same_weights():

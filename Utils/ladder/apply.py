@@ -330,13 +330,23 @@ def apply_autotune(b: Build) -> str | None:
     return None
 
 
+def inductor_has(option: str) -> bool:
+    """Whether this PyTorch's Inductor has the configuration option `option`."""
+    from torch._inductor import config
+    return hasattr(config, option)
+
+
 def apply_combo_kernels(b: Build) -> str | None:
     """Inductor launches up to eight data-independent generated kernels as one (combo kernels): max's step
     at batch 64 had 318 Inductor kernels under 10 µs at commit 503fdef (the weights' casts and amaxes), and
     inside a CUDA graph each launch still leaves the GPU a gap of a microsecond or two (BENCHMARKS.md)."""
     if b.device.type != "cuda":
         return "combo kernels group Triton kernels on a GPU: compiled without them"
-    compile_with(b, combo_kernels=True)
+    # Each sub-kernel tuned to its own block shape: with one shape for all, a sum over the tokens paired with
+    # a per-token reduction made max without bf16_residual 38.1 ms a step instead of 27.1 (batch 16,
+    # BENCHMARKS.md, "Is it the combo kernels?"). A PyTorch without the option shares one shape.
+    own_blocks = "combo_kernel_per_subkernel_blocks"
+    compile_with(b, combo_kernels=True, **({own_blocks: True} if inductor_has(own_blocks) else {}))
     return None
 
 

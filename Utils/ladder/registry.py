@@ -84,7 +84,8 @@ _ADDITIONS = [
              "torch.compile's max-autotune: Inductor times its Triton GEMM templates against cuBLAS, shape by shape",
              needs="Triton on a GPU", requires=("torch_compile",)),
     Addition("combo_kernels", "compile", "overhead",
-             "Inductor's combo kernels: up to eight data-independent generated kernels launched as one",
+             "Inductor's combo kernels: up to eight data-independent generated kernels launched as one, "
+             "each with its own block sizes",
              needs="Triton on a GPU", requires=("torch_compile",)),
     # optimizer
     Addition("fused", "optimizer", "overhead", "AdamW(fused=True): one kernel over all parameters per step",

@@ -59,7 +59,7 @@ help:
 	@echo "Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE=auto|cuda|cpu"
 	@echo "          DATA=auto|shakespeare|synthetic|path.txt  WARMUP=n  SEED=n  DATA_DIR=dir  PYTHON=python3"
 	@echo "          REPEAT=n (rung targets, custom and all: n runs in a row, judged on their median; ablation: n rounds)"
-	@echo "          PROFILE=1 (a rung target: profile it too)  ADDITIONS=\"a b\" (make ablation: only these)"
+	@echo "          PROFILE=1 (a rung target: profile it too)  ADDITIONS=\"a b c+d\" (make ablation: only these; c+d together)"
 	@echo "          COLD=1 (compile with an empty Inductor cache, as on a fresh machine)"
 	@echo "          NPROC=n (runs, all, custom, ablation: n processes through torchrun, one GPU each; BATCH_SIZE stays per GPU)"
 	@echo "          PARALLEL=ddp|fsdp (with NPROC: DistributedDataParallel, the default, or FSDP2's fully_shard)"
@@ -171,13 +171,14 @@ all: require-run
 # back. FROM=max: the max rung, then max without each of its additions beyond the fused rung in turn, as
 # max-<addition>. REPEAT=n: n such rounds, so that each pair is measured n times, alternated, across the
 # same stretch of the GPU's clock and power; summary.md gives each row the median of its runs. Then the charts.
+# Additions joined by '+' in ADDITIONS are tried together: ADDITIONS="bf16_residual+combo_kernels" FROM=max
+# runs max-bf16_residual-combo_kernels, max without both.
 ABLATION_FROM = $(or $(strip $(FROM)),fused)
 ABLATION_TRIES = $(if $(filter max,$(ABLATION_FROM)),$(LEAVE_ONE_OUT),$(ABLATION))
 ABLATION_ROUND = $(ABLATION_FROM) $(if $(ADDITIONS),$(ADDITIONS),$(ABLATION_TRIES))
 ablation: require-run
 	$(check_repeat)
-	@case '$(ABLATION_FROM)' in fused|max) ;; *) echo "error: FROM='$(ABLATION_FROM)': use FROM=fused (each addition alone on the fused rung, the default) or FROM=max (max without each addition)" >&2; exit 2;; esac
-	@for x in $(ADDITIONS); do case " $(ABLATION_TRIES) " in *" $$x "*) ;; *) echo "error: ADDITIONS names $$x, which make ablation FROM=$(ABLATION_FROM) does not try: use some of $(ABLATION_TRIES)" >&2; exit 2;; esac; done
+	@$(PYTHON) -m Utils.ladder check-ablation '$(subst ','\'',$(ABLATION_FROM))' $(ADDITIONS)
 	$(call check_parallel,$(ABLATION_FROM))
 	$(call each,ablation,$$(r=0; while [ $$r -lt $(REPEAT) ]; do r=$$((r + 1)); echo $(ABLATION_ROUND); done),if [ $$x = $(ABLATION_FROM) ]; then round=$$(($${round:-0} + 1)); [ $(REPEAT) -eq 1 ] || echo "--- round $$round of $(REPEAT) ---"; run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(call split_traces,failed="$$failed profile") $(charts))
 

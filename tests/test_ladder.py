@@ -2,6 +2,7 @@
 (Utils.ladder.apply), the modules they swap in (Utils.ladder.modules), and `python -m Utils.ladder`."""
 import contextlib
 import inspect
+import itertools
 import random
 import re
 import subprocess
@@ -17,8 +18,9 @@ from conftest import REPO_ROOT, model_pair
 from Utils.kernels import chunked_loss, cublaslt, fp8_linear, fp8_loss, loss_kernel, packed_attention
 from Utils.ladder import apply, modules, registry
 from Utils.ladder.apply import GRAD_CLIP, Build, Unavailable, build
-from Utils.ladder.registry import (ABLATION, ADDITIONS, additions_of, LADDER, LEAVE_ONE_OUT, MAX_ADDITIONS, RUNGS, STAGES, Addition, RegistryError,
-                                   resolve, rung_order, run_name)
+from Utils.ladder.registry import (ABLATION, ADDITIONS, ablation_additions, additions_of, LADDER, LEAVE_ONE_OUT,
+                                   MAX_ADDITIONS, RUNGS, STAGES, Addition, RegistryError, resolve, rung_order,
+                                   run_name)
 from Utils.model import GPT, MLP, CausalSelfAttention, OutputLoss
 from Utils.model_config import PRESETS
 
@@ -180,6 +182,33 @@ def test_max_without_one_addition_is_named_max_minus_it_and_gives_back_its_addit
     without = [a for a in RUNGS["max"].additions if a != name]
     assert run_name(without) == f"max-{name}"
     assert set(additions_of(f"max-{name}")) == set(without)
+
+
+def test_max_without_several_additions_is_named_max_minus_each_in_registry_order_and_gives_back_its_additions():
+    for a, b in itertools.combinations(LEAVE_ONE_OUT, 2):
+        without = ablation_additions("max", f"{b}+{a}")   # named in either order: one run name
+        assert set(RUNGS["max"].additions) - set(without) == {a, b}
+        assert run_name(without) == f"max-{a}-{b}"
+        assert set(additions_of(f"max-{a}-{b}")) == set(without)
+    assert additions_of("max-prefetch-prefetch") is None and additions_of("max-prefetch-loss") is None
+
+
+def test_additions_tried_together_on_the_fused_rung_are_named_fused_plus_each():
+    assert run_name(ablation_additions("fused", "prefetch+loss")) == "fused+loss+prefetch"
+    assert set(additions_of("fused+loss+prefetch")) == set(FUSED) | {"loss", "prefetch"}
+
+
+@pytest.mark.parametrize("base, item, message", [
+    ("max", "loss", "make ablation FROM=max does not try 'loss': use some of vocab_multiple,"),
+    ("fused", "prefetch+", "make ablation FROM=fused does not try '': use some of"),
+    ("max", "prefetch+prefetch", "'prefetch+prefetch' names an addition twice: name each once"),
+    ("fused", "loss+fp8_head", "fp8_head cannot run with loss: keep one of fp8_head, loss"),
+    ("flash", "loss", "FROM='flash': use FROM=fused"),
+])
+def test_an_ablation_item_that_cannot_run_is_refused_naming_the_fix(base, item, message):
+    with pytest.raises(RegistryError) as e:
+        ablation_additions(base, item)
+    assert str(e.value).startswith(message)
 
 
 def test_leave_one_out_is_every_addition_max_has_beyond_the_fused_rung():

@@ -529,6 +529,7 @@ def test_the_summary_divides_each_leave_one_out_run_by_the_max_runs_of_its_commi
     add_run(p, "max-fp8_head", [1, 34, 34, 34], git_commit="c1")
     add_run(p, "max-prefetch", [1, 30.99, 30.99, 30.99], git_commit="c1")   # -0.03%: rounds to zero
     add_run(p, "max-sync_every", [1, 40, 40, 40], git_commit="c2")   # no max run of its commit
+    add_run(p, "max-vocab_multiple-fp8_head", [1, 37.2, 37.2, 37.2], git_commit="c1")   # two left out together
     rc, out, err = run_main(p)
     assert rc == 0, err
     rows = ablation_rows(p)
@@ -539,7 +540,9 @@ def test_the_summary_divides_each_leave_one_out_run_by_the_max_runs_of_its_commi
     assert rows["max"]["runs"] == "3" and rows["max-fp8_head"]["runs"] == "1" and rows["max"]["commit"] == "c1"
     assert "max-sync_every" not in rows and "max-sync_every" in summary_table(p)
     assert "Left out: max-sync_every (no max run of its commit)." in summary_text(p)
-    assert list(rows) == ["max", "max-vocab_multiple", "max-fp8_head", "max-prefetch"]   # the registry's order
+    # the registry's order, then the rows of two additions
+    assert list(rows) == ["max", "max-vocab_multiple", "max-fp8_head", "max-prefetch", "max-vocab_multiple-fp8_head"]
+    assert rows["max-vocab_multiple-fp8_head"]["vs max"] == "+20.0%"
     assert "positive is slower without it" in summary_text(p) and "## Each addition against its base" in out
     assert "no ok baseline run: speedups left out** (each addition against its base: see below)" in out
 

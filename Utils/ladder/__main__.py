@@ -6,10 +6,13 @@
     python -m Utils.ladder ablation   the additions `make ablation` tries alone on the fused rung
     python -m Utils.ladder ablation max   the additions `make ablation FROM=max` leaves out of max in turn
     python -m Utils.ladder check NAMES   exits 2 with the fix where NAMES is not a possible combination
+    python -m Utils.ladder check-ablation FROM ITEMS   exits 2 with the fix where `make ablation FROM=... ADDITIONS=...`
+                                                     cannot run them (an item: one addition, or several joined by '+')
 """
 import sys
 
-from Utils.ladder.registry import ABLATION, ADDITIONS, LEAVE_ONE_OUT, RUNGS, RegistryError, resolve, run_name
+from Utils.ladder.registry import (ABLATION, ADDITIONS, LEAVE_ONE_OUT, RUNGS, RegistryError, ablation_additions,
+                                   check_ablation_base, resolve, run_name)
 
 
 HEADER = ("addition", "pillar", "stage", "what it changes", "needs", "first in")
@@ -39,6 +42,22 @@ def markdown() -> str:
                      + ["| " + " | ".join(c) + " |" for c in cells])
 
 
+def check_ablation(base: str, items: list) -> int:
+    """0 where `make ablation FROM=base ADDITIONS=items` can run every item; else 2, the fix on stderr."""
+    try:
+        check_ablation_base(base)
+    except RegistryError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for item in items:
+        try:
+            ablation_additions(base, item)
+        except RegistryError as e:
+            print(f"error: ADDITIONS: {e}", file=sys.stderr)
+            return 2
+    return 0
+
+
 def main(argv: list) -> int:
     verb = argv[0] if argv else "table"
     if verb == "table":
@@ -51,6 +70,8 @@ def main(argv: list) -> int:
         print(" ".join(ABLATION))
     elif verb == "ablation" and argv[1:] == ["max"]:
         print(" ".join(LEAVE_ONE_OUT))
+    elif verb == "check-ablation" and argv[1:]:
+        return check_ablation(argv[1], argv[2:])
     elif verb == "check":
         try:
             print(run_name(resolve(" ".join(argv[1:]).split())))

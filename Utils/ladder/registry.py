@@ -134,6 +134,8 @@ LADDER = list(RUNGS)
 ABLATION = tuple(name for name in ADDITIONS if not any(name in RUNGS[r].additions for r in LADDER if r != "max"))
 # `make ablation FROM=max` runs the max rung without each of these in turn: what each one adds among the others.
 LEAVE_ONE_OUT = tuple(name for name in ADDITIONS if name in MAX_ADDITIONS)
+# make ablation's base rungs (FROM=) and what each tries
+ABLATION_TRIES = {"fused": ABLATION, "max": LEAVE_ONE_OUT}
 
 
 class RegistryError(ValueError):
@@ -191,19 +193,21 @@ def check_parallel(additions: tuple, parallel: str) -> None:
 def run_name(additions: Iterable[str]) -> str:
     """The name a run of these additions is recorded under: the rung's name where a rung has exactly these, else
     the largest rung they contain, then the rest in the order they apply: fused+loss, baseline+bf16+flash; or,
-    where that takes more parts, a rung less the one addition it lacks: max-prefetch. Distinct sets get
-    distinct names, since a name gives back its set (additions_of)."""
+    where that takes more parts, a rung less the additions it lacks, in the order they apply: max-prefetch,
+    max-bf16_residual-combo_kernels (the rung that lacks the fewest). Distinct sets get distinct names, since a
+    name gives back its set (additions_of)."""
     chosen = resolve(additions)
     for rung in RUNGS.values():
         if set(rung.additions) == set(chosen):
             return rung.name
     base = max((r for r in RUNGS.values() if set(r.additions) <= set(chosen)), key=lambda r: len(r.additions))
     name = "+".join([base.name] + [a for a in chosen if a not in base.additions])
+    fewest = None   # (rung, what it lacks): the rung less the fewest additions, where that takes fewer parts
     for rung in RUNGS.values():
-        lacks = [a for a in rung.additions if a not in chosen]
-        if len(lacks) == 1 and set(chosen) < set(rung.additions) and name.count("+") > 1:
-            return f"{rung.name}-{lacks[0]}"
-    return name
+        lacks = [a for a in ADDITIONS if a in rung.additions and a not in chosen]
+        if set(chosen) < set(rung.additions) and len(lacks) < min(name.count("+"), len(fewest[1]) if fewest else 99):
+            fewest = (rung.name, lacks)
+    return "-".join([fewest[0]] + fewest[1]) if fewest else name
 
 
 def additions_of(name: str) -> tuple | None:
@@ -212,14 +216,40 @@ def additions_of(name: str) -> tuple | None:
     if name in RUNGS:
         return RUNGS[name].additions
     if "-" in name:
-        rung, _, lacks = name.partition("-")
-        if rung not in RUNGS or lacks not in RUNGS[rung].additions:
+        rung, *lacks = name.split("-")
+        if rung not in RUNGS or not all(a in RUNGS[rung].additions for a in lacks) or len(set(lacks)) < len(lacks):
             return None
-        return tuple(a for a in RUNGS[rung].additions if a != lacks)
+        return tuple(a for a in RUNGS[rung].additions if a not in lacks)
     first, *rest = name.split("+")
     if first not in RUNGS or not all(a in ADDITIONS for a in rest):
         return None
     return RUNGS[first].additions + tuple(rest)
+
+
+def check_ablation_base(base: str) -> None:
+    """Raise RegistryError, naming the fix, where `make ablation` has no base `base`."""
+    if base not in ABLATION_TRIES:
+        raise RegistryError(f"FROM='{base}': use FROM=fused (each addition alone on the fused rung, the default) or "
+                            f"FROM=max (max without each addition)")
+
+
+def ablation_additions(base: str, item: str) -> tuple:
+    """The additions of one run of `make ablation FROM=<base>`: the fused rung with `item`'s additions added, or
+    the max rung without them, where `item` names one addition or several joined by '+' (bf16_residual+combo_kernels:
+    what two additions do together). Raises RegistryError, naming the fix, for a base other than fused or max, an
+    addition that base does not try, or one named twice."""
+    check_ablation_base(base)
+    tries = ABLATION_TRIES[base]
+    parts = item.split("+")
+    unknown = [p for p in parts if p not in tries]
+    if unknown:
+        raise RegistryError(f"make ablation FROM={base} does not try '{unknown[0]}': use some of {', '.join(tries)}, "
+                            f"or several joined by '+' to try them together")
+    if len(set(parts)) < len(parts):
+        raise RegistryError(f"'{item}' names an addition twice: name each once")
+    if base == "fused":
+        return resolve(RUNGS["fused"].additions + tuple(parts))
+    return resolve(a for a in RUNGS["max"].additions if a not in parts)
 
 
 def rung_order(names: Iterable[str]) -> list:

@@ -1,6 +1,7 @@
 """Each addition against the rung it was added to or taken from: `make ablation` records fused+<addition> runs
 (the fused rung with one addition more), `make ablation FROM=max` records max-<addition> runs (max with one
-addition less). summary.md and the notebook show the same tables.
+addition less); additions tried together make fused+<a>+<b> and max-<a>-<b>. summary.md and the notebook show
+the same tables.
 
 The runs are those the summary compares (Utils.report.selection: one configuration, usable step times). A run
 is divided by the median of the median steps of its base's runs from the same commit, not by the base's latest
@@ -53,8 +54,13 @@ def compare(report: Report, steps: pd.DataFrame, runs: pd.DataFrame, base: str) 
 
     prefix = base + SEPARATOR[base]
     order = list(ADDITIONS)
+
+    def parts(name: str) -> list[str]:   # the additions a run's name adds to or takes from the base
+        return name[len(prefix):].split(SEPARATOR[base])
+
+    # One addition a row first, in the registry's order; then the rows of several together
     names = sorted((r for r in report.rungs_with_steps() if r.startswith(prefix)),
-                   key=lambda r: (order.index(r[len(prefix):]) if r[len(prefix):] in order else len(order), r))
+                   key=lambda r: (len(parts(r)), [order.index(a) if a in order else len(order) for a in parts(r)], r))
     columns = ["commit", "runs", "median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit", "peak alloc GiB"]
     columns += ["in max"] if base == "fused" else []
     rows, left_out, used = {}, [], []
@@ -71,7 +77,7 @@ def compare(report: Report, steps: pd.DataFrame, runs: pd.DataFrame, base: str) 
                       "IQR ms": row["iqr_step_ms"], f"vs {base}": row["median_step_ms"] / same - 1,
                       f"{base} ms, same commit": same, "peak alloc GiB": row["peak_mem_allocated_gib"]}
         if base == "fused":
-            rows[name]["in max"] = name[len(prefix):] in MAX_ADDITIONS
+            rows[name]["in max"] = all(a in MAX_ADDITIONS for a in parts(name))
     if not rows:
         return Ablation(base, pd.DataFrame(columns=columns), left_out)
     # The base's row: its runs from the commit most rows were divided by (the latest such run's IQR and memory).

@@ -44,6 +44,7 @@ help:
 	@echo "  make ablation STEPS=n BATCH_SIZE=b PREFIX=dir the fused rung, then each addition tried for max alone on it"
 	@echo "          FROM=max: the max rung, then max without each of its additions in turn"
 	@echo "  make peers STEPS=n BATCH_SIZE=b PREFIX=dir    the trainers a user would pick instead ($(PEER_NAMES)), beside the rungs"
+	@echo "                                                (RUNG=max REPEAT=3: max and the peers in 3 alternated rounds)"
 	@echo "  make plots PREFIX=dir                         charts and summary.md from PREFIX/results.csv"
 	@echo "  make compare PREFIXES=\"a b ...\" [OUT=dir]     one table and chart across results folders (compare.md/.png)"
 	@echo "  make profile STEPS=n BATCH_SIZE=b PREFIX=dir  compute / memory / overhead split of every rung"
@@ -183,14 +184,19 @@ ablation: require-run
 	$(call each,ablation,$$(r=0; while [ $$r -lt $(REPEAT) ]; do r=$$((r + 1)); echo $(ABLATION_ROUND); done),if [ $$x = $(ABLATION_FROM) ]; then round=$$(($${round:-0} + 1)); [ $(REPEAT) -eq 1 ] || echo "--- round $$round of $(REPEAT) ---"; run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(call split_traces,failed="$$failed profile") $(charts))
 
 # The peers (Utils/peers): llm.c built from source, and Hugging Face's GPT-2, recorded as peer-<name>.
+# RUNG=<rung>: that rung first, then each peer; REPEAT=n: n such rounds, so that the rung and the peers it is
+# divided by are measured alternated, across the same stretch of the GPU's clock and power.
 PEER_NAMES := $(shell $(PYTHON) -c "from Utils.peers import PEERS; print(*PEERS)")
 PEERS ?= $(PEER_NAMES)
+PEER_ROUND = $(strip $(RUNG) $(PEERS))
 export LLMC_SOURCE
 peers: require-run
+	$(check_repeat)
 	@if [ -z "$(strip $(PEERS))" ]; then echo "error: PEERS is empty: name some of $(PEER_NAMES)" >&2; exit 2; fi
 	@if [ '$(strip $(NPROC))' != 1 ] || [ -n '$(strip $(PARALLEL))$(filter 1 yes true,$(PROFILE))' ]; then echo "error: make peers runs each peer as one process, unprofiled: leave out NPROC, PARALLEL and PROFILE" >&2; exit 2; fi
 	@for x in $(PEERS); do case " $(PEER_NAMES) " in *" $$x "*) ;; *) echo "error: PEERS names $$x: use some of $(PEER_NAMES)" >&2; exit 2;; esac; done
-	$(call each,peers,$(PEERS),$(PYTHON) -m Utils.peers $$x $(RUN_ARGS) $${data:+--data $$data},$(charts))
+	@if [ -n '$(strip $(RUNG))' ] && { [ $(words $(RUNG)) != 1 ] || [ -z "$(filter $(strip $(RUNG)),$(RUNGS))" ]; }; then echo 'error: RUNG must name one rung ($(RUNGS)) to run beside the peers, e.g. make peers RUNG=max REPEAT=3 STEPS=30 BATCH_SIZE=64 PREFIX=./out' >&2; exit 2; fi
+	$(call each,peers,$$(r=0; while [ $$r -lt $(REPEAT) ]; do r=$$((r + 1)); echo $(PEER_ROUND); done),if [ $$x = $(firstword $(PEER_ROUND)) ]; then round=$$(($${round:-0} + 1)); [ $(REPEAT) -eq 1 ] || echo "--- round $$round of $(REPEAT) ---"; fi; if [ $$x = '$(strip $(RUNG))' ]; then run='$(call script,$(strip $(RUNG)))'; else run="-m Utils.peers $$x"; fi; $(PYTHON) $$run $(RUN_ARGS) $${data:+--data $$data},$(charts))
 
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
 # breakdown files and a trace per rung, and leaves results.csv alone.

@@ -118,13 +118,29 @@ def test_make_peers_goes_on_past_a_skipped_peer_and_names_it(both):
 
 
 @pytest.mark.parametrize("args", [["PEERS=foo"], ["PEERS=hf", "STEPS=abc"], ["PEERS=hf", "STEPS=0"],
-                                  ["PEERS=hf", "NPROC=2"], ["PEERS=hf", "PROFILE=1"]])
+                                  ["PEERS=hf", "NPROC=2"], ["PEERS=hf", "PROFILE=1"], ["PEERS=hf", "RUNG=warp"],
+                                  ["PEERS=hf", "RUNG=max fused"], ["PEERS=hf", "REPEAT=0"]])
 def test_make_peers_refuses_bad_input_before_writing(tmp_path, args):
     prefix = tmp_path / "out"
     done = make(["peers", f"PREFIX={prefix}", *RUN, *args], clean_env(), timeout=300)
     errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
     assert done.returncode == 2 and len(errors) == 1, done.stderr
     assert not prefix.exists()
+
+
+def test_make_peers_with_a_rung_and_repeat_runs_rounds_of_the_rung_then_each_peer(tmp_path):
+    # The runs are stand-ins that name themselves; the order of the commands is what is tested.
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\ncase "$1 $2" in\n  "-m Utils.peers") echo "ran: peer $3"; exit 0;;\nesac\n'
+                    f'case "$1" in\n  -m|-c) exec {sys.executable} "$@";;\n'
+                    f'  plot_results.py) echo "charts drawn"; exit 0;;\n  *) echo "ran: $1"; exit 0;;\nesac\n')
+    fake.chmod(0o755)
+    done = make(["peers", f"PYTHON={fake}", f"PREFIX={tmp_path / 'out'}", "PEERS=llmc hf", "RUNG=max", "REPEAT=2",
+                 *RUN], clean_env(), timeout=300)
+    assert done.returncode == 0, done.stderr
+    ran = [ln for ln in done.stdout.splitlines() if ln.startswith("ran: ")]
+    assert ran == ["ran: max_throughput.py", "ran: peer llmc", "ran: peer hf"] * 2
+    assert "--- round 2 of 2 ---" in done.stdout and done.stdout.count("charts drawn") == 1
 
 
 def test_make_n_peers_prints_the_commands_and_runs_none(tmp_path):

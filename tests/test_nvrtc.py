@@ -16,9 +16,10 @@ needs_nvrtc = pytest.mark.skipif(sys.platform != "linux",
 
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ["80", "90"])
-def test_loss_kernel_source_compiles(arch):
+@pytest.mark.parametrize("kernel", [loss_kernel._CUDA, loss_kernel._CUDA_E5M2, loss_kernel._CUDA_E5M2_PIPELINED],
+                         ids=lambda k: k.name)
+def test_loss_kernel_source_compiles(arch, kernel):
     # cp.async and the bf16x2 conversion need sm_80 or newer; Hopper (sm_90) is what it is tuned for.
-    kernel = loss_kernel._CUDA
     cubin = nvrtc.compile_cubin(kernel.source, kernel.name, arch, kernel.options)
     assert cubin[:4] == b"\x7fELF" and kernel.name.encode() in cubin
 

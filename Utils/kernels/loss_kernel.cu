@@ -84,14 +84,14 @@ __device__ __forceinline__ float f16_hi(unsigned h) {
     return r;
 }
 
-// Copies the block's row into shared memory, 16 bytes a copy: thread t the vectors t, t + blockDim.x, ..., the
-// ones it reads later.
-__device__ __forceinline__ void stage_row(uint4* row_buf, const uint4* row_vec, int n_vec) {
+// Starts copying a row into shared memory, 16 bytes a copy: thread t the vectors t, t + blockDim.x, ..., the
+// ones it reads later; one cp.async group.
+__device__ __forceinline__ void issue_row(uint4* row_buf, const uint4* row_vec, int n_vec) {
     for (int i = threadIdx.x; i < n_vec; i += blockDim.x) {
         unsigned dst = (unsigned)__cvta_generic_to_shared(row_buf + i);
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(row_vec + i) : "memory");
     }
-    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
 // The sum, in fp32, of the exponentials of one vector of 8 bf16 logits, e = exp2(x * log2(e) + shift), with
@@ -116,21 +116,20 @@ __device__ __forceinline__ float exp_vector(uint4& v, float shift, int valid) {
     return s;
 }
 
-// Each thread reads only the vectors it copied in (i = tid, tid + blockDim.x, ...; where a pass is split in
-// two loops, the second goes on from where the first stopped): cp.async's wait covers a thread's own copies
-// only, and the passes then need no barrier but the reductions'. The vectors wholly inside the vocabulary
-// (all but the last few) go without per-column checks.
+// Row `row`, its copy into row_buf issued by issue_row and waited for. Each thread reads only the vectors it
+// copied in (i = tid, tid + blockDim.x, ...; where a pass is split in two loops, the second goes on from where
+// the first stopped): cp.async's wait covers a thread's own copies only, and the passes then need no barrier
+// but the reductions'; nor does the next copy into row_buf, which each thread issues after its last read. The
+// vectors wholly inside the vocabulary (all but the last few) go without per-column checks.
 template <bool TO_E5M2>
-__device__ __forceinline__ void grad_row(unsigned short* logits, const long long* targets, float* row_loss,
-                                         uint2* grad, float scale, int n_cols, int vocab_size, int row_stride) {
-    extern __shared__ uint4 row_buf[];
-    __shared__ float scratch[32];
+__device__ __forceinline__ void grad_row(int row, uint4* row_buf, float* scratch, unsigned short* logits,
+                                         const long long* targets, float* row_loss, uint2* grad, float scale,
+                                         int n_cols, int vocab_size, int row_stride) {
     const int tid = threadIdx.x;
-    unsigned short* base = logits + (long long)blockIdx.x * row_stride;
+    unsigned short* base = logits + (long long)row * row_stride;
     uint4* row_vec = reinterpret_cast<uint4*>(base);
     const int n_vec = n_cols >> 3, n_full = min(vocab_size, n_cols) >> 3;
-    stage_row(row_buf, row_vec, n_vec);
-    const int target = (int)targets[blockIdx.x];
+    const int target = (int)targets[row];
     // Read before the first reduction, whose barrier orders it before the bf16 kernel's writes over the row.
     const float x_target = __uint_as_float((unsigned)base[target] << 16);
 
@@ -159,7 +158,7 @@ __device__ __forceinline__ void grad_row(unsigned short* logits, const long long
     for (; i < n_vec; i += blockDim.x) s += exp_vector<true, TO_E5M2>(row_buf[i], shift, vocab_size - i * 8);
     s = block_reduce(s, false, scratch);
     const float lse = m + logf(s) - EXP_SHIFT * LN2;
-    if (tid == 0) row_loss[blockIdx.x] = lse - x_target;
+    if (tid == 0) row_loss[row] = lse - x_target;
 
     const float r = scale / s, lse2 = lse * LOG2E, g_target = (exp2f((x_target - lse) * LOG2E) - 1.f) * scale;
     for (i = tid; i < n_vec; i += blockDim.x) {
@@ -184,7 +183,7 @@ __device__ __forceinline__ void grad_row(unsigned short* logits, const long long
             for (int k = 0; k < 8; k++) g[k] = d == k ? g_target : g[k];   // constant indices keep g in registers
         }
         if (TO_E5M2)
-            grad[(long long)blockIdx.x * n_vec + i] =
+            grad[(long long)row * n_vec + i] =
                 make_uint2(to_e5m2x2(g[0], g[1]) | ((unsigned)to_e5m2x2(g[2], g[3]) << 16),
                            to_e5m2x2(g[4], g[5]) | ((unsigned)to_e5m2x2(g[6], g[7]) << 16));
         else
@@ -193,15 +192,54 @@ __device__ __forceinline__ void grad_row(unsigned short* logits, const long long
     }
 }
 
+// One row per block, staged whole before it is worked on: while one block computes, the other on its SM waits
+// on memory.
+template <bool TO_E5M2>
+__device__ __forceinline__ void grad_one_row(unsigned short* logits, const long long* targets, float* row_loss,
+                                             uint2* grad, float scale, int n_cols, int vocab_size, int row_stride) {
+    extern __shared__ uint4 row_buf[];
+    __shared__ float scratch[32];
+    issue_row(row_buf, reinterpret_cast<uint4*>(logits + (long long)blockIdx.x * row_stride), n_cols >> 3);
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    grad_row<TO_E5M2>(blockIdx.x, row_buf, scratch, logits, targets, row_loss, grad, scale, n_cols, vocab_size,
+                      row_stride);
+}
+
 extern "C" __global__ void __launch_bounds__(256, 2)
 cross_entropy_grad_rows(unsigned short* logits, const long long* targets, float* row_loss,
                         int n_cols, int vocab_size, int row_stride) {
-    grad_row<false>(logits, targets, row_loss, nullptr, 1.f, n_cols, vocab_size, row_stride);
+    grad_one_row<false>(logits, targets, row_loss, nullptr, 1.f, n_cols, vocab_size, row_stride);
 }
 
 // grad: [rows, n_cols] e5m2, contiguous.
 extern "C" __global__ void __launch_bounds__(256, 2)
 cross_entropy_grad_rows_e5m2(unsigned short* logits, const long long* targets, float* row_loss, uint2* grad,
                              float scale, int n_cols, int vocab_size, int row_stride) {
-    grad_row<true>(logits, targets, row_loss, grad, scale, n_cols, vocab_size, row_stride);
+    grad_one_row<true>(logits, targets, row_loss, grad, scale, n_cols, vocab_size, row_stride);
+}
+
+// The same e5m2 pass with one block an SM, each over rows blockIdx.x, blockIdx.x + gridDim.x, ...: the next
+// row's copy is issued into the other half of shared memory before this row is worked on, so that the HBM
+// reads the next row while the SM reduces this one and writes its gradient (two rows of shared memory: 197 KiB
+// at 50,304 columns).
+extern "C" __global__ void __launch_bounds__(1024, 1)
+cross_entropy_grad_rows_e5m2_pipelined(unsigned short* logits, const long long* targets, float* row_loss,
+                                       uint2* grad, float scale, int n_cols, int vocab_size, int row_stride,
+                                       int n_rows) {
+    extern __shared__ uint4 row_bufs[];
+    __shared__ float scratch[32];
+    const int n_vec = n_cols >> 3;
+    int row = blockIdx.x;
+    if (row < n_rows) issue_row(row_bufs, reinterpret_cast<uint4*>(logits + (long long)row * row_stride), n_vec);
+    for (int k = 0; row < n_rows; row += gridDim.x, k ^= 1) {
+        const int next = row + gridDim.x;
+        if (next < n_rows)
+            issue_row(row_bufs + (k ^ 1) * n_vec, reinterpret_cast<uint4*>(logits + (long long)next * row_stride),
+                      n_vec);
+        else
+            asm volatile("cp.async.commit_group;\n" ::: "memory");   // an empty group: the wait below is this row's
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        grad_row<true>(row, row_bufs + k * n_vec, scratch, logits, targets, row_loss, grad, scale, n_cols,
+                       vocab_size, row_stride);
+    }
 }

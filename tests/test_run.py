@@ -44,17 +44,20 @@ def test_ablation_adds_one_change_to_the_fused_rung(tmp_path, suite_env):
     assert json.loads(run["config"])["additions"] == ["tf32", "bf16", "flash", "loss", "torch_compile", "fused"]
     bad = subprocess.run([sys.executable, "ablation.py", "--add", "turbo", "--steps", "2", "--prefix",
                           str(tmp_path)], cwd=REPO_ROOT, env=suite_env, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --add 'turbo' is not an addition")
+    assert bad.returncode == 2 and bad.stderr.strip().startswith(
+        "error: --add turbo: make ablation FROM=fused does not try 'turbo'")
     assert len(bad.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("args, first_line", [
-    (["--drop", "loss"], "error: --drop 'loss' is not one of the max rung's additions beyond the fused rung"),
-    (["--drop", "tf32"], "error: --drop 'tf32' is not one of the max rung's additions beyond the fused rung"),
+    (["--drop", "loss"], "error: --drop loss: make ablation FROM=max does not try 'loss'"),
+    (["--drop", "tf32"], "error: --drop tf32: make ablation FROM=max does not try 'tf32'"),
+    (["--drop", "prefetch+tf32"], "error: --drop prefetch+tf32: make ablation FROM=max does not try 'tf32'"),
+    (["--add", "loss+fp8_head"], "error: --add loss+fp8_head: fp8_head cannot run with loss"),
     (["--add", "loss", "--drop", "prefetch"], "error: give one of --add"),
     ([], "error: give one of --add"),
 ])
-def test_ablation_refuses_anything_but_one_add_or_one_drop(tmp_path, suite_env, args, first_line):
+def test_ablation_refuses_anything_but_one_add_or_one_drop_it_tries(tmp_path, suite_env, args, first_line):
     bad = subprocess.run([sys.executable, "ablation.py"] + args + ["--steps", "2", "--prefix", str(tmp_path)],
                          cwd=REPO_ROOT, env=suite_env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().startswith(first_line), bad.stderr

@@ -1,7 +1,9 @@
 """Times the FP8 loss's CUDA pass (Utils.kernels.loss_kernel.grad_e5m2) on one chunk of 4,096 rows x 50,304
 bf16 logits, as the max rung makes them: a block a row (the module's default), against one block an SM that
-copies the next row in while it works on this one (loss_kernel.PIPELINED), at several thread counts. Each
-form's loss and gradient must equal the block-a-row form's byte for byte (the same arithmetic a row); the
+copies the next row in while it works on this one (loss_kernel.PIPELINED), at several thread counts. At the
+block-a-row form's thread count its loss and gradient must equal that form's byte for byte (the same
+arithmetic a row); at another count a row's exponentials are summed in another order, so the loss must agree
+within 1e-5 of itself and a gradient byte differ by one e5m2 step at most, for under 0.1% of them. The
 script exits non-zero where one does not.
 
     python3 bench/fp8_pass.py
@@ -52,7 +54,13 @@ def main() -> None:
         loss_kernel.PIPELINED_THREADS = threads
         loss, grad = torch.full_like(ref_loss, -1.0), torch.zeros_like(ref)
         run(loss, grad)
-        same = torch.equal(loss, ref_loss) and torch.equal(grad.view(torch.uint8), ref.view(torch.uint8))
+        if threads == loss_kernel.CUDA_THREADS:
+            same = torch.equal(loss, ref_loss) and torch.equal(grad.view(torch.uint8), ref.view(torch.uint8))
+        else:
+            step = (grad.float() - ref.float()).abs() / ref.float().abs().clamp(min=2.0 ** -16)
+            differ = (grad.view(torch.uint8) != ref.view(torch.uint8)).float().mean().item()
+            same = ((loss - ref_loss).abs() / ref_loss.abs()).max().item() < 1e-5 and differ < 1e-3 \
+                and step.max().item() <= 0.25
         failed |= not same
         t = time(loss, grad)
         name = f"pipelined, {threads} threads{'' if same else ' DIFFERS'}"

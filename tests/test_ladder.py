@@ -200,10 +200,14 @@ def test_additions_tried_together_on_the_fused_rung_are_named_fused_plus_each():
 
 @pytest.mark.parametrize("base, item, message", [
     ("max", "loss", "make ablation FROM=max does not try 'loss': use some of vocab_multiple,"),
-    ("fused", "prefetch+", "make ablation FROM=fused does not try '': use some of"),
+    ("fused", "prefetch+", "'prefetch+' has an empty name between '+' signs: remove the extra '+'"),
+    ("fused", "prefetch+warp", "make ablation FROM=fused does not try 'warp': use some of"),
     ("max", "prefetch+prefetch", "'prefetch+prefetch' names an addition twice: name each once"),
     ("fused", "loss+fp8_head", "fp8_head cannot run with loss: keep one of fp8_head, loss"),
     ("flash", "loss", "FROM='flash': use FROM=fused"),
+    ("max", "prefetch++sync_every", "'prefetch++sync_every' has an empty name between '+' signs"),
+    ("max", "+".join(LEAVE_ONE_OUT[:8]), f"'{'+'.join(LEAVE_ONE_OUT[:8])}' names so many additions that the run "
+                                         "would be recorded as fused+"),
 ])
 def test_an_ablation_item_that_cannot_run_is_refused_naming_the_fix(base, item, message):
     with pytest.raises(RegistryError) as e:
@@ -418,7 +422,10 @@ def test_combo_kernels_share_one_block_shape_where_inductor_has_no_other(monkeyp
     # An older PyTorch without the option still compiles: the option is left out, not passed unknown.
     monkeypatch.setattr(apply, "require_compiler", lambda device: None)
     monkeypatch.setattr(apply, "inductor_has", lambda option: False)
-    config, b = compiled_on_a_gpu("torch_compile", "combo_kernels")
+    _, b = compiled_on_a_gpu("torch_compile")
+    note = apply.apply_combo_kernels(b)   # the run's record says so
+    assert note.startswith("this PyTorch's Inductor has no combo_kernel_per_subkernel_blocks")
+    config = b.step_model.get_compiler_config()
     assert b.compile_options == {"combo_kernels": True}
     assert config["combo_kernels"] and not config["combo_kernel_per_subkernel_blocks"]
 

@@ -273,6 +273,8 @@ def test_make_ablation_from_max_runs_max_first_then_max_without_each_addition(tm
     (["FROM=flash"], "error: FROM='flash': use FROM=fused"),
     (["FROM=max", "ADDITIONS=loss"], "error: ADDITIONS: make ablation FROM=max does not try 'loss'"),
     (["FROM=max", "ADDITIONS=prefetch+loss"], "error: ADDITIONS: make ablation FROM=max does not try 'loss'"),
+    (["FROM=max", "ADDITIONS=prefetch+sync_every sync_every+prefetch"],
+     "error: ADDITIONS: 'sync_every+prefetch' runs what 'prefetch+sync_every' runs: name it once"),
 ])
 def test_make_ablation_refuses_a_bad_from_before_running_any(tmp_path, suite_env, args, first_line):
     r = make(["ablation", "STEPS=2", "BATCH_SIZE=1", f"PREFIX={tmp_path}"] + args, suite_env, timeout=120)

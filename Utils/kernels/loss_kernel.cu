@@ -5,11 +5,12 @@
 // Triton kernel, which cannot stage a row in shared memory, reads it twice. A 50,304-column row takes
 // 98 KiB, so two blocks share an SM and one computes while the other waits on memory.
 //
-// Two kernels share the body: cross_entropy_grad_rows writes the gradient over the row, in bf16 (the bf16
+// Three kernels share the body: cross_entropy_grad_rows writes the gradient over the row, in bf16 (the bf16
 // loss); cross_entropy_grad_rows_e5m2 writes it times `scale`, in e5m2 (1 byte a logit), into a row of its
-// own (the FP8 loss, Utils/kernels/fp8_loss.py, whose gradient GEMMs read it). The e5m2 kernel keeps the
-// row's exponentials, exp(x - max) * 2^EXP_SHIFT, in fp16 over the row in shared memory as it sums them, and
-// writes each times scale / sum: one exponential a logit. With two, the pass was bound by the SM's
+// own (the FP8 loss, Utils/kernels/fp8_loss.py, whose gradient GEMMs read it); and its pipelined form (at the
+// end) does the same with one block an SM, the next row copied in while this one is worked on. The e5m2
+// kernels keep the row's exponentials, exp(x - max) * 2^EXP_SHIFT, in fp16 over the row in shared memory as
+// they sum them, and write each times scale / sum: one exponential a logit. With two, the pass was bound by the SM's
 // exponential units and its instruction issue, not by the HBM (BENCHMARKS.md, kernel tuning history).
 // fp16's 11 bits are 8 more than e5m2's, but only 3 more than bf16's, so the bf16 kernel computes each
 // exponential again from the logit. The target's gradient, p - 1, is computed again in fp32 from its logit,

@@ -49,12 +49,17 @@ def check_ablation(base: str, items: list) -> int:
     except RegistryError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    seen = {}   # the set of additions of each item -> the item
     for item in items:
         try:
-            ablation_additions(base, item)
+            additions = frozenset(ablation_additions(base, item))
         except RegistryError as e:
             print(f"error: ADDITIONS: {e}", file=sys.stderr)
             return 2
+        if additions in seen:
+            print(f"error: ADDITIONS: '{item}' runs what '{seen[additions]}' runs: name it once", file=sys.stderr)
+            return 2
+        seen[additions] = item
     return 0
 
 

@@ -344,9 +344,12 @@ def apply_combo_kernels(b: Build) -> str | None:
         return "combo kernels group Triton kernels on a GPU: compiled without them"
     # Each sub-kernel tuned to its own block shape: with one shape for all, a sum over the tokens paired with
     # a per-token reduction made max without bf16_residual 38.1 ms a step instead of 27.1 (batch 16,
-    # BENCHMARKS.md, "Is it the combo kernels?"). A PyTorch without the option shares one shape.
+    # BENCHMARKS.md, "Is it the combo kernels?"). A PyTorch without the option shares one shape, and says so.
     own_blocks = "combo_kernel_per_subkernel_blocks"
-    compile_with(b, combo_kernels=True, **({own_blocks: True} if inductor_has(own_blocks) else {}))
+    if not inductor_has(own_blocks):
+        compile_with(b, combo_kernels=True)
+        return f"this PyTorch's Inductor has no {own_blocks}: combo kernels whose sub-kernels share one block shape"
+    compile_with(b, combo_kernels=True, **{own_blocks: True})
     return None
 
 

@@ -237,10 +237,13 @@ def ablation_additions(base: str, item: str) -> tuple:
     """The additions of one run of `make ablation FROM=<base>`: the fused rung with `item`'s additions added, or
     the max rung without them, where `item` names one addition or several joined by '+' (bf16_residual+combo_kernels:
     what two additions do together). Raises RegistryError, naming the fix, for a base other than fused or max, an
-    addition that base does not try, or one named twice."""
+    addition that base does not try, one named twice, or so many that the run would be named after the other
+    base."""
     check_ablation_base(base)
     tries = ABLATION_TRIES[base]
     parts = item.split("+")
+    if "" in parts:
+        raise RegistryError(f"'{item}' has an empty name between '+' signs: remove the extra '+'")
     unknown = [p for p in parts if p not in tries]
     if unknown:
         raise RegistryError(f"make ablation FROM={base} does not try '{unknown[0]}': use some of {', '.join(tries)}, "
@@ -248,8 +251,16 @@ def ablation_additions(base: str, item: str) -> tuple:
     if len(set(parts)) < len(parts):
         raise RegistryError(f"'{item}' names an addition twice: name each once")
     if base == "fused":
-        return resolve(RUNGS["fused"].additions + tuple(parts))
-    return resolve(a for a in RUNGS["max"].additions if a not in parts)
+        additions = resolve(RUNGS["fused"].additions + tuple(parts))
+    else:
+        additions = resolve(a for a in RUNGS["max"].additions if a not in parts)
+    # So many together that the run is named after the other base (max-..., or fused+...) would be compared
+    # against that base, or counted as it.
+    name = run_name(additions)
+    if not name.startswith(base + ("+" if base == "fused" else "-")):
+        raise RegistryError(f"'{item}' names so many additions that the run would be recorded as {name}: "
+                            f"try fewer together, or run them with make custom WITH=...")
+    return additions
 
 
 def rung_order(names: Iterable[str]) -> list:

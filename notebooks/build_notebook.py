@@ -430,7 +430,10 @@ CELLS = [
     kernel (at batch 64 every run sits at the card's power cap, where less work is a shorter step); prefetch,
     deferred read-back and CUDA graphs remove the time the GPU waits on the host, and combo kernels the gap of
     a microsecond or two that even a graph leaves between two launches, of which the step has some 300
-    under 10 µs (the weights' casts and amaxes). Folding a LayerNorm's weights into its reader
+    under 10 µs (the weights' casts and amaxes); each of a combo kernel's sub-kernels keeps a block shape of its
+    own (Inductor's `combo_kernel_per_subkernel_blocks`): with one shape for all, `max` without its bf16
+    stream took 38 ms a step at batch 16 instead of 27, a sum over the tokens launched with a per-token
+    reduction (BENCHMARKS.md, "Is it the combo kernels?"). Folding a LayerNorm's weights into its reader
     ((x̂γ + β)Wᵀ + b = x̂(W diag γ)ᵀ + (b + Wβ)) turns the LayerNorm's weight gradients, sums over the 65,536
     tokens of a batch-64 step that Inductor finishes with a memset and an ATen reduction each, into sums over
     the layer's 2,304 or 3,072 rows, out of the weight gradients the layer's GEMM already makes.

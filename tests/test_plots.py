@@ -626,3 +626,54 @@ def test_a_folder_with_both_ablations_shows_each_against_its_own_base(tmp_path):
     assert text.index("The fused rung with each addition alone") < text.index("`max` without each of its additions")
     rows = ablation_rows(p)
     assert rows["fused+loss_kernel"]["vs fused"] == "-10.0%" and rows["max-prefetch"]["vs max"] == "+10.0%"
+
+
+def peer_rows(prefix):
+    """summary.md's "against the peers" table as {run: {column header: cell text}}."""
+    text = summary_text(prefix)
+    section = text.split("against the peers")[1].split("\n## ")[0]
+    rows, header = {}, None
+    for ln in (ln for ln in section.splitlines() if ln.startswith("|")):
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        if cells[0] == "run":
+            header = cells
+        elif not set(cells[0]) <= set("-:"):
+            rows[cells[0]] = dict(zip(header, cells))
+    return rows
+
+
+def test_the_summary_divides_each_peer_by_the_fastest_rung_of_its_commit(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "fused", [1, 40, 40, 40], git_commit="c1")
+    for i, ms in enumerate((30, 31, 35)):   # median of medians 31, as a REPEAT's rows
+        add_run(p, "max", [1, ms, ms, ms], git_commit="c1", run_id=f"max-{i}")
+    for i, ms in enumerate((36, 37.2, 40)):   # 37.2 / 31 = 1.2
+        add_run(p, "peer-llmc", [1, ms, ms, ms], git_commit="c1", run_id=f"llmc-{i}")
+    add_run(p, "peer-hf", [1, 24.8, 24.8, 24.8], git_commit="c1")   # faster than max: 31 / 24.8 = 1.25
+    rc, _, err = run_main(p)
+    assert rc == 0, err
+    rows = peer_rows(p)
+    assert list(rows) == ["max", "peer-hf", "peer-llmc"]   # the fastest rung first: max, not fused
+    assert rows["peer-llmc"]["max is"] == "1.200x faster" and rows["peer-llmc"]["runs"] == "3"
+    assert rows["peer-hf"]["max is"] == "1.250x slower" and rows["peer-hf"]["max ms, same commit"] == "31.0"
+    assert rows["max"]["median ms"] == "31.0" and rows["max"]["runs"] == "3"
+
+
+def test_a_peer_of_another_commit_is_named_not_divided(tmp_path):
+    p = str(tmp_path)
+    add_run(p, "max", [1, 30, 30, 30], git_commit="c1")
+    add_run(p, "peer-llmc", [1, 36, 36, 36], git_commit="c2")
+    rc, _, err = run_main(p)
+    assert rc == 0, err
+    assert "Left out: peer-llmc (no max run of its commit)." in summary_text(p)
+    assert "max is" not in summary_text(p)
+
+
+def test_a_folder_without_peers_or_without_rungs_has_no_peers_section(tmp_path):
+    rungs, peers = str(tmp_path / "rungs"), str(tmp_path / "peers")
+    add_run(rungs, "max", [1, 30, 30, 30])
+    add_run(peers, "peer-llmc", [1, 36, 36, 36])
+    for p in (rungs, peers):
+        rc, _, err = run_main(p)
+        assert rc == 0, err
+        assert "against the peers" not in summary_text(p)

@@ -1,11 +1,12 @@
-"""summary.md: the ladder table in ladder order, how its numbers were made, the runs left out, the notes; and,
-where a rung was run at several GPU counts, its scaling table."""
+"""summary.md: the ladder table in ladder order, how its numbers were made, the runs left out, the notes; the
+fastest rung against the peers; each addition against its base; and, where a rung was run at several GPU counts,
+its scaling table."""
 import os
 
 import pandas as pd
 
 from Utils.report import markdown
-from Utils.report.ablation import Ablation
+from Utils.report.comparison import Comparison
 from Utils.report.scaling import GOALS, Scaling
 from Utils.report.stats import BOOTSTRAP_RESAMPLES, NO_BASELINE_NOTE, NOISY_IQR, TRIM, Report
 from Utils.results.files import write_atomic
@@ -85,7 +86,7 @@ def scaling_section(scaling: "Scaling | None") -> list[str]:
     return lines
 
 
-def ablation_section(sets: "list[Ablation] | None") -> list[str]:
+def ablation_section(sets: "list[Comparison] | None") -> list[str]:
     """The lines of the "## Each addition against its base" section: one table a base (ablation.ablation_sets),
     each run against its base's runs from the same commit, and the runs left out; none where no run is named
     after a base."""
@@ -115,6 +116,31 @@ def ablation_section(sets: "list[Ablation] | None") -> list[str]:
     return lines
 
 
+def peers_section(found: "Comparison | None") -> list[str]:
+    """The lines of the "## <rung> against the peers" section (peers.peer_comparison): how many times faster
+    the fastest rung is than each peer, from the same commit; none where no peer was compared or left out."""
+    if found is None or not (found.compared or found.left_out):
+        return []
+    base = found.base
+    lines = ["", f"## `{base}` against the peers"]
+    if found.compared:
+        rows = [["run", "commit", "runs", "median ms", "IQR ms", f"{base} is", f"{base} ms, same commit"]]
+        for run, r in found.table.iterrows():
+            ratio = 1 + r[f"vs {base}"]   # the peer's median over the rung's
+            rows.append([run, r["commit"], markdown.cell(r["runs"], ".0f"), markdown.cell(r["median ms"], ".1f"),
+                         markdown.cell(r["IQR ms"], ".1f"),
+                         "-" if run == base else f"{ratio:.3f}x faster" if ratio >= 1 else f"{1 / ratio:.3f}x slower",
+                         markdown.cell(r[f"{base} ms, same commit"], ".1f")])
+        lines += ["", markdown.table(rows, left=(0, 1, 5))]
+    if found.left_out:
+        lines += ["", f"Left out: {', '.join(found.left_out)}."]
+    lines += ["", f"Each peer's median step (the median of its runs' medians, where it ran several times) against "
+                  f"the median of `{base}`'s runs from the same commit, the fastest rung here. `make peers "
+                  f"RUNG={base} REPEAT=n` runs `{base}` and the peers in n alternated rounds, so that both are "
+                  "measured across the same stretch of the GPU's clock and power."]
+    return lines
+
+
 def timing_sentence(report: Report) -> str:
     """How the compared runs' steps were timed (their selection matches on it): end to end since schema
     version 2, each step alone before."""
@@ -127,11 +153,11 @@ def timing_sentence(report: Report) -> str:
 
 
 def render_summary(report: Report, scaling: "Scaling | None" = None,
-                   ablation: "list[Ablation] | None" = None) -> str:
+                   ablation: "list[Comparison] | None" = None, peers: "Comparison | None" = None) -> str:
     """summary.md's text: heading (what was measured, and where the figures come from), the table in ladder
-    order, excluded runs, notes; the scaling section where `scaling` (scaling.build_scaling) holds a rung
-    measured at two or more GPU counts; and each addition against its base where `ablation`
-    (ablation.ablation_sets) holds a set."""
+    order, excluded runs, notes; the fastest rung against the peers where `peers` (peers.peer_comparison)
+    compares any; each addition against its base where `ablation` (ablation.ablation_sets) holds a set; and the
+    scaling section where `scaling` (scaling.build_scaling) holds a rung measured at two or more GPU counts."""
     lines = [f"# Ladder results: {report.context} · {report.provenance}", ""]
     if not report.has_baseline:
         compared = " (each addition against its base: see below)" if any(f.compared for f in ablation or []) else ""
@@ -154,14 +180,16 @@ def render_summary(report: Report, scaling: "Scaling | None" = None,
     if report.notes:
         lines += ["", "## Notes", ""]
         lines += [f"- {n}" for n in report.notes]
+    lines += peers_section(peers)
     lines += ablation_section(ablation)
     lines += scaling_section(scaling)
     return "\n".join(lines) + "\n"
 
 
 def write_summary(report: Report, path: str | os.PathLike, scaling: "Scaling | None" = None,
-                  ablation: "list[Ablation] | None" = None) -> str:
-    """Write render_summary(report, scaling, ablation) to path through a temporary file; return the text."""
-    text = render_summary(report, scaling, ablation)
+                  ablation: "list[Comparison] | None" = None, peers: "Comparison | None" = None) -> str:
+    """Write render_summary(report, scaling, ablation, peers) to path through a temporary file; return the
+    text."""
+    text = render_summary(report, scaling, ablation, peers)
     write_atomic(path, lambda f: f.write(text.encode("utf-8")))
     return text

@@ -77,6 +77,12 @@ require-prefix:
 	$(call need,PREFIX)
 
 REPEAT ?= 1
+# $(call rounds,ITEMS): ITEMS REPEAT times over, for `each`; $(call round_start,FIRST): in `each`'s command, a
+# header as item FIRST begins each round after the first is counted (when REPEAT is above 1).
+rounds = $$(r=0; while [ $$r -lt $(REPEAT) ]; do r=$$((r + 1)); echo $(1); done)
+round_start = if [ $$x = $(1) ]; then round=$$(($${round:-0} + 1)); [ $(REPEAT) -eq 1 ] || echo "--- round $$round of $(REPEAT) ---"; fi
+# true where RUNG names one rung
+rung_named = [ $(words $(RUNG)) = 1 ] && [ -n "$(filter $(strip $(RUNG)),$(RUNGS))" ]
 check_repeat = @case '$(subst ','\'',$(REPEAT))' in [1-9]|[1-9][0-9]) ;; *) echo "error: REPEAT must be a number of runs from 1 to 99, not '$(subst ','\'',$(REPEAT))' (e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)" >&2; exit 2;; esac
 # $(call repeat,NAME,COMMAND): COMMAND REPEAT times in a row, stopping at the first run that is not ok: on
 # a GPU whose clock moves one run's median by a few percent, summary.md then reports the median of medians.
@@ -158,7 +164,7 @@ endef
 
 # RUNG at each process count in NPROC (through torchrun, PARALLEL=ddp unless named), then the charts: scaling.png.
 scaling: require-run
-	@if [ $(words $(RUNG)) != 1 ] || [ -z "$(filter $(strip $(RUNG)),$(RUNGS))" ]; then echo 'error: RUNG must name one rung ($(RUNGS)), e.g. make scaling RUNG=max NPROC="1 2" STEPS=60 BATCH_SIZE=16 PREFIX=./out' >&2; exit 2; fi
+	@if ! { $(rung_named); }; then echo 'error: RUNG must name one rung ($(RUNGS)), e.g. make scaling RUNG=max NPROC="1 2" STEPS=60 BATCH_SIZE=16 PREFIX=./out' >&2; exit 2; fi
 	@if [ -z "$(strip $(NPROC))" ]; then echo 'error: NPROC is required: the GPU counts to run, e.g. NPROC="1 2 4 8"' >&2; exit 2; fi
 	@for n in $(NPROC); do $(PYTHON) -m Utils.train.distributed check "$$n" '$(or $(PARALLEL),ddp)' '$(or $(DEVICE),auto)' $(RUNG) || exit $$?; done
 	$(call each,scaling,$(NPROC),$(MAKE) --no-print-directory $(RUNG) DRAWN=1 NPROC=$$x PARALLEL=$(or $(PARALLEL),ddp) $${data:+DATA=$$data},$(charts_beside_make))
@@ -181,7 +187,7 @@ ablation: require-run
 	$(check_repeat)
 	@$(PYTHON) -m Utils.ladder check-ablation '$(subst ','\'',$(ABLATION_FROM))' $(ADDITIONS)
 	$(call check_parallel,$(ABLATION_FROM))
-	$(call each,ablation,$$(r=0; while [ $$r -lt $(REPEAT) ]; do r=$$((r + 1)); echo $(ABLATION_ROUND); done),if [ $$x = $(ABLATION_FROM) ]; then round=$$(($${round:-0} + 1)); [ $(REPEAT) -eq 1 ] || echo "--- round $$round of $(REPEAT) ---"; run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(call split_traces,failed="$$failed profile") $(charts))
+	$(call each,ablation,$(call rounds,$(ABLATION_ROUND)),$(call round_start,$(ABLATION_FROM)); if [ $$x = $(ABLATION_FROM) ]; then run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(call split_traces,failed="$$failed profile") $(charts))
 
 # The peers (Utils/peers): llm.c built from source, and Hugging Face's GPT-2, recorded as peer-<name>.
 # RUNG=<rung>: that rung first, then each peer; REPEAT=n: n such rounds, so that the rung and the peers it is
@@ -195,8 +201,8 @@ peers: require-run
 	@if [ -z "$(strip $(PEERS))" ]; then echo "error: PEERS is empty: name some of $(PEER_NAMES)" >&2; exit 2; fi
 	@if [ '$(strip $(NPROC))' != 1 ] || [ -n '$(strip $(PARALLEL))$(filter 1 yes true,$(PROFILE))' ]; then echo "error: make peers runs each peer as one process, unprofiled: leave out NPROC, PARALLEL and PROFILE" >&2; exit 2; fi
 	@for x in $(PEERS); do case " $(PEER_NAMES) " in *" $$x "*) ;; *) echo "error: PEERS names $$x: use some of $(PEER_NAMES)" >&2; exit 2;; esac; done
-	@if [ -n '$(subst ','\'',$(strip $(RUNG)))' ] && { [ $(words $(RUNG)) != 1 ] || [ -z "$(filter $(strip $(RUNG)),$(RUNGS))" ]; }; then echo 'error: RUNG must name one rung ($(RUNGS)) to run beside the peers, e.g. make peers RUNG=max REPEAT=3 STEPS=30 BATCH_SIZE=64 PREFIX=./out' >&2; exit 2; fi
-	$(call each,peers,$$(r=0; while [ $$r -lt $(REPEAT) ]; do r=$$((r + 1)); echo $(PEER_ROUND); done),if [ $$x = $(firstword $(PEER_ROUND)) ]; then round=$$(($${round:-0} + 1)); [ $(REPEAT) -eq 1 ] || echo "--- round $$round of $(REPEAT) ---"; fi; if [ $$x = '$(strip $(RUNG))' ]; then run='$(call script,$(strip $(RUNG)))'; else run="-m Utils.peers $$x"; fi; $(PYTHON) $$run $(RUN_ARGS) $${data:+--data $$data},$(charts))
+	@if [ -n '$(subst ','\'',$(strip $(RUNG)))' ] && ! { $(rung_named); }; then echo 'error: RUNG must name one rung ($(RUNGS)) to run beside the peers, e.g. make peers RUNG=max REPEAT=3 STEPS=30 BATCH_SIZE=64 PREFIX=./out' >&2; exit 2; fi
+	$(call each,peers,$(call rounds,$(PEER_ROUND)),$(call round_start,$(firstword $(PEER_ROUND))); if [ $$x = '$(strip $(RUNG))' ]; then run='$(call script,$(strip $(RUNG)))'; else run="-m Utils.peers $$x"; fi; $(PYTHON) $$run $(RUN_ARGS) $${data:+--data $$data},$(charts))
 
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
 # breakdown files and a trace per rung, and leaves results.csv alone.

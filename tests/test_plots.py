@@ -506,19 +506,24 @@ def test_a_run_over_two_processes_reports_global_tokens_and_per_gpu_mfu(tmp_path
     assert f"batch 2 × {BATCH} (2 processes, ddp) × seq_len" in summary_text(p).splitlines()[0]
 
 
-def ablation_rows(prefix):
-    """summary.md's "Each addition against its base" tables as {run: {column header: cell text}}."""
+def section_rows(prefix, heading):
+    """The tables of summary.md's section `heading` (up to the next section) as {run: {column header: cell text}}."""
     text = summary_text(prefix)
-    assert "## Each addition against its base" in text
-    lines = [ln for ln in text.split("## Each addition against its base")[1].splitlines() if ln.startswith("|")]
-    rows = {}
-    for ln in lines:
+    assert heading in text
+    section = text.split(heading)[1].split("\n## ")[0]
+    rows, header = {}, None
+    for ln in (ln for ln in section.splitlines() if ln.startswith("|")):
         cells = [c.strip() for c in ln.strip("|").split("|")]
         if cells[0] == "run":
             header = cells
         elif not set(cells[0]) <= set("-:"):
             rows[cells[0]] = dict(zip(header, cells))
     return rows
+
+
+def ablation_rows(prefix):
+    """summary.md's "Each addition against its base" tables."""
+    return section_rows(prefix, "## Each addition against its base")
 
 
 def test_the_summary_divides_each_leave_one_out_run_by_the_max_runs_of_its_commit(tmp_path):
@@ -629,17 +634,8 @@ def test_a_folder_with_both_ablations_shows_each_against_its_own_base(tmp_path):
 
 
 def peer_rows(prefix):
-    """summary.md's "against the peers" table as {run: {column header: cell text}}."""
-    text = summary_text(prefix)
-    section = text.split("against the peers")[1].split("\n## ")[0]
-    rows, header = {}, None
-    for ln in (ln for ln in section.splitlines() if ln.startswith("|")):
-        cells = [c.strip() for c in ln.strip("|").split("|")]
-        if cells[0] == "run":
-            header = cells
-        elif not set(cells[0]) <= set("-:"):
-            rows[cells[0]] = dict(zip(header, cells))
-    return rows
+    """summary.md's "against the peers" table."""
+    return section_rows(prefix, "against the peers")
 
 
 def test_the_summary_divides_each_peer_by_the_fastest_rung_of_its_commit(tmp_path):

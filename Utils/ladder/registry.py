@@ -136,6 +136,8 @@ ABLATION = tuple(name for name in ADDITIONS if not any(name in RUNGS[r].addition
 LEAVE_ONE_OUT = tuple(name for name in ADDITIONS if name in MAX_ADDITIONS)
 # make ablation's base rungs (FROM=) and what each tries
 ABLATION_TRIES = {"fused": ABLATION, "max": LEAVE_ONE_OUT}
+# base rung -> what joins it to the additions in an ablation run's name (run_name): fused+loss, max-fp8_head
+ABLATION_SEPARATOR = {"fused": "+", "max": "-"}
 
 
 class RegistryError(ValueError):
@@ -257,7 +259,7 @@ def ablation_additions(base: str, item: str) -> tuple:
     # So many together that the run is named after the other base (max-..., or fused+...) would be compared
     # against that base, or counted as it.
     name = run_name(additions)
-    if not name.startswith(base + ("+" if base == "fused" else "-")):
+    if not name.startswith(base + ABLATION_SEPARATOR[base]):
         raise RegistryError(f"'{item}' names so many additions that the run would be recorded as {name}: "
                             f"try fewer together, or run them with make custom WITH=...")
     return additions

@@ -5,24 +5,21 @@ runs from the same commit (Utils.report.comparison). summary.md and the notebook
 """
 import pandas as pd
 
-from Utils.ladder.registry import ADDITIONS, MAX_ADDITIONS
+from Utils.ladder.registry import ABLATION_SEPARATOR, ADDITIONS, MAX_ADDITIONS
 from Utils.report.comparison import Comparison, compare
 from Utils.report.stats import Report, build_report
-
-# base rung -> what joins it to an addition in a run's name: fused+loss, max-fp8_head
-SEPARATOR = {"fused": "+", "max": "-"}
 
 
 def parts(name: str, base: str) -> list[str]:
     """The additions a run's name adds to or takes from the base: fused+loss+prefetch -> [loss, prefetch]."""
-    return name[len(base) + 1:].split(SEPARATOR[base])
+    return name[len(base) + 1:].split(ABLATION_SEPARATOR[base])
 
 
 def ablation_names(report: Report, base: str) -> list[str]:
     """The runs named after `base` that the report compares: one addition a row first, in the registry's order;
     then the rows of several together."""
     order = list(ADDITIONS)
-    named = [r for r in report.rungs_with_steps() if r.startswith(base + SEPARATOR[base])]
+    named = [r for r in report.rungs_with_steps() if r.startswith(base + ABLATION_SEPARATOR[base])]
     return sorted(named, key=lambda r: (len(parts(r, base)),
                                         [order.index(a) if a in order else len(order) for a in parts(r, base)], r))
 
@@ -46,6 +43,6 @@ def ablation_table(steps: pd.DataFrame, runs: pd.DataFrame, base: str = "fused")
 
 
 def ablation_sets(report: Report, steps: pd.DataFrame, runs: pd.DataFrame) -> list[Comparison]:
-    """ablation() for each base that has runs named after it (fused+..., max-...), in SEPARATOR's order."""
-    found = [ablation(report, steps, runs, base) for base in SEPARATOR]
+    """ablation() for each base that has runs named after it (fused+..., max-...), in ABLATION_SEPARATOR's order."""
+    found = [ablation(report, steps, runs, base) for base in ABLATION_SEPARATOR]
     return [f for f in found if f.compared or f.left_out]

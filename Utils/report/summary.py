@@ -86,6 +86,12 @@ def scaling_section(scaling: "Scaling | None") -> list[str]:
     return lines
 
 
+def comparison_cells(run: str, r: pd.Series) -> list[str]:
+    """The first cells of a comparison's row (comparison.compare's frame): run, commit, runs, median ms, IQR ms."""
+    return [run, r["commit"], markdown.cell(r["runs"], ".0f"), markdown.cell(r["median ms"], ".1f"),
+            markdown.cell(r["IQR ms"], ".1f")]
+
+
 def ablation_section(sets: "list[Comparison] | None") -> list[str]:
     """The lines of the "## Each addition against its base" section: one table a base (ablation.ablation_sets),
     each run against its base's runs from the same commit, and the runs left out; none where no run is named
@@ -100,11 +106,9 @@ def ablation_section(sets: "list[Comparison] | None") -> list[str]:
             rows = [["run", "commit", "runs", "median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit",
                      "peak alloc GiB"]]
             for run, r in frame.iterrows():
-                rows.append([run, r["commit"], markdown.cell(r["runs"], ".0f"), markdown.cell(r["median ms"], ".1f"),
-                             markdown.cell(r["IQR ms"], ".1f"),
-                             markdown.cell(round(100 * r[f"vs {base}"], 1) + 0.0, "+.1f", "%"),   # + 0.0: no "-0.0%"
-                             markdown.cell(r[f"{base} ms, same commit"], ".1f"),
-                             markdown.cell(r["peak alloc GiB"], ".1f")])
+                rows.append(comparison_cells(run, r) + [
+                    markdown.cell(round(100 * r[f"vs {base}"], 1) + 0.0, "+.1f", "%"),   # + 0.0: no "-0.0%"
+                    markdown.cell(r[f"{base} ms, same commit"], ".1f"), markdown.cell(r["peak alloc GiB"], ".1f")])
             lines += ["", markdown.table(rows, left=(0, 1))]
         if found.left_out:
             lines += ["", f"Left out: {', '.join(found.left_out)}."]
@@ -127,10 +131,9 @@ def peers_section(found: "Comparison | None") -> list[str]:
         rows = [["run", "commit", "runs", "median ms", "IQR ms", f"{base} is", f"{base} ms, same commit"]]
         for run, r in found.table.iterrows():
             ratio = 1 + r[f"vs {base}"]   # the peer's median over the rung's
-            rows.append([run, r["commit"], markdown.cell(r["runs"], ".0f"), markdown.cell(r["median ms"], ".1f"),
-                         markdown.cell(r["IQR ms"], ".1f"),
-                         "-" if run == base else f"{ratio:.3f}x faster" if ratio >= 1 else f"{1 / ratio:.3f}x slower",
-                         markdown.cell(r[f"{base} ms, same commit"], ".1f")])
+            rows.append(comparison_cells(run, r) + [
+                "-" if run == base else f"{ratio:.3f}x faster" if ratio >= 1 else f"{1 / ratio:.3f}x slower",
+                markdown.cell(r[f"{base} ms, same commit"], ".1f")])
         lines += ["", markdown.table(rows, left=(0, 1, 5))]
     if found.left_out:
         lines += ["", f"Left out: {', '.join(found.left_out)}."]

@@ -240,29 +240,3 @@ def test_on_a_gpu_the_cuda_pass_writes_what_the_triton_kernels_write(monkeypatch
     assert torch.equal(wide1[:, before:before + rows].view(torch.uint8), grad1.t().view(torch.uint8))
     assert torch.equal(wide1[:, :before].view(torch.uint8), wide2[:, :before].view(torch.uint8))
     assert torch.equal(wide1[:, before + rows:].view(torch.uint8), wide2[:, before + rows:].view(torch.uint8))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [5, 1000])   # fewer rows than SMs; several rows a block, the last wave partial
-def test_on_a_gpu_the_pipelined_pass_writes_what_the_block_a_row_writes(monkeypatch, rows):
-    # The same arithmetic on each row, in another order of rows: byte for byte, at the same threads a block
-    # (another count sums a row's exponentials in another order).
-    if not torch.cuda.is_available() or fp8_loss.unavailable(torch.device("cuda")):
-        pytest.skip("needs an Ada or Hopper GPU")
-    from Utils.kernels import loss_kernel
-    cols, vocab = 4096, 4000
-    g = torch.Generator(device="cuda").manual_seed(0)
-    logits = (torch.randn(rows, cols, device="cuda", generator=g) * 3).bfloat16()
-    targets = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
-    monkeypatch.setattr(loss_kernel, "PIPELINED_THREADS", loss_kernel.CUDA_THREADS)
-    out = {}
-    for pipelined in (False, True):
-        monkeypatch.setattr(loss_kernel, "PIPELINED", pipelined)
-        assert loss_kernel._pipelined(logits.device, cols) == pipelined
-        assert loss_kernel.prepare(torch.device("cuda"), cols) is None, "the CUDA kernels did not build"
-        loss, grad = torch.full((rows,), -1.0, device="cuda"), torch.zeros(rows, cols, dtype=fp8_loss.E5M2,
-                                                                            device="cuda")
-        assert loss_kernel.grad_e5m2(logits, targets, vocab, loss, grad, fp8_loss.GRAD_SCALE)
-        out[pipelined] = loss, grad.view(torch.uint8)
-    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
-    assert (out[True][0] > 0).all()   # every row written

@@ -165,18 +165,12 @@ def _pretend_gpu(monkeypatch, capability):
     monkeypatch.setattr(loss_kernel, "_cuda_failure", None)
 
 
-# a block's shared memory on an H100 or H200, an A100, an Ada GPU; whether a 50,304-column row fits once, twice
-@pytest.mark.parametrize("optin_kib, one_row, pipelined", [(227, True, True), (163, True, False), (99, False, False)])
-def test_the_pipelined_pass_runs_only_where_two_rows_fit_in_a_blocks_shared_memory(monkeypatch, optin_kib, one_row,
-                                                                                  pipelined):
+# a block's shared memory on an H100 or H200, an A100, an Ada GPU; whether a 50,304-column row fits
+@pytest.mark.parametrize("optin_kib, fits", [(227, True), (163, True), (99, False)])
+def test_the_cuda_pass_takes_a_row_only_where_it_fits_in_a_blocks_shared_memory(monkeypatch, optin_kib, fits):
     props = types.SimpleNamespace(shared_memory_per_block_optin=optin_kib * 1024)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
-    cuda, padded = torch.device("cuda"), 50304
-    monkeypatch.setattr(loss_kernel, "PIPELINED", True)
-    assert loss_kernel._pipelined(cuda, padded) == pipelined
-    assert loss_kernel._shared_fits(cuda, padded) == one_row
-    monkeypatch.setattr(loss_kernel, "PIPELINED", False)
-    assert not loss_kernel._pipelined(cuda, padded)
+    assert loss_kernel._shared_fits(torch.device("cuda"), 50304) == fits
 
 
 def test_pre_ampere_gpus_take_the_triton_kernel(monkeypatch):

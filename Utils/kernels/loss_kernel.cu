@@ -5,13 +5,12 @@
 // Triton kernel, which cannot stage a row in shared memory, reads it twice. A 50,304-column row takes
 // 98 KiB, so two blocks share an SM and one computes while the other waits on memory.
 //
-// Three kernels share the body: cross_entropy_grad_rows writes the gradient over the row, in bf16 (the bf16
+// Two kernels share the body: cross_entropy_grad_rows writes the gradient over the row, in bf16 (the bf16
 // loss); cross_entropy_grad_rows_e5m2 writes it times `scale`, in e5m2 (1 byte a logit), into a row of its
-// own (the FP8 loss, Utils/kernels/fp8_loss.py, whose gradient GEMMs read it); and its pipelined form (at the
-// end) does the same with one block an SM, the next row copied in while this one is worked on. The e5m2
-// kernels keep the row's exponentials, exp(x - max) * 2^EXP_SHIFT, in fp16 over the row in shared memory as
-// they sum them, and write each times scale / sum: one exponential a logit. With two, the pass was bound by the SM's
-// exponential units and its instruction issue, not by the HBM (BENCHMARKS.md, kernel tuning history).
+// own (the FP8 loss, Utils/kernels/fp8_loss.py, whose gradient GEMMs read it). The e5m2 kernel keeps the row's
+// exponentials, exp(x - max) * 2^EXP_SHIFT, in fp16 over the row in shared memory as it sums them, and writes
+// each times scale / sum: one exponential a logit. With two, the pass was bound by the SM's exponential units
+// and its instruction issue, not by the HBM (BENCHMARKS.md, kernel tuning history).
 // fp16's 11 bits are 8 more than e5m2's, but only 3 more than bf16's, so the bf16 kernel computes each
 // exponential again from the logit. The target's gradient, p - 1, is computed again in fp32 from its logit,
 // since p - 1 loses to cancellation what fp16 costs p.
@@ -217,30 +216,4 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 cross_entropy_grad_rows_e5m2(unsigned short* logits, const long long* targets, float* row_loss, uint2* grad,
                              float scale, int n_cols, int vocab_size, int row_stride) {
     grad_one_row<true>(logits, targets, row_loss, grad, scale, n_cols, vocab_size, row_stride);
-}
-
-// The same e5m2 pass with one block an SM, each over rows blockIdx.x, blockIdx.x + gridDim.x, ...: the next
-// row's copy is issued into the other half of shared memory before this row is worked on, so that the HBM
-// reads the next row while the SM reduces this one and writes its gradient (two rows of shared memory: 197 KiB
-// at 50,304 columns).
-extern "C" __global__ void __launch_bounds__(1024, 1)
-cross_entropy_grad_rows_e5m2_pipelined(unsigned short* logits, const long long* targets, float* row_loss,
-                                       uint2* grad, float scale, int n_cols, int vocab_size, int row_stride,
-                                       int n_rows) {
-    extern __shared__ uint4 row_bufs[];
-    __shared__ float scratch[32];
-    const int n_vec = n_cols >> 3;
-    int row = blockIdx.x;
-    if (row < n_rows) issue_row(row_bufs, reinterpret_cast<uint4*>(logits + (long long)row * row_stride), n_vec);
-    for (int k = 0; row < n_rows; row += gridDim.x, k ^= 1) {
-        const int next = row + gridDim.x;
-        if (next < n_rows)
-            issue_row(row_bufs + (k ^ 1) * n_vec, reinterpret_cast<uint4*>(logits + (long long)next * row_stride),
-                      n_vec);
-        else
-            asm volatile("cp.async.commit_group;\n" ::: "memory");   // an empty group: the wait below is this row's
-        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-        grad_row<true>(row, row_bufs + k * n_vec, scratch, logits, targets, row_loss, grad, scale, n_cols,
-                       vocab_size, row_stride);
-    }
 }

@@ -7,7 +7,7 @@ mathematics in PyTorch operations, out of place).
 On a GPU of compute capability 8.0 or newer it is loss_kernel.cu, compiled at first use by NVRTC
 (Utils.kernels.nvrtc), which reads the logits once and writes them once. Its twin in the same source
 (`grad_e5m2`, Ada or Hopper) writes the gradient scaled, in FP8, into a buffer of its own: the FP8 loss's
-pass (Utils.kernels.fp8_loss), a block a row or, with PIPELINED, one block an SM over many rows. The Triton
+pass (Utils.kernels.fp8_loss). The Triton
 kernel below is the fallback (no NVRTC, or a row that the CUDA kernel cannot take) and what the tests run on a
 CPU, through Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported); it reads each row
 twice.
@@ -34,15 +34,10 @@ NUM_WARPS = 8
 # the fastest tried (BENCHMARKS.md).
 CUDA_THREADS = 256
 USE_CUDA = True      # False: the Triton kernels on a GPU too (the FP8 loss's two passes among them), to compare
-# The FP8 loss's pass as one block an SM, the next row copied in while this one is worked on, where two rows
-# fit in its shared memory: off until an H200 has measured it against the block a row (BENCHMARKS.md).
-PIPELINED = False
-PIPELINED_THREADS = 512   # whole warps, at most the 1,024 of its __launch_bounds__
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "loss_kernel.cu"), encoding="utf-8") as _file:
     _source = _file.read()
 _CUDA = nvrtc.Kernel(_source, "cross_entropy_grad_rows")
 _CUDA_E5M2 = nvrtc.Kernel(_source, "cross_entropy_grad_rows_e5m2")   # the FP8 loss's pass (Utils.kernels.fp8_loss)
-_CUDA_E5M2_PIPELINED = nvrtc.Kernel(_source, "cross_entropy_grad_rows_e5m2_pipelined")
 
 # Read once, as @triton.jit reads it when the kernel is defined below.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -70,13 +65,9 @@ def _cuda_usable(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
-def _shared_fits(device: torch.device, n_cols: int, rows: int = 1) -> bool:
-    # `rows` rows, and 1 KiB for the kernel's own scratch and what the hardware reserves per block
-    return rows * 2 * n_cols + 1024 <= torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-
-
-def _pipelined(device: torch.device, n_cols: int) -> bool:
-    return PIPELINED and _shared_fits(device, n_cols, rows=2)
+def _shared_fits(device: torch.device, n_cols: int) -> bool:
+    # the row, and 1 KiB for the kernel's own scratch and what the hardware reserves per block
+    return 2 * n_cols + 1024 <= torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
 def prepare(device: torch.device, n_cols: int) -> str | None:
@@ -89,8 +80,6 @@ def prepare(device: torch.device, n_cols: int) -> str | None:
         _CUDA.prepare(device, shared_bytes=2 * n_cols)
         if _fp8_capable(device):
             _CUDA_E5M2.prepare(device, shared_bytes=2 * n_cols)
-            if _pipelined(device, n_cols):
-                _CUDA_E5M2_PIPELINED.prepare(device, shared_bytes=4 * n_cols)
     except RuntimeError as e:
         _cuda_failure = str(e).splitlines()[0]
         return f"the CUDA loss kernel could not be built here ({_cuda_failure}): the Triton kernel instead"
@@ -126,12 +115,7 @@ def grad_e5m2(logits: Tensor, targets: Tensor, vocab_size: int, row_loss: Tensor
     rows, cols = logits.shape
     args = [logits, targets, row_loss, grad, ctypes.c_float(scale), ctypes.c_int(cols), ctypes.c_int(vocab_size),
             ctypes.c_int(logits.stride(0))]
-    if _pipelined(logits.device, cols):
-        blocks = min(rows, torch.cuda.get_device_properties(logits.device).multi_processor_count)
-        _CUDA_E5M2_PIPELINED.launch((blocks, 1, 1), (PIPELINED_THREADS, 1, 1), args + [ctypes.c_int(rows)],
-                                    logits.device, shared_bytes=4 * cols)
-    else:
-        _CUDA_E5M2.launch((rows, 1, 1), (CUDA_THREADS, 1, 1), args, logits.device, shared_bytes=2 * cols)
+    _CUDA_E5M2.launch((rows, 1, 1), (CUDA_THREADS, 1, 1), args, logits.device, shared_bytes=2 * cols)
     return True
 
 

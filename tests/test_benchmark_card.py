@@ -8,6 +8,7 @@ from importlib import metadata
 import pytest
 import torch
 
+from Utils.model_config import PRESETS
 from Utils.results.schema import SCHEMA_VERSION
 from Utils.train import nvml
 from Utils.train.run import main
@@ -57,7 +58,11 @@ def test_a_run_records_where_its_figures_come_from(tmp_path):
             assert run[column] == metadata.version(name)
         except metadata.PackageNotFoundError:
             assert run[column] == ""
-    assert float(run["flops_per_token"]) > 0
+    # 6N (N without the position embedding) + 12 L H d T, for the tiny preset at --seq-len 16 (PaLM's count,
+    # Utils/results/metrics.py): the run's own sequence length, not the model's block size.
+    tiny = PRESETS["tiny"]
+    n = int(run["n_params"]) - tiny.block_size * tiny.n_embd
+    assert int(float(run["flops_per_token"])) == 6 * n + 12 * tiny.n_layer * tiny.n_embd * 16
     # A CPU run has no GPU to describe, and no compiled graph.
     for column in ("gpu_uuid", "driver_version", "cudnn_version", "sm_clock_mhz_median", "power_w_median",
                    "temp_c_max", "throttle_reasons", "compile_cache"):
@@ -73,8 +78,8 @@ def test_clock_samples_are_summarized():
     assert nvml.clock_columns([], names) == dict.fromkeys(nvml.COLUMNS)
 
 
-@pytest.mark.skipif(nvml.pynvml is None, reason="nvidia-ml-py is not installed")
 def test_reason_names_come_from_nvml_constants():
+    assert nvml.pynvml is not None, "nvidia-ml-py is in requirements.txt: install it"
     names = nvml._reason_names()
     power_cap = getattr(nvml.pynvml, "nvmlClocksEventReasonSwPowerCap",
                         getattr(nvml.pynvml, "nvmlClocksThrottleReasonSwPowerCap", None))

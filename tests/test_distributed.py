@@ -50,6 +50,9 @@ def test_two_processes_train_as_one_process_on_twice_the_batch(tmp_path, paralle
     steps = read_csv(tmp_path / "two" / "results.csv")
     last = steps[-1]
     assert float(last["tokens_per_s"]) == pytest.approx(2 * 2 * 32 / (float(last["step_ms"]) / 1e3), rel=1e-4)
+    # both ranks' rows: 2 processes x 2 rows x 32 tokens a step, at the run's median step
+    assert float(run["global_tokens_per_s"]) == pytest.approx(2 * 2 * 32 / (float(run["median_step_ms"]) / 1e3),
+                                                              rel=1e-4)
     assert float(run["tokens_per_s_per_gpu"]) == pytest.approx(float(run["global_tokens_per_s"]) / 2, rel=1e-5)
     assert read_csv(tmp_path / "one" / "runs.csv")[0]["nproc"] == "1"
 

@@ -52,6 +52,7 @@ def test_make_all_writes_an_ok_run_per_rung(make_all):
         assert [s["warmup"] for s in mine] == ["1"] * 5 + ["0"] * 3
         assert all(float(s["step_ms"]) > 0 and float(s["tokens_per_s"]) > 0 for s in mine)
         assert all(s["mfu"] == "" for s in mine)   # a CPU has no known peak
+        assert float(run["final_loss"]) == pytest.approx(float(mine[-1]["loss"]), rel=1e-5)   # the last step's
     notes = {x["optimization"]: x["notes"] for x in runs}
     assert notes["baseline"] == "" and "TF32 has no effect on a CPU" in notes["tf32"]
     # max says what it left out on a CPU: among others, the packed attention (cuDNN) and CUDA graphs.

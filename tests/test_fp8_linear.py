@@ -70,6 +70,11 @@ def test_the_linear_and_gelu_ops_compute_their_references_on_the_fp8_operands():
     # The activation is GPT-2's tanh GELU of the pre-activation (on a CPU the op is the reference itself, so this
     # is what checks the reference).
     torch.testing.assert_close(a, F.gelu(h.float(), approximate="tanh").bfloat16(), rtol=2**-7, atol=2**-7)
+    # The reference itself, tightly: the tanh GELU of the fp32 pre-activation, rounded once to bf16 (the loose
+    # check above cannot tell tanh GELU from exact GELU, which differ by under 2^-7).
+    h32 = y8.float() @ w8.float().t() * (y_inv * w_inv) + b.float()
+    torch.testing.assert_close(h_ref, h32.bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(a_ref, F.gelu(h32, approximate="tanh").bfloat16(), rtol=0, atol=0)
     # And FP8's answer is near the bf16 operands' (a wrong scale would be off by a factor).
     exact = y.float() @ w.float().t() + b.float()
     assert ((h.float() - exact).norm() / exact.norm()).item() < 0.08

@@ -138,6 +138,19 @@ def test_epilogue_constants_are_cublaslt_hs():
     assert cublaslt.CUBLASLT_EPILOGUE_DGELU == 192 and cublaslt.CUBLASLT_EPILOGUE_DGELU_BGRAD == 208
 
 
+def test_matmul_attribute_and_type_constants_are_the_headers():
+    # cublasLt.h's cublasLtMatmulDescAttributes_t and cublasLtMatmulPreferenceAttributes_t, cublas_api.h's
+    # cublasOperation_t and cublasComputeType_t, library_types.h's cudaDataType_t: cuBLASLt reads plain ints.
+    c = cublaslt
+    assert (c.CUBLASLT_MATMUL_DESC_TRANSA, c.CUBLASLT_MATMUL_DESC_TRANSB, c.CUBLASLT_MATMUL_DESC_EPILOGUE,
+            c.CUBLASLT_MATMUL_DESC_BIAS_POINTER) == (3, 4, 7, 8)
+    assert (c.CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, c.CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD) == (11, 12)
+    assert (c.CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, c.CUBLASLT_MATMUL_DESC_B_SCALE_POINTER) == (17, 18)
+    assert c.CUBLASLT_MATMUL_DESC_FAST_ACCUM == 25 and c.CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES == 1
+    assert (c.CUBLAS_OP_N, c.CUBLAS_OP_T, c.CUBLAS_COMPUTE_32F) == (0, 1, 68)
+    assert (c.CUDA_R_32F, c.CUDA_R_16F, c.CUDA_R_16BF, c.CUDA_R_8F_E4M3) == (0, 2, 14, 28)
+
+
 class _RecordingLibrary:
     """Stands in for cuBLASLt: records each call's name and arguments and returns success; the heuristic
     offers one algorithm."""
@@ -162,14 +175,14 @@ def test_a_plan_sets_cublaslts_named_attributes(monkeypatch):
     cublaslt._plan(0, cublaslt.CUBLASLT_EPILOGUE_GELU_AUX_BIAS, cublaslt.CUBLAS_OP_T, cublaslt.CUBLAS_OP_N,
                    3072, 4096, 768, cublaslt.CUDA_R_16BF, 768, cublaslt.CUDA_R_16BF)
     attributes = {args[1]: args[2]._obj.value for name, args in lib.calls if name == "cublasLtMatmulDescSetAttribute"}
-    assert attributes == {cublaslt.CUBLASLT_MATMUL_DESC_TRANSA: cublaslt.CUBLAS_OP_T,
-                          cublaslt.CUBLASLT_MATMUL_DESC_TRANSB: cublaslt.CUBLAS_OP_N,
-                          cublaslt.CUBLASLT_MATMUL_DESC_EPILOGUE: cublaslt.CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
-                          cublaslt.CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD: 3072}
+    # The ints cuBLASLt receives, as cublasLt.h numbers them (not the module's own names, which could be wrong):
+    # cublasLtMatmulDescAttributes_t TRANSA 3, TRANSB 4, EPILOGUE 7, EPILOGUE_AUX_LD 12; cublasOperation_t
+    # N 0, T 1; cublasLtEpilogue_t GELU_AUX_BIAS 164.
+    assert attributes == {3: 1, 4: 0, 7: 164, 12: 3072}
     create, = [args for name, args in lib.calls if name == "cublasLtMatmulDescCreate"]
-    assert create[1:] == (cublaslt.CUBLAS_COMPUTE_32F, cublaslt.CUDA_R_32F)
+    assert create[1:] == (68, 0)   # CUBLAS_COMPUTE_32F (cublas_api.h), CUDA_R_32F (library_types.h)
     preference, = [args for name, args in lib.calls if name == "cublasLtMatmulPreferenceSetAttribute"]
-    assert preference[1] == cublaslt.CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
+    assert preference[1] == 1      # CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES (cublasLt.h)
     assert preference[2]._obj.value == cublaslt.WORKSPACE_BYTES
 
 

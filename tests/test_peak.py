@@ -149,3 +149,15 @@ def test_the_cuda_defaults_reach_a_real_gpus_rates(tmp_path):
     assert (row.matmul_n, row.copy_gib) == DEFAULTS["cuda"]
     assert row.matmul_tflops > 100, row.matmul_tflops
     assert row.copy_gb_s > 500, row.copy_gb_s
+
+
+def test_the_rates_are_the_flops_and_bytes_moved_over_the_median_time(monkeypatch):
+    """With the timer fixed, each rate is exactly the work done over that time."""
+    import Utils.train.peak as peak
+    monkeypatch.setattr(peak, "_median_seconds", lambda fn, device: 0.25)
+    rates = peak.measure(torch.device("cpu"), 32, 64 / 2**20)
+    # An n x n @ n x n matmul does n^3 multiply-adds, 2 n^3 FLOPs: 2 * 32^3 / 0.25 s / 1e12 TFLOP/s.
+    assert rates["matmul_tflops"] == pytest.approx(2 * 32**3 / 0.25 / 1e12, rel=1e-12)
+    # A copy of 64 KiB reads and writes each byte once, 2 * 65536 bytes: / 0.25 s / 1e9 GB/s.
+    assert rates["copy_gb_s"] == pytest.approx(2 * 65536 / 0.25 / 1e9, rel=1e-12)
+    assert (rates["matmul_n"], rates["copy_gib"]) == (32, 64 / 2**20)

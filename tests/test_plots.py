@@ -18,7 +18,7 @@ from conftest import rewrite_as_version_1, run_main, sticks_out, summary_table, 
 from Utils.report.charts import CHARTS as CHART_PLOTS, plot_step_time  # noqa: E402
 from Utils.report.cli import main  # noqa: E402
 from Utils.report.selection import select  # noqa: E402
-from Utils.report.stats import build_report, summarize  # noqa: E402
+from Utils.report.stats import BOOTSTRAP_SEED, bootstrap_speedup, build_report, summarize, trimmed_mean  # noqa: E402
 from Utils.results.read import load  # noqa: E402
 from Utils.results.schema import RUN_COLUMNS, STEP_COLUMNS  # noqa: E402
 from Utils.results.store import append_run  # noqa: E402
@@ -94,6 +94,30 @@ def test_summary_numbers_match_a_hand_computation(ladder):
     assert rows["bf16"]["compile s"] == "12.5"
     assert rows["baseline"]["compile s"] == "-"
     assert "- tf32: TF32 has no effect on a CPU" in summary_text(prefix)
+
+
+def test_the_trimmed_mean_drops_a_tenth_of_the_values_at_each_end():
+    # 10 values, TRIM = 0.1: one cut at each end, so both outliers go and the mean is that of 10..17.
+    values = np.array([1000.0, 12, 10, 0.5, 15, 11, 17, 13, 16, 14])
+    assert trimmed_mean(values) == pytest.approx((10 + 11 + 12 + 13 + 14 + 15 + 16 + 17) / 8)
+    # 20 values: two cut at each end.
+    assert trimmed_mean(np.array([-9.0, -8, *range(1, 17), 90, 99])) == pytest.approx(np.mean(range(1, 17)))
+
+
+def test_the_bootstrap_interval_is_the_2_5th_and_97_5th_percentile_of_resampled_median_ratios():
+    base = np.array([100.0, 104, 97, 110, 99, 103, 120, 98, 101, 95, 102, 107])
+    rung = np.array([50.0, 55, 49, 61, 52, 48, 53, 70, 51, 54])
+    # The same resampling by hand: one generator, the baseline's resamples drawn first, then the rung's.
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    base_medians = np.median(rng.choice(base, size=(1000, base.size)), axis=1)
+    rung_medians = np.median(rng.choice(rung, size=(1000, rung.size)), axis=1)
+    ratios = base_medians / rung_medians
+    lo, hi = bootstrap_speedup(base, rung)
+    assert (lo, hi) == pytest.approx(tuple(np.percentile(ratios, [2.5, 97.5])), rel=1e-12)
+    # A 95% interval is wider than the middle half of the ratios (so a narrower percentile pair is caught).
+    q25, q75 = np.percentile(ratios, [25, 75])
+    assert lo < q25 and q75 < hi
+    assert lo < np.median(base) / np.median(rung) < hi
 
 
 def test_summarize_frame_holds_the_unrounded_numbers(ladder):

@@ -147,7 +147,12 @@ def _compile_run(prefix, cache, *extra):
     r = subprocess.run([sys.executable, "torch_compile.py", "--steps", "2", "--warmup", "1", "--prefix", str(prefix),
                         *ARGS, *extra], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    return read_csv(prefix / "runs.csv")[-1]["compile_cache"]
+    run = read_csv(prefix / "runs.csv")[-1]
+    first = next(s for s in read_csv(prefix / "results.csv") if s["run_id"] == run["run_id"] and s["step"] == "0")
+    # compile time: how much longer the first step took than the run's median step
+    assert float(run["compile_s"]) == pytest.approx(
+        max(0.0, (float(first["step_ms"]) - float(run["median_step_ms"])) / 1e3), rel=1e-4, abs=1e-5)
+    return run["compile_cache"]
 
 
 def test_compile_cache_is_cold_then_warm_and_cold_runs_leave_the_cache_alone(tmp_path):

@@ -1,5 +1,6 @@
 """Several processes through torchrun, on the CPU with gloo: the same global batch as one process, the
 records, a rank that fails, Ctrl-C, and the refusals that come before any process starts."""
+import json
 import os
 import signal
 import subprocess
@@ -178,3 +179,23 @@ def test_ddp_on_one_gpu_runs_every_addition_of_the_rung(tmp_path, rung):
     run = read_csv(tmp_path / "runs.csv")[0]
     assert (run["status"], run["nproc"], run["parallel"]) == ("ok", "1", "ddp")
     assert run["gpu_uuid"].startswith("GPU-")
+
+
+def _reduce_on_rank(rank, init_file, out_folder):
+    import torch.distributed as td
+    from Utils.train.distributed import reduce_steps
+    td.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        # rank 1 is slower at step 0 and faster at step 1; its window longer; their losses differ
+        steps = [[10.0, 30.0], [20.0, 5.0]][rank]
+        losses = [[1.0, 3.0], [2.0, 5.0]][rank]
+        result = reduce_steps(steps, losses, [1.0, 2.5][rank], torch.device("cpu"))
+        (out_folder / f"{rank}.json").write_text(json.dumps(result))
+    finally:
+        td.destroy_process_group()
+
+
+def test_each_step_is_the_slowest_ranks_and_each_loss_the_mean_over_ranks(tmp_path):
+    torch.multiprocessing.spawn(_reduce_on_rank, args=(str(tmp_path / "init"), tmp_path), nprocs=2)
+    expected = [[20.0, 30.0], [1.5, 4.0], 2.5]
+    assert [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)] == [expected, expected]

@@ -9,6 +9,7 @@ from conftest import clean_env, make
 from Utils.results.read import load_peak, measured_peak
 from Utils.results.schema import PEAK_COLUMNS, PEAK_FILE, SCHEMA_VERSION
 from Utils.results.store import append_rows
+from Utils.train import peak
 from Utils.train.peak import DEFAULTS, main
 
 TINY = ["--device", "cpu", "--matmul-n", "32", "--copy-gib", str(64 / 2**20)]   # 64 KiB
@@ -153,7 +154,6 @@ def test_the_cuda_defaults_reach_a_real_gpus_rates(tmp_path):
 
 def test_the_rates_are_the_flops_and_bytes_moved_over_the_median_time(monkeypatch):
     """With the timer fixed, each rate is exactly the work done over that time."""
-    import Utils.train.peak as peak
     monkeypatch.setattr(peak, "_median_seconds", lambda fn, device: 0.25)
     rates = peak.measure(torch.device("cpu"), 32, 64 / 2**20)
     # An n x n @ n x n matmul does n^3 multiply-adds, 2 n^3 FLOPs: 2 * 32^3 / 0.25 s / 1e12 TFLOP/s.

@@ -18,7 +18,8 @@ from conftest import rewrite_as_version_1, run_main, sticks_out, summary_table, 
 from Utils.report.charts import CHARTS as CHART_PLOTS, plot_step_time  # noqa: E402
 from Utils.report.cli import main  # noqa: E402
 from Utils.report.selection import select  # noqa: E402
-from Utils.report.stats import BOOTSTRAP_SEED, bootstrap_speedup, build_report, summarize, trimmed_mean  # noqa: E402
+from Utils.report.stats import (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_speedup, build_report,  # noqa: E402
+                                summarize, trimmed_mean)
 from Utils.results.read import load  # noqa: E402
 from Utils.results.schema import RUN_COLUMNS, STEP_COLUMNS  # noqa: E402
 from Utils.results.store import append_run  # noqa: E402
@@ -109,8 +110,8 @@ def test_the_bootstrap_interval_is_the_2_5th_and_97_5th_percentile_of_resampled_
     rung = np.array([50.0, 55, 49, 61, 52, 48, 53, 70, 51, 54])
     # The same resampling by hand: one generator, the baseline's resamples drawn first, then the rung's.
     rng = np.random.default_rng(BOOTSTRAP_SEED)
-    base_medians = np.median(rng.choice(base, size=(1000, base.size)), axis=1)
-    rung_medians = np.median(rng.choice(rung, size=(1000, rung.size)), axis=1)
+    base_medians = np.median(rng.choice(base, size=(BOOTSTRAP_RESAMPLES, base.size)), axis=1)
+    rung_medians = np.median(rng.choice(rung, size=(BOOTSTRAP_RESAMPLES, rung.size)), axis=1)
     ratios = base_medians / rung_medians
     lo, hi = bootstrap_speedup(base, rung)
     assert (lo, hi) == pytest.approx(tuple(np.percentile(ratios, [2.5, 97.5])), rel=1e-12)

@@ -7,10 +7,9 @@ mathematics in PyTorch operations, out of place).
 On a GPU of compute capability 8.0 or newer it is loss_kernel.cu, compiled at first use by NVRTC
 (Utils.kernels.nvrtc), which reads the logits once and writes them once. Its twin in the same source
 (`grad_e5m2`, Ada or Hopper) writes the gradient scaled, in FP8, into a buffer of its own: the FP8 loss's
-pass (Utils.kernels.fp8_loss). The Triton
-kernel below is the fallback (no NVRTC, or a row that the CUDA kernel cannot take) and what the tests run on a
-CPU, through Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported); it reads each row
-twice.
+pass (Utils.kernels.fp8_loss). The Triton kernel below is the fallback (no NVRTC, or a row that the CUDA kernel
+cannot take) and what the tests run on a CPU, through Triton's interpreter (TRITON_INTERPRET=1, set before this
+module is imported); it reads each row twice.
 Their times, and those of the variants tried, are in BENCHMARKS.md (kernel tuning history).
 """
 import ctypes

@@ -564,7 +564,7 @@ def test_the_summary_divides_each_leave_one_out_run_by_the_max_runs_of_its_commi
     assert rc == 0, err
     rows = ablation_rows(p)
     assert rows["max-fp8_head"]["vs max"] == f"+{100 * (34 / 31 - 1):.1f}%"
-    assert rows["max-fp8_head"]["max ms, same commit"] == "31.0"
+    assert rows["max-fp8_head"]["max ms, same commit and GPU"] == "31.0"
     assert rows["max-prefetch"]["vs max"] == "+0.0%"     # not "-0.0%"
     assert rows["max"]["vs max"] == "-" and rows["max"]["median ms"] == "31.0"   # what its rows divide by
     assert rows["max"]["runs"] == "3" and rows["max-fp8_head"]["runs"] == "1" and rows["max"]["commit"] == "c1"
@@ -575,6 +575,29 @@ def test_the_summary_divides_each_leave_one_out_run_by_the_max_runs_of_its_commi
     assert rows["max-vocab_multiple-fp8_head"]["vs max"] == "+20.0%"
     assert "positive is slower without it" in summary_text(p) and "## Each addition against its base" in out
     assert "no ok baseline run: speedups left out** (each addition against its base: see below)" in out
+
+
+def test_each_run_is_divided_by_the_base_runs_of_its_own_gpu(tmp_path):
+    # One commit measured in two calls that landed on two cards, each call with its own max run: a row divided
+    # by the other card's max would show the cards' difference (here 10%) as the addition's.
+    p = str(tmp_path)
+    a, b, c = "GPU-aaaa", "GPU-bbbb", "GPU-cccc"
+    add_run(p, "max", [1, 30, 30, 30], git_commit="c1", gpu_uuid=a, run_id="max-a")
+    add_run(p, "max-fp8_head", [1, 36, 36, 36], git_commit="c1", gpu_uuid=a)
+    add_run(p, "max-prefetch", [1, 33, 33, 33], git_commit="c1", gpu_uuid=b)
+    add_run(p, "max", [1, 33, 33, 33], git_commit="c1", gpu_uuid=b, run_id="max-b")
+    add_run(p, "max-sync_every", [1, 34, 34, 34], git_commit="c1", gpu_uuid=b)
+    add_run(p, "max-cudagraphs", [1, 30, 30, 30], git_commit="c1", gpu_uuid=c)   # no max run on its card
+    rc, out, err = run_main(p)
+    assert rc == 0, err
+    rows = ablation_rows(p)
+    assert rows["max-fp8_head"]["vs max"] == "+20.0%" and rows["max-fp8_head"]["max ms, same commit and GPU"] == "30.0"
+    assert rows["max-prefetch"]["vs max"] == "+0.0%" and rows["max-prefetch"]["max ms, same commit and GPU"] == "33.0"
+    assert rows["max-sync_every"]["vs max"] == f"+{100 * (34 / 33 - 1):.1f}%"
+    # the base's row: the card most rows were divided by, its one run
+    assert rows["max"]["median ms"] == "33.0" and rows["max"]["runs"] == "1"
+    assert "max-cudagraphs" not in rows
+    assert "Left out: max-cudagraphs (no max run of its commit on its GPU)." in summary_text(p)
 
 
 def test_rounds_of_pairs_that_do_not_differ_show_no_difference(tmp_path):
@@ -676,7 +699,7 @@ def test_the_summary_divides_each_peer_by_the_fastest_rung_of_its_commit(tmp_pat
     rows = peer_rows(p)
     assert list(rows) == ["max", "peer-hf", "peer-llmc"]   # the fastest rung first: max, not fused
     assert rows["peer-llmc"]["max is"] == "1.200x faster" and rows["peer-llmc"]["runs"] == "3"
-    assert rows["peer-hf"]["max is"] == "1.250x slower" and rows["peer-hf"]["max ms, same commit"] == "31.0"
+    assert rows["peer-hf"]["max is"] == "1.250x slower" and rows["peer-hf"]["max ms, same commit and GPU"] == "31.0"
     assert rows["max"]["median ms"] == "31.0" and rows["max"]["runs"] == "3"
 
 

@@ -181,7 +181,7 @@ def test_h200_ablation_against_the_fused_runs_of_the_same_commit(h200):
         assert table.at[name, "in max"] == (name.removeprefix("fused+") in MAX_ADDITIONS), name
     # The committed set's runs with today's step timing are commit 5887797's, from two calls with a fused run
     # each: one mean of the two is every row's reference. Its fp8 run was skipped (no torchao), so it has no row.
-    assert set(table["fused ms, same commit"].dropna()) == {table.at["fused", "median ms"]}
+    assert set(table["fused ms, same commit and GPU"].dropna()) == {table.at["fused", "median ms"]}
     assert "fused+fp8" not in table.index and table.at["fused+fp8_head", "vs fused"] < -walkthrough.ABLATION_NOISE
     slower = [n for n in table.index if table.at[n, "vs fused"] > walkthrough.ABLATION_NOISE]
     assert set(slower) == {"fused+gelu_epilogue", "fused+loss", "fused+vocab_multiple"}
@@ -236,7 +236,7 @@ def test_ablation_table_needs_a_fused_run_of_the_same_commit(tmp_path):
     add_run(prefix, "fused+prefetch", [30.0] * 6, commit="c2")    # no fused run of its commit: left out
     table = walkthrough.ablation_table(*load(prefix))
     assert list(table.index) == ["fused", "fused+loss"]
-    assert table.at["fused+loss", "fused ms, same commit"] == 41.0
+    assert table.at["fused+loss", "fused ms, same commit and GPU"] == 41.0
     assert table.at["fused+loss", "vs fused"] == pytest.approx(39 / 41 - 1)
     assert table.at["fused+loss", "in max"] == ("loss" in MAX_ADDITIONS)
     only = str(tmp_path / "none")
@@ -255,7 +255,7 @@ def test_leave_one_out_table_divides_by_the_max_runs_of_the_same_commit(tmp_path
     table = walkthrough.ablation_table(*load(prefix), base="max")
     assert set(table.index) == {"max", "max-prefetch", "max-fp8_head"} and "in max" not in table.columns
     assert table.at["max-fp8_head", "vs max"] == pytest.approx(34 / 31 - 1)
-    assert table.at["max-prefetch", "max ms, same commit"] == 31.0
+    assert table.at["max-prefetch", "max ms, same commit and GPU"] == 31.0
 
 
 def test_leave_one_out_section_names_what_pays_and_what_does_not(tmp_path):

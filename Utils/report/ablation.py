@@ -1,7 +1,7 @@
 """Each addition against the rung it was added to or taken from: `make ablation` records fused+<addition> runs
 (the fused rung with one addition more), `make ablation FROM=max` records max-<addition> runs (max with one
 addition less); additions tried together make fused+<a>+<b> and max-<a>-<b>. Each run is divided by its base's
-runs from the same commit (Utils.report.comparison). summary.md and the notebook show the same tables.
+runs from the same commit on the same GPU (Utils.report.comparison). summary.md and the notebook show the same tables.
 """
 import pandas as pd
 

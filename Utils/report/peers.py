@@ -1,6 +1,6 @@
 """The peers (`make peers`: peer-llmc, peer-hf) against the suite's fastest rung among the runs compared,
 `max` where it ran: each peer's median divided by that rung's runs from the same commit
-(Utils.report.comparison), so that summary.md states the ratio that `make peers RUNG=max REPEAT=n` measures."""
+on the same GPU (Utils.report.comparison), so that summary.md states the ratio that `make peers RUNG=max REPEAT=n` measures."""
 import pandas as pd
 
 from Utils.ladder.registry import RUNGS

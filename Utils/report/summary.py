@@ -6,7 +6,7 @@ import os
 import pandas as pd
 
 from Utils.report import markdown
-from Utils.report.comparison import Comparison
+from Utils.report.comparison import SAME, Comparison
 from Utils.report.scaling import GOALS, Scaling
 from Utils.report.stats import BOOTSTRAP_RESAMPLES, NO_BASELINE_NOTE, NOISY_IQR, TRIM, Report
 from Utils.results.files import write_atomic
@@ -103,18 +103,18 @@ def ablation_section(sets: "list[Comparison] | None") -> list[str]:
         base, frame = found.base, found.table
         lines += ["", ABLATION_WORDS[base]]
         if found.compared:
-            rows = [["run", "commit", "runs", "median ms", "IQR ms", f"vs {base}", f"{base} ms, same commit",
+            rows = [["run", "commit", "runs", "median ms", "IQR ms", f"vs {base}", f"{base} ms, {SAME}",
                      "peak alloc GiB"]]
             for run, r in frame.iterrows():
                 rows.append(comparison_cells(run, r) + [
                     markdown.cell(round(100 * r[f"vs {base}"], 1) + 0.0, "+.1f", "%"),   # + 0.0: no "-0.0%"
-                    markdown.cell(r[f"{base} ms, same commit"], ".1f"), markdown.cell(r["peak alloc GiB"], ".1f")])
+                    markdown.cell(r[f"{base} ms, {SAME}"], ".1f"), markdown.cell(r["peak alloc GiB"], ".1f")])
             lines += ["", markdown.table(rows, left=(0, 1))]
         if found.left_out:
             lines += ["", f"Left out: {', '.join(found.left_out)}."]
-    lines += ["", "Each run is divided by the median of the median steps of its base's runs from its own commit, "
-                  "among the runs the table above compares; the base's row shows them for the commit most rows were "
-                  "divided by. The "
+    lines += ["", "Each run is divided by the median of the median steps of its base's runs from its own commit on "
+                  "its own GPU, among the runs the table above compares; the base's row shows them for the commit "
+                  "and GPU most rows were divided by. The "
                   "clock and power state of the GPU move a run's median by a percent or two, so a difference that "
                   "small needs several runs of each: `make ablation REPEAT=n` runs n rounds, alternated."]
     return lines
@@ -128,17 +128,17 @@ def peers_section(found: "Comparison | None") -> list[str]:
     base = found.base
     lines = ["", f"## `{base}` against the peers"]
     if found.compared:
-        rows = [["run", "commit", "runs", "median ms", "IQR ms", f"{base} is", f"{base} ms, same commit"]]
+        rows = [["run", "commit", "runs", "median ms", "IQR ms", f"{base} is", f"{base} ms, {SAME}"]]
         for run, r in found.table.iterrows():
             ratio = 1 + r[f"vs {base}"]   # the peer's median over the rung's
             rows.append(comparison_cells(run, r) + [
                 "-" if run == base else f"{ratio:.3f}x faster" if ratio >= 1 else f"{1 / ratio:.3f}x slower",
-                markdown.cell(r[f"{base} ms, same commit"], ".1f")])
+                markdown.cell(r[f"{base} ms, {SAME}"], ".1f")])
         lines += ["", markdown.table(rows, left=(0, 1, 5))]
     if found.left_out:
         lines += ["", f"Left out: {', '.join(found.left_out)}."]
     lines += ["", f"Each peer's median step (the median of its runs' medians, where it ran several times) against "
-                  f"the median of `{base}`'s runs from the same commit, the fastest rung here. `make peers "
+                  f"the median of `{base}`'s runs from the same commit on the same GPU, the fastest rung here. `make peers "
                   f"RUNG={base} REPEAT=n` runs `{base}` and the peers in n alternated rounds, so that both are "
                   "measured across the same stretch of the GPU's clock and power."]
     return lines

@@ -617,7 +617,7 @@ class Study:
         return items
 
     def ablation(self) -> list[Item]:
-        """Each addition alone on the fused rung, against the fused runs of the same commit (the ablation set)."""
+        """Each addition alone on the fused rung, against the fused runs of the same commit and GPU (the ablation set)."""
         path = self.companion("ablation")
         if path is None:
             return [f"{rel(companions(self.results)['ablation'])} is absent: `make ablation` recorded there shows "
@@ -628,12 +628,12 @@ class Study:
             return [f"{rel(path)} holds no ok fused run to compare the additions with."]
         slower = [r for r in frame.index if r != "fused" and frame.at[r, "vs fused"] > ABLATION_NOISE]
         return [Verbatim(f"{rel(path)}: each addition alone on the fused rung, against the median of the fused runs made "
-                         f"by the same commit:"), frame.round(3),
+                         f"by the same commit on the same GPU:"), frame.round(3),
                 f"Slower than the fused rung on their own, beyond the runs' spread: {', '.join(slower)}."
                 if slower else None]
 
     def leave_one_out(self) -> list[Item]:
-        """The max rung without each of its additions in turn, against max runs of the same commit, at batch 16
+        """The max rung without each of its additions in turn, against max runs of the same commit and GPU, at batch 16
         and at 64 (each set where it was recorded: `make ablation FROM=max`); nothing where neither was, which
         the ablation's section already points to."""
         items = []
@@ -653,7 +653,7 @@ class Study:
             idle = [r.split("-", 1)[1] for r in others if abs(frame.at[r, "vs max"]) <= ABLATION_NOISE]
             hurt = [r.split("-", 1)[1] for r in others if frame.at[r, "vs max"] < -ABLATION_NOISE]
             items += [Verbatim(f"{rel(path)}: max as of commit {', '.join(commits)}, without each of its additions, "
-                               f"against the median of the max runs made by the same commit (positive: slower "
+                               f"against the median of the max runs made by the same commit on the same GPU (positive: slower "
                                f"without it, so the addition pays):"),
                       frame.round(3),
                       f"Within the runs' spread without them: {', '.join(idle)}." if idle else None,

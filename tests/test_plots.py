@@ -264,6 +264,17 @@ def test_runs_of_several_commits_or_gpus_are_named_in_a_note(tmp_path):
     assert "- the compared runs come from 2 GPUs (GPU-1: baseline, tf32; GPU-2: bf16)" in notes
 
 
+def test_a_rung_repeated_on_two_gpus_is_named_under_both(tmp_path):
+    # make ablation FROM=max in two calls that landed on two cards: the row of max is the median of both runs
+    p = str(tmp_path)
+    add_run(p, "max", [1, 30, 30, 30], git_commit="aaaaaaaaaaaa1111", gpu_uuid="GPU-1", run_id="max-1")
+    add_run(p, "max-prefetch", [1, 31, 31, 31], git_commit="aaaaaaaaaaaa1111", gpu_uuid="GPU-1")
+    add_run(p, "max", [1, 33, 33, 33], git_commit="aaaaaaaaaaaa1111", gpu_uuid="GPU-2", run_id="max-2")
+    assert run_main(p)[0] == 0
+    notes = summary_text(p).split("## Notes")[1]
+    assert "- the compared runs come from 2 GPUs (GPU-1: max, max-prefetch; GPU-2: max)" in notes
+
+
 def test_the_summary_says_how_the_compared_steps_were_timed(tmp_path):
     now, then = str(tmp_path / "now"), str(tmp_path / "then")
     for p in (now, then):

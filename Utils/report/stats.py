@@ -163,7 +163,9 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataF
     table["compile_cache"] = table["compile_cache"].fillna("").astype(str)
     steps = pd.concat(step_frames, ignore_index=True) if step_frames else steps_df.iloc[0:0]
     compared = pd.DataFrame([sel.chosen[r] for r in table.index if r in sel.chosen], columns=runs_df.columns)
-    notes += mixed_sources(compared)
+    # every run behind a row, a repeated rung's runs included: they may come from several cards
+    behind = [run for r in table.index if r in sel.chosen for run in sel.repeats.get(r, [sel.chosen[r]])]
+    notes += mixed_sources(pd.DataFrame(behind, columns=runs_df.columns))
     return Report(table=table, steps=steps, runs=compared, reference=sel.reference, has_baseline=sel.has_baseline,
                   excluded=sel.excluded, notes=notes, context=context(sel.reference),
                   provenance=provenance(compared), peak=peak, measured_ms=measured_ms)
@@ -283,8 +285,8 @@ def context(ref: "pd.Series | None") -> str:
 
 
 def mixed_sources(runs: pd.DataFrame) -> list[str]:
-    """A note for each of commit and GPU (UUID) over which the compared runs.csv rows differ, naming the rungs
-    of each: a speedup divides two runs of one commit on one GPU (a commit may have changed a rung, and two
+    """A note for each of commit and GPU (UUID) over which the compared runs.csv rows (a repeated rung's runs
+    included) differ, naming the rungs of each: a speedup divides two runs of one commit on one GPU (a commit may have changed a rung, and two
     cards of one model differ by a few percent under their power cap)."""
     notes = []
     for column, what in (("git_commit", "commits"), ("gpu_uuid", "GPUs")):
@@ -293,7 +295,9 @@ def mixed_sources(runs: pd.DataFrame) -> list[str]:
         groups: dict[str, list[str]] = {}
         for _, run in runs.iterrows():
             key = (short_commit(run[column]) if column == "git_commit" else norm(run[column])) or "unknown"
-            groups.setdefault(key, []).append(str(run["optimization"]))
+            rungs = groups.setdefault(key, [])
+            if str(run["optimization"]) not in rungs:
+                rungs.append(str(run["optimization"]))
         if len(groups) > 1:
             each = "; ".join(f"{key}: {', '.join(rungs)}" for key, rungs in groups.items())
             notes.append(f"the compared runs come from {len(groups)} {what} ({each}): a speedup between two of "

@@ -275,6 +275,17 @@ def test_a_rung_repeated_on_two_gpus_is_named_under_both(tmp_path):
     assert "- the compared runs come from 2 GPUs (GPU-1: max, max-prefetch; GPU-2: max)" in notes
 
 
+@pytest.mark.parametrize("data", ["synthetic", "shakespeare"])
+def test_losses_on_synthetic_tokens_are_named_as_such(tmp_path, data):
+    # DATA=auto falls back to random tokens offline, with one warning line that scrolls away
+    p = str(tmp_path)
+    add_run(p, "baseline", [1, 100, 100, 100], data=data)
+    add_run(p, "tf32", [1, 50, 50, 50], data=data)
+    assert run_main(p)[0] == 0
+    said = "- data: synthetic tokens, drawn uniformly from the vocabulary, not text" in summary_text(p)
+    assert said == (data == "synthetic")
+
+
 def test_the_summary_says_how_the_compared_steps_were_timed(tmp_path):
     now, then = str(tmp_path / "now"), str(tmp_path / "then")
     for p in (now, then):

@@ -154,6 +154,7 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataF
                      f"by a later run of their rung")
     notes += _repeat_notes(sel.repeats, by_run)
     notes += _fp8_note(sel.chosen)
+    notes += _synthetic_note(sel.reference)
 
     table = pd.DataFrame.from_dict(rows, orient="index", columns=SUMMARY_COLUMNS)
     table.index.name = "optimization"
@@ -203,6 +204,17 @@ def _fp8_note(runs: Mapping[str, pd.Series]) -> list[str]:
     names = sorted({a for fp8 in found.values() for a in fp8})
     return [f"{', '.join(rungs)}: MFU is against the bf16 peak, as every run's, but {', '.join(names)} ran some "
             f"GEMMs in FP8, whose peak is twice bf16's: an MFU not comparable with an all-bf16 run's"]
+
+
+def _synthetic_note(reference: "pd.Series | None") -> list[str]:
+    """One line where the compared runs trained on synthetic tokens (one configuration, so all or none did):
+    DATA=auto falls back to them, warning once on stderr, where tiny shakespeare cannot be downloaded, and a
+    reader of the table alone would take its losses for a text's."""
+    if reference is None or norm(reference["data"]) != "synthetic":
+        return []
+    return ["data: synthetic tokens, drawn uniformly from the vocabulary, not text: the losses cannot fall below "
+            "ln(vocabulary size) and show no learning (DATA=auto uses them where tiny shakespeare could not be "
+            "downloaded; DATA=shakespeare stops instead)"]
 
 
 def _repeat_notes(repeats, by_run):

@@ -725,6 +725,25 @@ def test_the_summary_divides_each_peer_by_the_fastest_rung_of_its_commit(tmp_pat
     assert rows["max"]["median ms"] == "31.0" and rows["max"]["runs"] == "3"
 
 
+def test_each_compared_row_shows_the_clock_range_of_its_own_runs(tmp_path):
+    # Under a power cap two runs of one trainer differ by their clocks: the reader sees whether max and a peer
+    # ran at the same clock, over each row's runs from the compared commit and card only.
+    p = str(tmp_path)
+    for i, mhz in enumerate((1620, 1605, 1620)):
+        add_run(p, "max", [1, 30, 30, 30], git_commit="c1", gpu_uuid="GPU-a", run_id=f"max-{i}",
+                sm_clock_mhz_median=mhz)
+    add_run(p, "max", [1, 29, 29, 29], git_commit="c1", gpu_uuid="GPU-b", run_id="max-b", sm_clock_mhz_median=1980)
+    for i, mhz in enumerate((1650, 1635)):
+        add_run(p, "peer-llmc", [1, 36, 36, 36], git_commit="c1", gpu_uuid="GPU-a", run_id=f"llmc-{i}",
+                sm_clock_mhz_median=mhz)
+    add_run(p, "peer-hf", [1, 45, 45, 45], git_commit="c1", gpu_uuid="GPU-a")   # no clock recorded
+    rc, _, err = run_main(p)
+    assert rc == 0, err
+    rows = peer_rows(p)
+    assert rows["max"]["SM MHz"] == "1,605–1,620"   # GPU-b's run at 1,980 is another card's
+    assert rows["peer-llmc"]["SM MHz"] == "1,635–1,650" and rows["peer-hf"]["SM MHz"] == "-"
+
+
 def test_a_peer_of_another_commit_is_named_not_divided(tmp_path):
     p = str(tmp_path)
     add_run(p, "max", [1, 30, 30, 30], git_commit="c1")

@@ -17,6 +17,9 @@ from Utils.report.selection import measured, names_one_tree, norm, steps_by_run
 from Utils.report.stats import Report
 
 SAME = "same commit and GPU"   # the column of the base's median each row is divided by: f"{base} ms, {SAME}"
+# The lowest and highest of a row's runs' median SM clocks (runs.csv's sm_clock_mhz_median, from NVML): under a
+# power cap the clock, and with it the step time, moves from run to run and card to card.
+CLOCK_LOW, CLOCK_HIGH = "SM MHz low", "SM MHz high"
 
 
 @dataclass
@@ -33,7 +36,16 @@ class Comparison:
 
 
 def columns(base: str) -> list[str]:
-    return ["commit", "runs", "median ms", "IQR ms", f"vs {base}", f"{base} ms, {SAME}", "peak alloc GiB"]
+    return ["commit", "runs", "median ms", "IQR ms", f"vs {base}", f"{base} ms, {SAME}", "peak alloc GiB",
+            CLOCK_LOW, CLOCK_HIGH]
+
+
+def clock_range(runs: pd.DataFrame) -> tuple[float, float]:
+    """(lowest, highest) of the runs' median SM clocks in MHz; NaN where none is recorded (a CPU, or a runs.csv
+    from before schema 2)."""
+    column = runs["sm_clock_mhz_median"] if "sm_clock_mhz_median" in runs else pd.Series(dtype=float)
+    mhz = pd.to_numeric(column, errors="coerce").dropna()
+    return (float(mhz.min()), float(mhz.max())) if len(mhz) else (np.nan, np.nan)
 
 
 def cards(runs: pd.DataFrame) -> pd.Series:
@@ -48,9 +60,9 @@ def compare(report: Report, steps: pd.DataFrame, runs: pd.DataFrame, base: str, 
     run several times from one commit is summarized the same way; a row's commit and GPU are its latest run's).
     Columns: commit (short), runs, median ms (the median of the run's or, repeated from one commit, of its runs'
     medians; the base's over its runs from the commit and GPU most rows were divided by), IQR ms (the latest
-    run's), vs <base> (fraction; negative is faster), <base> ms, same commit and GPU, peak alloc GiB. A run
-    without a base run of its commit on its GPU is left out and named; the table is empty where no run is
-    compared."""
+    run's), vs <base> (fraction; negative is faster), <base> ms, same commit and GPU, peak alloc GiB, SM MHz low
+    and high (clock_range over the row's runs from its commit and GPU). A run without a base run of its commit
+    on its GPU is left out and named; the table is empty where no run is compared."""
     table = report.table
     left = {e.run_id for e in report.excluded}
     commit_of = runs.set_index("run_id")["git_commit"].astype(str).str.strip()
@@ -80,9 +92,12 @@ def compare(report: Report, steps: pd.DataFrame, runs: pd.DataFrame, base: str, 
             continue
         used.append((commit, card))
         row = table.loc[name]
+        mine = usable[(usable["optimization"] == name) & (usable["git_commit"].astype(str).str.strip() == commit)
+                      & (cards(usable) == card)]
         rows[name] = {"commit": commit[:7], "runs": row["runs"], "median ms": row["median_step_ms"],
                       "IQR ms": row["iqr_step_ms"], f"vs {base}": row["median_step_ms"] / same - 1,
-                      f"{base} ms, {SAME}": same, "peak alloc GiB": row["peak_mem_allocated_gib"]}
+                      f"{base} ms, {SAME}": same, "peak alloc GiB": row["peak_mem_allocated_gib"],
+                      **dict(zip((CLOCK_LOW, CLOCK_HIGH), clock_range(mine)))}
     if not rows:
         return Comparison(base, pd.DataFrame(columns=columns(base)), left_out)
     # The base's row: its runs from the commit and GPU most rows were divided by (the latest such run's IQR and
@@ -93,6 +108,7 @@ def compare(report: Report, steps: pd.DataFrame, runs: pd.DataFrame, base: str, 
     q25, q75 = np.percentile(measured(by_run[latest["run_id"]])["step_ms"], [25, 75])
     head = {"commit": key[0][:7], "runs": sum(mine), "median ms": base_ms[key],
             "IQR ms": q75 - q25, f"vs {base}": np.nan, f"{base} ms, {SAME}": np.nan,
-            "peak alloc GiB": latest["peak_mem_allocated_gib"]}
+            "peak alloc GiB": latest["peak_mem_allocated_gib"],
+            **dict(zip((CLOCK_LOW, CLOCK_HIGH), clock_range(base_runs[mine])))}
     return Comparison(base, pd.DataFrame.from_dict({base: head, **rows}, orient="index", columns=columns(base)),
                       left_out)

@@ -6,7 +6,7 @@ import os
 import pandas as pd
 
 from Utils.report import markdown
-from Utils.report.comparison import SAME, Comparison
+from Utils.report.comparison import CLOCK_HIGH, CLOCK_LOW, SAME, Comparison
 from Utils.report.scaling import GOALS, Scaling
 from Utils.report.stats import BOOTSTRAP_RESAMPLES, NO_BASELINE_NOTE, NOISY_IQR, TRIM, Report
 from Utils.results.files import write_atomic
@@ -86,10 +86,18 @@ def scaling_section(scaling: "Scaling | None") -> list[str]:
     return lines
 
 
+COMPARISON_HEADER = ["run", "commit", "runs", "median ms", "IQR ms", "SM MHz"]
+CLOCK_WORDS = ("SM MHz: the median SM clock over each run's measured steps (NVML), lowest–highest where the row "
+               "has several runs; under a power cap it moves from run to run and card to card, and the step time "
+               "with it.")
+
+
 def comparison_cells(run: str, r: pd.Series) -> list[str]:
-    """The first cells of a comparison's row (comparison.compare's frame): run, commit, runs, median ms, IQR ms."""
+    """The first cells of a comparison's row (comparison.compare's frame), as COMPARISON_HEADER names them."""
+    low, high = r[CLOCK_LOW], r[CLOCK_HIGH]
+    clock = "-" if pd.isna(low) else f"{low:,.0f}" if low == high else f"{low:,.0f}–{high:,.0f}"
     return [run, r["commit"], markdown.cell(r["runs"], ".0f"), markdown.cell(r["median ms"], ".1f"),
-            markdown.cell(r["IQR ms"], ".1f")]
+            markdown.cell(r["IQR ms"], ".1f"), clock]
 
 
 def ablation_section(sets: "list[Comparison] | None") -> list[str]:
@@ -103,8 +111,7 @@ def ablation_section(sets: "list[Comparison] | None") -> list[str]:
         base, frame = found.base, found.table
         lines += ["", ABLATION_WORDS[base]]
         if found.compared:
-            rows = [["run", "commit", "runs", "median ms", "IQR ms", f"vs {base}", f"{base} ms, {SAME}",
-                     "peak alloc GiB"]]
+            rows = [COMPARISON_HEADER + [f"vs {base}", f"{base} ms, {SAME}", "peak alloc GiB"]]
             for run, r in frame.iterrows():
                 rows.append(comparison_cells(run, r) + [
                     markdown.cell(round(100 * r[f"vs {base}"], 1) + 0.0, "+.1f", "%"),   # + 0.0: no "-0.0%"
@@ -116,7 +123,7 @@ def ablation_section(sets: "list[Comparison] | None") -> list[str]:
                   "its own GPU, among the runs the table above compares; the base's row shows them for the commit "
                   "and GPU most rows were divided by. The "
                   "clock and power state of the GPU move a run's median by a percent or two, so a difference that "
-                  "small needs several runs of each: `make ablation REPEAT=n` runs n rounds, alternated."]
+                  "small needs several runs of each: `make ablation REPEAT=n` runs n rounds, alternated. " + CLOCK_WORDS]
     return lines
 
 
@@ -128,19 +135,19 @@ def peers_section(found: "Comparison | None") -> list[str]:
     base = found.base
     lines = ["", f"## `{base}` against the peers"]
     if found.compared:
-        rows = [["run", "commit", "runs", "median ms", "IQR ms", f"{base} is", f"{base} ms, {SAME}"]]
+        rows = [COMPARISON_HEADER + [f"{base} is", f"{base} ms, {SAME}"]]
         for run, r in found.table.iterrows():
             ratio = 1 + r[f"vs {base}"]   # the peer's median over the rung's
             rows.append(comparison_cells(run, r) + [
                 "-" if run == base else f"{ratio:.3f}x faster" if ratio >= 1 else f"{1 / ratio:.3f}x slower",
                 markdown.cell(r[f"{base} ms, {SAME}"], ".1f")])
-        lines += ["", markdown.table(rows, left=(0, 1, 5))]
+        lines += ["", markdown.table(rows, left=(0, 1, 6))]
     if found.left_out:
         lines += ["", f"Left out: {', '.join(found.left_out)}."]
     lines += ["", f"Each peer's median step (the median of its runs' medians, where it ran several times) against "
                   f"the median of `{base}`'s runs from the same commit on the same GPU, the fastest rung here. `make peers "
                   f"RUNG={base} REPEAT=n` runs `{base}` and the peers in n alternated rounds, so that both are "
-                  "measured across the same stretch of the GPU's clock and power."]
+                  "measured across the same stretch of the GPU's clock and power. " + CLOCK_WORDS]
     return lines
 
 

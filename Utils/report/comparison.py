@@ -70,8 +70,10 @@ def compare(report: Report, steps: pd.DataFrame, runs: pd.DataFrame, base: str, 
     by_run = steps_by_run(steps)
     usable = runs[(runs["status"] == "ok") & ~runs["run_id"].isin(left) & runs["run_id"].isin(by_run)
                   & runs["git_commit"].map(names_one_tree)]
+    # each usable run's commit and card, the key a row is divided and its clocks gathered by
+    usable_commit, usable_card = usable["git_commit"].astype(str).str.strip(), cards(usable)
     base_runs = usable[usable["optimization"] == base]
-    base_keys = list(zip(base_runs["git_commit"].astype(str).str.strip(), cards(base_runs)))
+    base_keys = list(zip(usable_commit[base_runs.index], usable_card[base_runs.index]))
     # each base run's median over its measured steps, as summarize() takes a run's
     medians: dict[tuple[str, str], list[float]] = {}
     for key, rid in zip(base_keys, base_runs["run_id"]):
@@ -92,12 +94,11 @@ def compare(report: Report, steps: pd.DataFrame, runs: pd.DataFrame, base: str, 
             continue
         used.append((commit, card))
         row = table.loc[name]
-        mine = usable[(usable["optimization"] == name) & (usable["git_commit"].astype(str).str.strip() == commit)
-                      & (cards(usable) == card)]
+        row_runs = usable[(usable["optimization"] == name) & (usable_commit == commit) & (usable_card == card)]
         rows[name] = {"commit": commit[:7], "runs": row["runs"], "median ms": row["median_step_ms"],
                       "IQR ms": row["iqr_step_ms"], f"vs {base}": row["median_step_ms"] / same - 1,
                       f"{base} ms, {SAME}": same, "peak alloc GiB": row["peak_mem_allocated_gib"],
-                      **dict(zip((CLOCK_LOW, CLOCK_HIGH), clock_range(mine)))}
+                      **dict(zip((CLOCK_LOW, CLOCK_HIGH), clock_range(row_runs)))}
     if not rows:
         return Comparison(base, pd.DataFrame(columns=columns(base)), left_out)
     # The base's row: its runs from the commit and GPU most rows were divided by (the latest such run's IQR and

@@ -15,6 +15,11 @@ EXAMPLE := e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out
 # $(call q,VAR): VAR's value exactly as the user typed it (make does not expand a $ in it), quoted for the
 # shell, so that PREFIX='runs $$5' reaches the script as it was written.
 q = '$(subst ','\'',$(value $(1)))'
+# $(call sq,TEXT): TEXT quoted for the shell. $(call each_quoted,LIST): each word of LIST quoted on its own, so that a
+# list a user typed (ADDITIONS, PEERS, NPROC) reaches its check as words, never as shell syntax: NPROC='1; rm x'
+# is then refused by the check instead of run.
+sq = '$(subst ','\'',$(1))'
+each_quoted = $(foreach w,$(1),$(call sq,$(w)))
 # An optional variable is passed on when it is set at all, even to nothing, so that WARMUP= is refused
 # by the script with a clear message instead of being silently dropped.
 opt = $(if $(filter undefined,$(origin $(1))),,$(2) $(call q,$(1)))
@@ -131,7 +136,7 @@ launch = $(if $(distributed),$(PYTHON) -m torch.distributed.run --standalone --n
 # $(call check_parallel,ADDITIONS): NPROC, PARALLEL, the additions and every other argument checked before
 # any process starts (DATA=auto is fetched then, once, for all of them).
 check_parallel = @$(if $(distributed),$(PYTHON) -m Utils.train.distributed check $(call q,NPROC) \
-	'$(if $(strip $(PARALLEL)),$(subst ','\'',$(PARALLEL)),ddp)' '$(or $(DEVICE),auto)' $(1) && \
+	$(call sq,$(or $(strip $(PARALLEL)),ddp)) $(call sq,$(or $(DEVICE),auto)) $(1) && \
 	$(PYTHON) -m Utils.train.cli $(RUN_ARGS) >/dev/null,true)
 
 $(RUNGS): require-run
@@ -140,7 +145,7 @@ $(RUNGS): require-run
 
 # Exactly the additions named in WITH (make additions lists them), recorded under a name built from them.
 custom: require-run
-	@if [ -z "$(strip $(value WITH))" ]; then echo 'error: WITH is required: the additions to run, e.g. make custom WITH="bf16 torch_compile flash" STEPS=50 BATCH_SIZE=16 PREFIX=./out (make additions lists them)' >&2; exit 2; fi
+	@if [ -z $(call sq,$(strip $(value WITH))) ]; then echo 'error: WITH is required: the additions to run, e.g. make custom WITH="bf16 torch_compile flash" STEPS=50 BATCH_SIZE=16 PREFIX=./out (make additions lists them)' >&2; exit 2; fi
 	$(call check_parallel,$(call q,WITH))
 	$(call repeat,custom,$(call launch,-m Utils.train) --with $(call q,WITH) $(RUN_ARGS))
 
@@ -164,12 +169,14 @@ endef
 
 # RUNG at each process count in NPROC (through torchrun, PARALLEL=ddp unless named), then the charts: scaling.png.
 scaling: require-run
+	$(check_repeat)
 	@if ! { $(rung_named); }; then echo 'error: RUNG must name one rung ($(RUNGS)), e.g. make scaling RUNG=max NPROC="1 2" STEPS=60 BATCH_SIZE=16 PREFIX=./out' >&2; exit 2; fi
-	@if [ -z "$(strip $(NPROC))" ]; then echo 'error: NPROC is required: the GPU counts to run, e.g. NPROC="1 2 4 8"' >&2; exit 2; fi
-	@for n in $(NPROC); do $(PYTHON) -m Utils.train.distributed check "$$n" '$(or $(PARALLEL),ddp)' '$(or $(DEVICE),auto)' $(RUNG) || exit $$?; done
-	$(call each,scaling,$(NPROC),$(MAKE) --no-print-directory $(RUNG) DRAWN=1 NPROC=$$x PARALLEL=$(or $(PARALLEL),ddp) $${data:+DATA=$$data},$(charts_beside_make))
+	@if [ -z $(call sq,$(strip $(NPROC))) ]; then echo 'error: NPROC is required: the GPU counts to run, e.g. NPROC="1 2 4 8"' >&2; exit 2; fi
+	@for n in $(call each_quoted,$(NPROC)); do $(PYTHON) -m Utils.train.distributed check "$$n" $(call sq,$(or $(strip $(PARALLEL)),ddp)) $(call sq,$(or $(DEVICE),auto)) $(RUNG) || exit $$?; done
+	$(call each,scaling,$(NPROC),$(MAKE) --no-print-directory $(RUNG) DRAWN=1 NPROC=$$x PARALLEL=$(call sq,$(or $(strip $(PARALLEL)),ddp)) $${data:+DATA=$$data},$(charts_beside_make))
 
 all: require-run
+	$(check_repeat)
 	$(call check_parallel,)
 	$(call each,all,$(RUNGS),$(MAKE) --no-print-directory $$x DRAWN=1 $${data:+DATA=$$data},$(charts_beside_make))
 
@@ -185,8 +192,8 @@ ABLATION_TRIES = $(if $(filter max,$(ABLATION_FROM)),$(LEAVE_ONE_OUT),$(ABLATION
 ABLATION_ROUND = $(ABLATION_FROM) $(if $(ADDITIONS),$(ADDITIONS),$(ABLATION_TRIES))
 ablation: require-run
 	$(check_repeat)
-	@$(PYTHON) -m Utils.ladder check-ablation '$(subst ','\'',$(ABLATION_FROM))' $(ADDITIONS)
-	$(call check_parallel,$(ABLATION_FROM))
+	@$(PYTHON) -m Utils.ladder check-ablation $(call sq,$(ABLATION_FROM)) $(call each_quoted,$(ADDITIONS))
+	$(call check_parallel,$(call sq,$(ABLATION_FROM)))
 	$(call each,ablation,$(call rounds,$(ABLATION_ROUND)),$(call round_start,$(ABLATION_FROM)); if [ $$x = $(ABLATION_FROM) ]; then run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(call split_traces,failed="$$failed profile") $(charts))
 
 # The peers (Utils/peers): llm.c built from source, and Hugging Face's GPT-2, recorded as peer-<name>.
@@ -198,15 +205,18 @@ PEER_ROUND = $(strip $(RUNG) $(PEERS))
 export LLMC_SOURCE
 peers: require-run
 	$(check_repeat)
-	@if [ -z "$(strip $(PEERS))" ]; then echo "error: PEERS is empty: name some of $(PEER_NAMES)" >&2; exit 2; fi
-	@if [ '$(strip $(NPROC))' != 1 ] || [ -n '$(strip $(PARALLEL))$(filter 1 yes true,$(PROFILE))' ]; then echo "error: make peers runs each peer as one process, unprofiled: leave out NPROC, PARALLEL and PROFILE" >&2; exit 2; fi
-	@for x in $(PEERS); do case " $(PEER_NAMES) " in *" $$x "*) ;; *) echo "error: PEERS names $$x: use some of $(PEER_NAMES)" >&2; exit 2;; esac; done
+	@if [ -z $(call sq,$(strip $(PEERS))) ]; then echo "error: PEERS is empty: name some of $(PEER_NAMES)" >&2; exit 2; fi
+	@if [ $(call sq,$(strip $(NPROC))) != 1 ] || [ -n $(call sq,$(strip $(PARALLEL))$(filter 1 yes true,$(PROFILE))) ]; then echo "error: make peers runs each peer as one process, unprofiled: leave out NPROC, PARALLEL and PROFILE" >&2; exit 2; fi
+	@seen=" "; for x in $(call each_quoted,$(PEERS)); do case " $(PEER_NAMES) " in *" $$x "*) ;; *) echo "error: PEERS names $$x: use some of $(PEER_NAMES)" >&2; exit 2;; esac; \
+		case "$$seen" in *" $$x "*) echo "error: PEERS names $$x twice: name each peer once (REPEAT=n runs rounds)" >&2; exit 2;; esac; seen="$$seen$$x "; done
 	@if [ -n '$(subst ','\'',$(strip $(RUNG)))' ] && ! { $(rung_named); }; then echo 'error: RUNG must name one rung ($(RUNGS)) to run beside the peers, e.g. make peers RUNG=max REPEAT=3 STEPS=30 BATCH_SIZE=64 PREFIX=./out' >&2; exit 2; fi
 	$(call each,peers,$(call rounds,$(PEER_ROUND)),$(call round_start,$(firstword $(PEER_ROUND))); if [ $$x = '$(strip $(RUNG))' ]; then run='$(call script,$(strip $(RUNG)))'; else run="-m Utils.peers $$x"; fi; $(PYTHON) $$run $(RUN_ARGS) $${data:+--data $$data},$(charts))
 
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
 # breakdown files and a trace per rung, and leaves results.csv alone.
 profile: require-run
+	$(check_repeat)
+	$(call check_parallel,)
 	$(call each,profile,$(RUNGS),$(MAKE) --no-print-directory $$x DRAWN=1 PROFILE=1 $${data:+DATA=$$data})
 
 plots: require-prefix

@@ -592,10 +592,22 @@ def main(argv: list[str] | None = None) -> int:
         args.output = os.path.join(folder, os.path.basename(NOTEBOOK)) if other else NOTEBOOK
     nb = build()
     if not args.no_execute:
+        from nbclient.exceptions import CellExecutionError
         env = {**os.environ, "RESULTS": os.path.abspath(args.results)} if args.results else None
-        execute(nb, env=env)
+        try:
+            execute(nb, env=env)
+        except CellExecutionError as e:   # its message is the whole traceback, in colour: the error's last line
+            failed = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+                           and any(o.output_type == "error" for o in c.get("outputs", []))), "?")
+            print(f"error: the notebook stopped at cell {failed} against {args.results or DEFAULT_RESULTS}: "
+                  f"{e.ename}: {e.evalue}; {args.output} was not written", file=sys.stderr)
+            return 1
     nbformat.validate(nb)
-    nbformat.write(nb, args.output)
+    try:
+        nbformat.write(nb, args.output)
+    except OSError as e:
+        print(f"error: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(f"wrote {args.output}" + ("" if args.no_execute else " with its outputs"))
     return 0
 

@@ -365,3 +365,25 @@ def test_an_unwritable_data_dir_is_a_data_error(tmp_path, monkeypatch, shakespea
     blocker.write_text("x")
     with pytest.raises(DataError, match="set DATA_DIR to a folder you can write to"):
         fetch_shakespeare(str(blocker / "data"))
+
+
+@pytest.mark.parametrize("text", ["", " \n\n"])
+def test_an_empty_text_file_is_named_before_the_tokenizer_loads(tmp_path, monkeypatch, text):
+    def offline():
+        raise DataError("tiktoken's gpt2 encoding is not available (ConnectionError)")
+    monkeypatch.setattr(data, "gpt2_encoding", offline)   # offline: the empty file must still be what is named
+    empty = tmp_path / "empty.txt"
+    empty.write_text(text)
+    with pytest.raises(DataError) as err:
+        load_tokens(str(empty), VOCAB, 0, data_dir=str(tmp_path))
+    assert str(err.value) == f"DATA={empty} is empty: give a text file with some text in it"
+
+
+@pytest.mark.parametrize("kind", ["shakespeare", "auto"])
+def test_a_data_dir_that_is_a_file_is_named_as_such(tmp_path, kind, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(DataError) as err:
+        load_tokens(kind, VOCAB, 0, data_dir=str(blocker))
+    assert str(err.value).startswith(f"DATA_DIR={blocker} is a file, not a folder")
+    assert blocker.read_text() == "x" and "falls back" not in capsys.readouterr().err

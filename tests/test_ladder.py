@@ -335,9 +335,21 @@ def test_cli_check_exits_2_with_one_line_for_an_impossible_combination(names, fi
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and fix in proc.stderr, proc.stderr
 
 
-def test_cli_refuses_an_unknown_verb_with_its_usage():
-    proc = ladder_cli("ladder")
-    assert proc.returncode == 2 and "python -m Utils.ladder check NAMES" in proc.stderr
+@pytest.mark.parametrize("args,problem", [
+    (("ladder",), "unknown command 'ladder': use one of table, markdown, rungs, ablation, check, check-ablation"),
+    (("ablation", "fast"), "ablation takes nothing, fused or max, not 'fast'"),
+    (("check-ablation",), "check-ablation needs FROM (fused or max), then the items to check"),
+])
+def test_cli_refuses_a_command_it_does_not_take_in_one_line(args, problem):
+    proc = ladder_cli(*args)
+    assert proc.returncode == 2 and not proc.stdout
+    assert proc.stderr.splitlines() == [f"error: python -m Utils.ladder {' '.join(args)}: {problem} "
+                                        f"(python -m Utils.ladder --help)"]
+
+
+def test_cli_help_prints_its_usage():
+    proc = ladder_cli("--help")
+    assert proc.returncode == 0 and "python -m Utils.ladder check NAMES" in proc.stdout
 
 
 def test_the_registry_and_its_cli_load_no_torch():

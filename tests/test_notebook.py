@@ -7,6 +7,7 @@ import filecmp
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -263,3 +264,26 @@ def test_a_missing_notebook_package_is_one_error_line(tmp_path):
     assert r.returncode != 0 and not (tmp_path / "nb.ipynb").exists()
     assert r.stderr.splitlines() == ["error: building the notebook needs nbformat: run make notebook, which installs "
                                      "requirements-notebook.txt, or pip install -r requirements-notebook.txt"]
+
+
+def test_a_damaged_results_file_is_one_error_line_and_writes_nothing(small_results, tmp_path, capsys):
+    folder = tmp_path / "damaged"
+    shutil.copytree(small_results, folder)
+    with open(folder / "results.csv", "a") as f:
+        f.write('garbage,"unclosed\n')
+    before = (folder / "results.csv").read_bytes()
+    capsys.readouterr()
+    assert build_notebook.main(["--results", str(folder)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the notebook stopped at cell ")
+    assert "results.csv line" in err[0] and "the file is damaged" in err[0] and "was not written" in err[0]
+    assert not (folder / os.path.basename(build_notebook.NOTEBOOK)).exists()
+    assert (folder / "results.csv").read_bytes() == before
+
+
+def test_a_notebook_that_cannot_be_written_is_one_error_line(small_results, tmp_path, capsys):
+    target = tmp_path / "in-the-way"
+    target.mkdir()   # a folder where the file goes: refused whoever runs it, root too
+    capsys.readouterr()
+    assert build_notebook.main(["--results", small_results, "--output", str(target)]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: cannot write {target}: Is a directory"]

@@ -8,6 +8,7 @@
     python -m Utils.ladder check NAMES   exits 2 with the fix where NAMES is not a possible combination
     python -m Utils.ladder check-ablation FROM ITEMS   exits 2 with the fix where `make ablation FROM=... ADDITIONS=...`
                                                      cannot run them (an item: one addition, or several joined by '+')
+    python -m Utils.ladder --help    this text
 """
 import sys
 
@@ -15,6 +16,7 @@ from Utils.ladder.registry import (ABLATION, ADDITIONS, LEAVE_ONE_OUT, RUNGS, Re
                                    check_ablation_base, resolve, run_name)
 
 
+VERBS = ("table", "markdown", "rungs", "ablation", "check", "check-ablation")
 HEADER = ("addition", "pillar", "stage", "what it changes", "needs", "first in")
 
 
@@ -83,10 +85,22 @@ def main(argv: list) -> int:
         except RegistryError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    elif verb in ("-h", "--help", "help"):
+        print(__doc__.strip())
     else:
-        print(__doc__.strip(), file=sys.stderr)
+        print(f"error: python -m Utils.ladder {' '.join(argv)}: {_usage_problem(verb, argv[1:])} "
+              f"(python -m Utils.ladder --help)", file=sys.stderr)
         return 2
     return 0
+
+
+def _usage_problem(verb: str, rest: list) -> str:
+    """What is wrong with a command line main() does not take, in a few words with the fix."""
+    if verb == "ablation":
+        return f"ablation takes nothing, fused or max, not {' '.join(rest)!r}"
+    if verb == "check-ablation":
+        return "check-ablation needs FROM (fused or max), then the items to check"
+    return f"unknown command {verb!r}: use one of {', '.join(VERBS)}"
 
 
 if __name__ == "__main__":

@@ -115,6 +115,9 @@ def synthetic_tokens(vocab_size: int, seed: int, n: int = SYNTHETIC_TOKENS) -> n
 def load_tokens(data: str, vocab_size: int, seed: int, data_dir: str | None = None) -> tuple[np.ndarray, str]:
     """(tokens, name): name is what the run records: shakespeare, synthetic, or the file's path."""
     data_dir = data_dir or default_data_dir()
+    if data in ("shakespeare", "auto") and os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise DataError(f"DATA_DIR={data_dir} is a file, not a folder: point DATA_DIR at the folder that holds, "
+                        f"or will hold, {SHAKESPEARE_FILE}")
     if data == "synthetic":
         return synthetic_tokens(vocab_size, seed), "synthetic"
     if data == "shakespeare":
@@ -134,6 +137,8 @@ def load_tokens(data: str, vocab_size: int, seed: int, data_dir: str | None = No
         raise DataError(f"DATA={data} is not a UTF-8 text file ({type(e).__name__}): give a text file") from None
     if "\x00" in text:
         raise DataError(f"DATA={data} holds NUL bytes, so it is not a text file: give a text file")
+    if not text.strip():   # said before the tokenizer loads, which offline would be blamed instead
+        raise DataError(f"DATA={data} is empty: give a text file with some text in it")
     return tokenize(text), os.path.abspath(data)
 
 

@@ -1,0 +1,70 @@
+"""Values a user types into make reach the shell quoted: a list (ADDITIONS, PEERS, NPROC) or a setting (DEVICE,
+PARALLEL, FROM, WITH) that holds shell syntax is refused by its check in one line, and runs nothing: no command
+of its own, no rung, no results folder. And the targets that run several rungs check REPEAT once, first."""
+import pytest
+
+from conftest import clean_env, make
+
+RUN = ["STEPS=2", "BATCH_SIZE=1", "DATA=synthetic", "MODEL=tiny"]
+
+
+def canary_cases():
+    """(target and its other variables, the variable that carries the command, its first word) for each way in."""
+    return [
+        (["ablation"], "ADDITIONS", "prefetch"),
+        (["ablation", "FROM=max"], "ADDITIONS", "prefetch"),
+        (["ablation"], "FROM", "max"),
+        (["peers"], "PEERS", "hf"),
+        (["peers"], "NPROC", "1"),
+        (["scaling", "RUNG=baseline"], "NPROC", "1"),
+        (["scaling", "RUNG=baseline", "NPROC=1"], "PARALLEL", "ddp"),
+        (["fused", "NPROC=2"], "DEVICE", "cpu"),
+        (["fused"], "PARALLEL", "ddp"),
+        (["all", "NPROC=2"], "DEVICE", "cpu"),
+        (["custom"], "WITH", "bf16"),
+    ]
+
+
+@pytest.mark.parametrize("syntax", ["; touch {canary}", " `touch {canary}`", "'; touch {canary}; '"],
+                         ids=["semicolon", "backticks", "quote"])
+@pytest.mark.parametrize("target,variable,first", canary_cases(),
+                         ids=[f"{c[0][0]}-{c[1]}" for c in canary_cases()])
+def test_shell_syntax_in_a_variable_is_refused_and_runs_nothing(tmp_path, target, variable, first, syntax):
+    canary = tmp_path / "ran"
+    prefix = tmp_path / "out"
+    value = first + syntax.format(canary=canary)
+    done = make([*target, f"PREFIX={prefix}", *RUN, f"{variable}={value}"], clean_env(), timeout=120)
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert len(errors) == 1, done.stderr
+    assert "Syntax error" not in done.stderr and "Permission denied" not in done.stderr
+    assert not canary.exists(), f"{variable}={value!r} ran its command"
+    assert not prefix.exists(), "a run started before the bad value was refused"
+
+
+@pytest.mark.parametrize("target", [["all"], ["profile"], ["scaling", "RUNG=baseline", "NPROC=1"]])
+def test_the_targets_that_run_several_rungs_check_repeat_once_before_any(tmp_path, target):
+    prefix = tmp_path / "out"
+    done = make([*target, f"PREFIX={prefix}", *RUN, "REPEAT=0"], clean_env(), timeout=120)
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert done.returncode == 2
+    assert errors == ["error: REPEAT must be a number of runs from 1 to 99, not '0' "
+                      "(e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)"]
+    assert not prefix.exists()
+
+
+def test_make_profile_checks_nproc_once_before_any_rung(tmp_path):
+    prefix = tmp_path / "out"
+    done = make(["profile", f"PREFIX={prefix}", *RUN, "NPROC=0"], clean_env(), timeout=120)
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: NPROC='0' is not a number")
+    assert not prefix.exists()
+
+
+def test_make_peers_refuses_a_peer_named_twice(tmp_path):
+    # Named twice it would run twice a round; REPEAT is the way to measure a peer more than once.
+    prefix = tmp_path / "out"
+    done = make(["peers", f"PREFIX={prefix}", *RUN, "PEERS=hf hf"], clean_env(), timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[0] == "error: PEERS names hf twice: name each peer once (REPEAT=n runs rounds)"
+    assert not prefix.exists()

@@ -24,7 +24,7 @@ def _rel(a, b):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(chunked_loss, "CHUNK_ROWS", 40)   # three chunks, the last one short
+    monkeypatch.setattr(fp8_loss, "CHUNK_ROWS", 40)   # three chunks, the last one short
 
 
 def _grads(f, h, w, y, dtype, autocast, vocab=V):
@@ -186,7 +186,7 @@ def test_the_transpose_copies_every_byte_into_the_chunks_columns_only(repo_root,
 def test_on_a_gpu_it_is_the_reference_within_fp8_rounding(monkeypatch):
     if not torch.cuda.is_available() or fp8_loss.unavailable(torch.device("cuda")):
         pytest.skip("needs an Ada or Hopper GPU")
-    monkeypatch.setattr(chunked_loss, "CHUNK_ROWS", 384)   # 384, 384 and a short 256: the last chunk's slices
+    monkeypatch.setattr(fp8_loss, "CHUNK_ROWS", 384)   # 384, 384 and a short 256: the last chunk's slices
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.nn.functional.layer_norm(torch.randn(1024, 256, device="cuda", generator=g), (256,))
     w = torch.randn(1000, 256, device="cuda", generator=g) * 0.1

@@ -52,6 +52,10 @@ TILE_R, TILE_C, TILE_WARPS = 32, 128, 4
 # of 128 bytes read and written. Timed against other shapes by bench/fp8_kernels.py.
 T_ROWS, T_COLS, T_WARPS = 128, 128, 8
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Tokens per chunk: 16,384, four times the bf16 way's (chunked_loss.CHUNK_ROWS). Larger FP8 GEMMs and fewer
+# launches outweigh the bytes: the loss alone took 18.1, 17.3 and 17.2 ms at batch 64 with 4,096, 8,192 and
+# 16,384 tokens a chunk, for 5.5, 6.1 and 7.2 GiB (bench/fp8_loss.py, BENCHMARKS.md "Chunks larger than 4,096").
+CHUNK_ROWS = 16384
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -183,8 +187,8 @@ def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Ten
     row_loss = torch.empty(n, dtype=torch.float32, device=h8.device)
     lse = torch.empty(min(n, chunk_rows), dtype=torch.float32, device=h8.device)
     grad_h = torch.empty(n, width, dtype=torch.bfloat16, device=h8.device)
-    # One logits buffer for every chunk: a GEMM allocating its own output would hold two chunks' logits (0.4 GB
-    # at 4,096 rows) while the next is written and the last not yet freed.
+    # One logits buffer for every chunk: a GEMM allocating its own output would hold two chunks' logits (1.6 GB
+    # at 16,384 rows) while the next is written and the last not yet freed.
     logits = torch.empty(min(n, chunk_rows), n_cols, dtype=torch.bfloat16, device=h8.device)
     grad = torch.empty(min(n, chunk_rows), n_cols, dtype=E5M2, device=h8.device)
     grad_t = torch.empty(n_cols, n, dtype=E5M2, device=h8.device)   # every chunk's gradient, transposed
@@ -228,8 +232,7 @@ class _Fp8CrossEntropy(torch.autograd.Function):
             h8, h_inv = to_e4m3(h)                                                  # [tokens, width]
             # Each operand in the layout its GEMMs read, transposed where Inductor fuses it into the cast.
             row_loss, grad_h, grad_w = _output_layer(h8, h8.t().contiguous(), h_inv, w8, w8.t().contiguous(),
-                                                     w_inv, targets.contiguous(), vocab_size,
-                                                     chunked_loss.CHUNK_ROWS)
+                                                     w_inv, targets.contiguous(), vocab_size, CHUNK_ROWS)
         ctx.save_for_backward(grad_h, grad_w[:weight.size(0)])
         ctx.n, ctx.h_dtype, ctx.weight_dtype = n, h.dtype, weight.dtype
         return row_loss.sum() / n

@@ -54,6 +54,8 @@ def test_a_second_measurement_appends_a_second_row(tmp_path):
     (["--copy-gib", "-1"], "COPY_GIB='-1' is not a positive number"),
     (["--copy-gib", "nan"], "COPY_GIB='nan' is not a positive number"),
     (["--copy-gib", "1e-12"], "one byte at least"),
+    (["--matmul-n", "100000000000000000000"], "MATMUL_N=100000000000000000000 is larger than 65,536"),
+    (["--copy-gib", "1e30"], "COPY_GIB=1e30 is larger than 1,024 GiB"),
     (["--device", "tpu"], "DEVICE='tpu' is not one of auto, cuda, cpu"),
     (["--prefix", " "], "PREFIX is empty"),
     (["--bogus"], "unrecognized arguments"),
@@ -87,6 +89,14 @@ def test_an_unwritable_prefix_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"PREFIX={blocker / 'out'} cannot be written" in err and len(err.strip().splitlines()) == 1
     assert _files(tmp_path) == {"a_file": b"keep me"}
+
+
+def test_a_folder_where_peak_csv_goes_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / PEAK_FILE).mkdir()
+    assert main(["--prefix", str(tmp_path)] + TINY) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"error: {tmp_path / PEAK_FILE} is not a file: move it aside or use another "
+                                        f"PREFIX"]
 
 
 @pytest.mark.parametrize("content,says", [

@@ -196,7 +196,8 @@ def test_store_command_line(tmp_path, capsys):
     assert store.main(["init", str(tmp_path / "p")]) == 0
     assert (tmp_path / "p" / "runs.csv").read_text().strip().split(",") == RUN_COLUMNS
     assert store.main(["init"]) == 2
-    assert "usage: python -m Utils.results.store init PREFIX" in capsys.readouterr().err
+    assert capsys.readouterr().err.splitlines() == ["error: python -m Utils.results.store init: the one command is "
+                                                    "init PREFIX, e.g. python -m Utils.results.store init ./out"]
     (tmp_path / "q").mkdir()
     (tmp_path / "q" / "runs.csv").write_text("a,b\n")
     assert store.main(["init", str(tmp_path / "q")]) == 2
@@ -212,3 +213,28 @@ def test_store_command_line(tmp_path, capsys):
 def test_the_additions_a_run_recorded(config, additions):
     from Utils.results.read import recorded_additions
     assert recorded_additions({"config": config}) == additions
+
+
+@pytest.mark.parametrize("name", ["results.csv", "runs.csv"])
+def test_a_folder_where_a_results_file_goes_is_one_error(tmp_path, name):
+    (tmp_path / name).mkdir()
+    with pytest.raises(ResultsError) as err:
+        append_run(tmp_path, _run("new"), _steps("new", 2))
+    assert str(err.value) == f"{tmp_path / name} is not a file: move it aside or use another PREFIX"
+    assert store.main(["init", str(tmp_path)]) == 2
+
+
+def test_a_file_with_windows_line_endings_is_appended_to_in_its_own(tmp_path):
+    # A spreadsheet or an editor may save the files with CRLF endings: its bytes are kept, the new rows end alike.
+    init_files(tmp_path)
+    append_run(tmp_path, _run("old"), _steps("old", 2))
+    before = {}
+    for name in ("results.csv", "runs.csv"):
+        path = tmp_path / name
+        before[name] = path.read_bytes().replace(b"\n", b"\r\n")
+        path.write_bytes(before[name])
+    append_run(tmp_path, _run("new"), _steps("new", 2))
+    for name in ("results.csv", "runs.csv"):
+        raw = (tmp_path / name).read_bytes()
+        assert raw.startswith(before[name]) and raw.count(b"\n") == raw.count(b"\r\n")
+    assert [r[0] for r in _csv_rows(tmp_path / "runs.csv")[1:]] == ["old", "new"]

@@ -37,8 +37,13 @@ def check_file(path: str | os.PathLike, columns: Sequence[str]) -> list[str] | N
     version of `columns` (schema.known_headers); return that header, or None for an absent or empty file."""
     if not os.path.exists(path):
         return None
-    with open(path, "rb") as f:
-        raw = f.read()
+    if not os.path.isfile(path):
+        raise ResultsError(f"{path} is not a file: move it aside or use another PREFIX")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ResultsError(f"cannot read {path} ({e.strerror}): fix its permissions or use another PREFIX") from None
     if not raw:
         return None
     name = os.path.basename(path)
@@ -105,12 +110,17 @@ def _format(rows, columns):
     return buf.getvalue()
 
 
+def _line_end(old: bytes) -> str:
+    """The line ending of a file's header: "\r\n" where a spreadsheet or an editor saved it so, else "\n"."""
+    return "\r\n" if old.split(b"\n", 1)[0].endswith(b"\r") else "\n"
+
+
 def _widened(old: bytes, columns) -> bytes:
     """A file of an earlier schema version (its header a prefix of `columns`) with today's header, each row
-    given blank cells for the columns added since."""
+    given blank cells for the columns added since, in the file's own line endings."""
     rows = list(csv.reader(io.StringIO(old.decode("utf-8"))))
     buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
+    writer = csv.writer(buf, lineterminator=_line_end(old))
     writer.writerow(columns)
     for row in rows[1:]:
         writer.writerow(row + [""] * (len(columns) - len(row)))
@@ -133,8 +143,10 @@ def _stage(path, columns, text):
     if os.path.exists(path):
         with open(path, "rb") as f:
             old = f.read()
-    if old and not old.startswith((",".join(columns) + "\n").encode()):
+    end = _line_end(old)   # new rows end as the file's own do, so that its bytes are only appended to
+    if old and not old.startswith((",".join(columns) + end).encode()):
         old = _widened(old, columns)   # check_file has proved it an earlier version's
+    text = text.replace("\n", end) if end != "\n" else text
     header = b"" if old else (",".join(columns) + "\n").encode()
     mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
     return stage(path, lambda f: f.write(old + header + text.encode()), mode=mode)
@@ -207,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`init PREFIX`: create PREFIX's empty results files. Returns the exit code (2: bad usage or PREFIX)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if len(argv) != 2 or argv[0] != "init":
-        print("usage: python -m Utils.results.store init PREFIX", file=sys.stderr)
+        print(f"error: python -m Utils.results.store {' '.join(argv)}: the one command is init PREFIX, e.g. "
+              f"python -m Utils.results.store init ./out", file=sys.stderr)
         return 2
     try:
         init_files(argv[1])

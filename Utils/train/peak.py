@@ -68,6 +68,11 @@ def _device(value: str) -> str:
     return value if value != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+# Upper bounds that no device reaches, so that a typo is refused in one line instead of overflowing a size.
+MAX_MATMUL_N = 65536
+MAX_COPY_GIB = 1024
+
+
 def _matmul_n(value: str) -> int:
     try:
         n = int(str(value).strip())
@@ -75,6 +80,9 @@ def _matmul_n(value: str) -> int:
         n = 0
     if n <= 0:
         raise UsageError(f"MATMUL_N={value!r} is not a positive integer: pass the matmul's side, e.g. MATMUL_N=8192")
+    if n > MAX_MATMUL_N:
+        raise UsageError(f"MATMUL_N={n} is larger than {MAX_MATMUL_N:,} (three bf16 matrices of that side take 24 GiB): "
+                         f"pass a smaller side, e.g. MATMUL_N=8192")
     return n
 
 
@@ -85,6 +93,9 @@ def _copy_gib(value: str) -> float:
         gib = math.nan
     if not (math.isfinite(gib) and gib * GIB >= 1):
         raise UsageError(f"COPY_GIB={value!r} is not a positive number of GiB (one byte at least): "
+                         f"pass the buffer's size, e.g. COPY_GIB=2")
+    if gib > MAX_COPY_GIB:
+        raise UsageError(f"COPY_GIB={value} is larger than {MAX_COPY_GIB:,} GiB (two such buffers fit on no device): "
                          f"pass the buffer's size, e.g. COPY_GIB=2")
     return gib
 

@@ -10,10 +10,13 @@ ifeq ($(strip $(RUNGS)),)
 $(error $(PYTHON) cannot read the registry (python -m Utils.ladder rungs): run make from the repository's root with Python 3.10+, or set PYTHON)
 endif
 
+, := ,
 EXAMPLE := e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out
 
 # $(call q,VAR): VAR's value exactly as the user typed it (make does not expand a $ in it), quoted for the
-# shell, so that PREFIX='runs $$5' reaches the script as it was written.
+# shell, so that PREFIX='runs $$5' reaches the script as it was written. Make syntax in a value, $(shell ...),
+# is make's to run, as on any make command line: make expands a variable given on its command line when it
+# exports it to a recipe.
 q = '$(subst ','\'',$(value $(1)))'
 # $(call sq,TEXT): TEXT quoted for the shell. $(call each_quoted,LIST): each word of LIST quoted on its own, so that a
 # list a user typed (ADDITIONS, PEERS, NPROC) reaches its check as words, never as shell syntax: NPROC='1; rm x'
@@ -22,8 +25,8 @@ sq = '$(subst ','\'',$(1))'
 each_quoted = $(foreach w,$(1),$(call sq,$(w)))
 # An optional variable is passed on when it is set at all, even to nothing, so that WARMUP= is refused
 # by the script with a clear message instead of being silently dropped.
-opt = $(if $(filter undefined,$(origin $(1))),,$(2) $(call q,$(1)))
-RUN_ARGS = --steps $(call q,STEPS) --batch-size $(call q,BATCH_SIZE) --prefix $(call q,PREFIX) \
+opt = $(if $(filter undefined,$(origin $(1))),,$(2)=$(call q,$(1)))
+RUN_ARGS = --steps=$(call q,STEPS) --batch-size=$(call q,BATCH_SIZE) --prefix=$(call q,PREFIX) \
 	$(call opt,MODEL,--model) $(call opt,SEQ_LEN,--seq-len) $(call opt,DEVICE,--device) \
 	$(call opt,DATA,--data) $(call opt,WARMUP,--warmup) $(call opt,SEED,--seed) $(call opt,DATA_DIR,--data-dir) \
 	$(if $(filter 1 yes true,$(PROFILE)),--profile) $(if $(filter 1 yes true,$(COLD)),--cold)
@@ -35,7 +38,7 @@ need = @if [ -z '$(subst ','\'',$(strip $(value $(1))))' ]; then echo "error: $(
 
 # A target that is none of these: name the rungs, rather than make's own "No rule to make target".
 .DEFAULT:
-	@echo "error: no target '$@': the rungs are $(RUNGS); make help lists the other targets" >&2; exit 2
+	@printf "error: no target '%s': the rungs are $(RUNGS); make help lists the other targets\n" $(call sq,$@) >&2; exit 2
 
 help:
 	@echo "Train GPT-2 under a ladder of GPU optimizations and compare them."
@@ -75,11 +78,16 @@ require-run:
 	$(call need,STEPS)
 	$(call need,BATCH_SIZE)
 	$(call need,PREFIX)
-	@case '$(subst ','\'',$(COLD))' in ''|0|1|yes|no|true|false) ;; *) echo "error: COLD must be 1 (compile with an empty cache) or 0, not '$(subst ','\'',$(COLD))'" >&2; exit 2;; esac
-	@case '$(subst ','\'',$(PROFILE))' in ''|0|1|yes|no|true|false) ;; *) echo "error: PROFILE must be 1 (profile the run too) or 0, not '$(subst ','\'',$(PROFILE))'" >&2; exit 2;; esac
+	@case '$(subst ','\'',$(COLD))' in ''|0|1|yes|no|true|false) ;; *) printf "error: COLD must be 1 (compile with an empty cache) or 0, not '%s'\n" $(call sq,$(COLD)) >&2; exit 2;; esac
+	@case '$(subst ','\'',$(PROFILE))' in ''|0|1|yes|no|true|false) ;; *) printf "error: PROFILE must be 1 (profile the run too) or 0, not '%s'\n" $(call sq,$(PROFILE)) >&2; exit 2;; esac
 
 require-prefix:
 	$(call need,PREFIX)
+
+# $(call not_empty,VAR,FIX): VAR given but set to nothing is refused with FIX, not read as its default (FROM= would
+# otherwise run the whole ablation).
+not_empty = @if [ '$(origin $(1))' = 'command line' ] || [ '$(origin $(1))' = environment ]; then \
+	if [ -z $(call sq,$(strip $(value $(1)))) ]; then echo 'error: $(1) is empty: $(2)' >&2; exit 2; fi; fi
 
 REPEAT ?= 1
 # $(call rounds,ITEMS): ITEMS REPEAT times over, for `each`; $(call round_start,FIRST): in `each`'s command, a
@@ -88,7 +96,7 @@ rounds = $$(r=0; while [ $$r -lt $(REPEAT) ]; do r=$$((r + 1)); echo $(1); done)
 round_start = if [ $$x = $(1) ]; then round=$$(($${round:-0} + 1)); [ $(REPEAT) -eq 1 ] || echo "--- round $$round of $(REPEAT) ---"; fi
 # true where RUNG names one rung
 rung_named = [ $(words $(RUNG)) = 1 ] && [ -n "$(filter $(strip $(RUNG)),$(RUNGS))" ]
-check_repeat = @case '$(subst ','\'',$(REPEAT))' in [1-9]|[1-9][0-9]) ;; *) echo "error: REPEAT must be a number of runs from 1 to 99, not '$(subst ','\'',$(REPEAT))' (e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)" >&2; exit 2;; esac
+check_repeat = @case '$(subst ','\'',$(REPEAT))' in [1-9]|[1-9][0-9]) ;; *) printf "error: REPEAT must be a number of runs from 1 to 99, not '%s' (e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)\n" $(call sq,$(REPEAT)) >&2; exit 2;; esac
 # $(call repeat,NAME,COMMAND): COMMAND REPEAT times in a row, stopping at the first run that is not ok: on
 # a GPU whose clock moves one run's median by a few percent, summary.md then reports the median of medians.
 define repeat
@@ -112,14 +120,14 @@ redraw = $(if $(DRAWN)$(filter 1 yes true,$(PROFILE)),,@if [ -f $(call q,PREFIX)
 # that names $(MAKE) even under -n: in those (make all, make scaling), DRY_RUN makes the charts an echo
 # (charts_beside_make). The test of MAKEFLAGS is the GNU make manual's ("Conditionals that Test Flags").
 DRY_RUN := $(findstring n,$(firstword -$(MAKEFLAGS)))
-plot = $(PYTHON) plot_results.py --prefix $(call q,PREFIX)
+plot = $(PYTHON) plot_results.py --prefix=$(call q,PREFIX)
 charts = $(if $(filter 1 yes true,$(PROFILE)),echo "PROFILE=1: no charts (the profiled runs are in breakdown.md only)";,$(plot) || failed="$$failed plots";)
 charts_beside_make = $(if $(DRY_RUN),echo $(plot);,$(charts))
 
 # With PROFILE=1, the report splits the trace a run left into breakdown.csv, breakdown.md and breakdown.png:
 # the training loop writes the trace only (Utils.report.breakdown).
 # $(call split_traces,ON-FAILURE): that command, then ON-FAILURE if it fails; nothing without PROFILE=1.
-split_traces = $(if $(filter 1 yes true,$(PROFILE)),$(PYTHON) -m Utils.report.breakdown --prefix $(call q,PREFIX) || $(1);)
+split_traces = $(if $(filter 1 yes true,$(PROFILE)),$(PYTHON) -m Utils.report.breakdown --prefix=$(call q,PREFIX) || $(1);)
 
 # $(call wait_for,COMMAND): COMMAND in the background, waited for, its status in $$rc; SIGTERM and SIGINT
 # are passed on to it and it is waited for again: killed alone, the shell would return to make (and make
@@ -135,9 +143,13 @@ launch = $(if $(distributed),$(PYTHON) -m torch.distributed.run --standalone --n
 	--parallel $(if $(strip $(PARALLEL)),$(call q,PARALLEL),ddp),$(PYTHON) $(1))
 # $(call check_parallel,ADDITIONS): NPROC, PARALLEL, the additions and every other argument checked before
 # any process starts (DATA=auto is fetched then, once, for all of them).
-check_parallel = @$(if $(distributed),$(PYTHON) -m Utils.train.distributed check $(call q,NPROC) \
+define check_parallel
+	$(call not_empty,NPROC,use NPROC=1 (one process) or more$(,) or leave it out)
+	$(call not_empty,PARALLEL,use PARALLEL=ddp or fsdp$(,) or leave it out (ddp))
+	@$(if $(distributed),$(PYTHON) -m Utils.train.distributed check $(call q,NPROC) \
 	$(call sq,$(or $(strip $(PARALLEL)),ddp)) $(call sq,$(or $(DEVICE),auto)) $(1) && \
 	$(PYTHON) -m Utils.train.cli $(RUN_ARGS) >/dev/null,true)
+endef
 
 $(RUNGS): require-run
 	$(call check_parallel,$@)
@@ -192,9 +204,11 @@ ABLATION_TRIES = $(if $(filter max,$(ABLATION_FROM)),$(LEAVE_ONE_OUT),$(ABLATION
 ABLATION_ROUND = $(ABLATION_FROM) $(if $(ADDITIONS),$(ADDITIONS),$(ABLATION_TRIES))
 ablation: require-run
 	$(check_repeat)
+	$(call not_empty,FROM,use FROM=fused or FROM=max$(,) or leave it out (fused))
+	$(call not_empty,ADDITIONS,name the additions to try (make additions lists them)$(,) or leave ADDITIONS out to try every one)
 	@$(PYTHON) -m Utils.ladder check-ablation $(call sq,$(ABLATION_FROM)) $(call each_quoted,$(ADDITIONS))
 	$(call check_parallel,$(call sq,$(ABLATION_FROM)))
-	$(call each,ablation,$(call rounds,$(ABLATION_ROUND)),$(call round_start,$(ABLATION_FROM)); if [ $$x = $(ABLATION_FROM) ]; then run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data $$data},$(call split_traces,failed="$$failed profile") $(charts))
+	$(call each,ablation,$(call rounds,$(ABLATION_ROUND)),$(call round_start,$(ABLATION_FROM)); if [ $$x = $(ABLATION_FROM) ]; then run='$(call script,$(ABLATION_FROM))'; else run="ablation.py $(if $(filter max,$(ABLATION_FROM)),--drop,--add) $$x"; fi; $(call launch,$$run) $(RUN_ARGS) $${data:+--data=$$data},$(call split_traces,failed="$$failed profile") $(charts))
 
 # The peers (Utils/peers): llm.c built from source, and Hugging Face's GPT-2, recorded as peer-<name>.
 # RUNG=<rung>: that rung first, then each peer; REPEAT=n: n such rounds, so that the rung and the peers it is
@@ -210,7 +224,7 @@ peers: require-run
 	@seen=" "; for x in $(call each_quoted,$(PEERS)); do case " $(PEER_NAMES) " in *" $$x "*) ;; *) echo "error: PEERS names $$x: use some of $(PEER_NAMES)" >&2; exit 2;; esac; \
 		case "$$seen" in *" $$x "*) echo "error: PEERS names $$x twice: name each peer once (REPEAT=n runs rounds)" >&2; exit 2;; esac; seen="$$seen$$x "; done
 	@if [ -n '$(subst ','\'',$(strip $(RUNG)))' ] && ! { $(rung_named); }; then echo 'error: RUNG must name one rung ($(RUNGS)) to run beside the peers, e.g. make peers RUNG=max REPEAT=3 STEPS=30 BATCH_SIZE=64 PREFIX=./out' >&2; exit 2; fi
-	$(call each,peers,$(call rounds,$(PEER_ROUND)),$(call round_start,$(firstword $(PEER_ROUND))); if [ $$x = '$(strip $(RUNG))' ]; then run='$(call script,$(strip $(RUNG)))'; else run="-m Utils.peers $$x"; fi; $(PYTHON) $$run $(RUN_ARGS) $${data:+--data $$data},$(charts))
+	$(call each,peers,$(call rounds,$(PEER_ROUND)),$(call round_start,$(firstword $(PEER_ROUND))); if [ $$x = '$(strip $(RUNG))' ]; then run='$(call script,$(strip $(RUNG)))'; else run="-m Utils.peers $$x"; fi; $(PYTHON) $$run $(RUN_ARGS) $${data:+--data=$$data},$(charts))
 
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
 # breakdown files and a trace per rung, and leaves results.csv alone.
@@ -226,7 +240,7 @@ plots: require-prefix
 # Each word of PREFIXES is one folder, quoted for the shell as $(call q,...) quotes PREFIX.
 compare:
 	@if [ -z '$(subst ','\'',$(strip $(value PREFIXES)))' ]; then echo 'error: PREFIXES is required: two or more results folders, e.g. make compare PREFIXES="results/h200-b16 results/h100-b16" [OUT=dir]' >&2; exit 2; fi
-	$(PYTHON) -m Utils.report.compare $(call opt,OUT,--out) $(foreach p,$(value PREFIXES),'$(subst ','\'',$(p))')
+	$(PYTHON) -m Utils.report.compare $(call opt,OUT,--out) -- $(foreach p,$(value PREFIXES),'$(subst ','\'',$(p))')
 
 init_results: require-prefix
 	$(PYTHON) -m Utils.results.store init $(call q,PREFIX)
@@ -234,7 +248,7 @@ init_results: require-prefix
 # This machine's bf16 matmul rate and copy bandwidth, a row appended to PREFIX/peak.csv: MFU's second
 # denominator. MATMUL_N and COPY_GIB override the sizes (default 8192 and 2 GiB on a GPU).
 peak: require-prefix
-	$(PYTHON) -m Utils.train.peak --prefix $(call q,PREFIX) $(call opt,DEVICE,--device) $(call opt,MATMUL_N,--matmul-n) $(call opt,COPY_GIB,--copy-gib)
+	$(PYTHON) -m Utils.train.peak --prefix=$(call q,PREFIX) $(call opt,DEVICE,--device) $(call opt,MATMUL_N,--matmul-n) $(call opt,COPY_GIB,--copy-gib)
 
 # Only the files the suite writes, by name: anything else in PREFIX is left alone.
 CHARTS := speedup.png step_time.png throughput.png memory.png loss.png summary.md \
@@ -258,7 +272,7 @@ reset: require-prefix
 notebook:
 	@$(PYTHON) -c "import nbformat, nbclient, ipykernel" 2>/dev/null || \
 		PIP_DISABLE_PIP_VERSION_CHECK=1 $(PYTHON) -m pip install -q -r requirements-notebook.txt
-	$(PYTHON) notebooks/build_notebook.py $(if $(RESULTS),--results $(call q,RESULTS))
+	$(PYTHON) notebooks/build_notebook.py $(if $(RESULTS),--results=$(call q,RESULTS))
 
 # PyPI's torch for Linux is the CUDA build (several GB with its libraries): where no NVIDIA GPU answers,
 # PyTorch's CPU wheels instead, and none of requirements.txt's nvidia-* packages but nvidia-ml-py (pure

@@ -22,11 +22,15 @@ def canary_cases():
         (["fused"], "PARALLEL", "ddp"),
         (["all", "NPROC=2"], "DEVICE", "cpu"),
         (["custom"], "WITH", "bf16"),
+        (["fused"], "REPEAT", "2"),
+        (["fused"], "COLD", "1"),
+        (["fused"], "PROFILE", "1"),
     ]
 
 
-@pytest.mark.parametrize("syntax", ["; touch {canary}", " `touch {canary}`", "'; touch {canary}; '"],
-                         ids=["semicolon", "backticks", "quote"])
+@pytest.mark.parametrize("syntax", ["; touch {canary}", " `touch {canary}`", "'; touch {canary}; '",
+                                    "$$(touch {canary})"],
+                         ids=["semicolon", "backticks", "quote", "dollar"])
 @pytest.mark.parametrize("target,variable,first", canary_cases(),
                          ids=[f"{c[0][0]}-{c[1]}" for c in canary_cases()])
 def test_shell_syntax_in_a_variable_is_refused_and_runs_nothing(tmp_path, target, variable, first, syntax):
@@ -68,3 +72,42 @@ def test_make_peers_refuses_a_peer_named_twice(tmp_path):
     assert done.returncode == 2
     assert done.stderr.splitlines()[0] == "error: PEERS names hf twice: name each peer once (REPEAT=n runs rounds)"
     assert not prefix.exists()
+
+
+def test_a_target_name_with_shell_syntax_is_named_and_runs_nothing(tmp_path):
+    canary = tmp_path / "ran"
+    done = make([f"x`touch {canary}`"], clean_env(), timeout=60)
+    assert done.returncode == 2 and not canary.exists()
+    assert done.stderr.splitlines()[0].startswith(f"error: no target 'x`touch {canary}`': the rungs are ")
+
+
+@pytest.mark.parametrize("args,says", [
+    (["ablation", "FROM="], "error: FROM is empty: use FROM=fused or FROM=max, or leave it out (fused)"),
+    (["ablation", "ADDITIONS="], "error: ADDITIONS is empty: name the additions to try"),
+    (["fused", "NPROC="], "error: NPROC is empty: use NPROC=1 (one process) or more, or leave it out"),
+    (["fused", "PARALLEL="], "error: PARALLEL is empty: use PARALLEL=ddp or fsdp, or leave it out (ddp)"),
+    (["fused", "DATA_DIR="], "error: DATA_DIR is empty: name the folder that holds tiny shakespeare"),
+])
+def test_a_variable_set_to_nothing_is_refused_not_read_as_its_default(tmp_path, args, says):
+    # FROM= would otherwise run the whole ablation, twenty runs.
+    prefix = tmp_path / "out"
+    done = make([*args, f"PREFIX={prefix}", *RUN], clean_env(), timeout=120)
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith(says), done.stderr
+    assert not prefix.exists()
+
+
+def test_a_value_that_starts_with_a_dash_is_a_value_not_an_option(tmp_path):
+    # Passed as --device=VALUE, it is checked as a device, not read by argparse as a missing argument.
+    prefix = tmp_path / "out"
+    done = make(["fused", f"PREFIX={prefix}", *RUN, "DEVICE=-h"], clean_env(), timeout=120)
+    assert done.returncode == 2
+    assert [ln for ln in done.stderr.splitlines() if ln.startswith("error:")] == [
+        "error: DEVICE='-h' is not one of auto, cuda, cpu"]
+    assert not prefix.exists()
+
+
+def test_make_compare_reads_every_word_of_prefixes_as_a_folder(tmp_path):
+    done = make(["compare", f"PREFIXES=-h {tmp_path}"], clean_env(), timeout=120)
+    assert done.returncode == 2 and "usage" not in done.stdout
+    assert done.stderr.splitlines()[0].startswith("error: -h/results.csv not found")

@@ -157,7 +157,7 @@ def test_make_custom_runs_exactly_its_additions_and_records_how_to_repeat_it(tmp
     config = json.loads(run["config"])
     assert config["additions"] == ["tf32", "bf16", "flash"]
     assert config["fell_back"] == ["tf32"] and "TF32 has no effect on a CPU" in run["notes"]   # what ran instead
-    assert run["command"].startswith("python -m Utils.train --with 'flash bf16 tf32' --steps 2")
+    assert run["command"].startswith("python -m Utils.train --with 'flash bf16 tf32' --steps=2")
     bad = subprocess.run(["make", "--no-print-directory", f"PYTHON={sys.executable}", "custom", "WITH=bf16 turbo",
                           "STEPS=2", "BATCH_SIZE=2", f"PREFIX={tmp_path}"], cwd=REPO_ROOT, env=suite_env,
                          capture_output=True, text=True, timeout=300)

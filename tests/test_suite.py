@@ -190,7 +190,7 @@ def test_make_all_warns_once_when_data_auto_falls_back(tmp_path, suite_env):
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("WARNING: DATA=auto falls back to synthetic tokens") == 1
     rungs = [line for line in r.stdout.splitlines() if line.startswith("passed by: ") and "plot_results" not in line]
-    assert len(rungs) == len(LADDER) and all("--data synthetic" in line for line in rungs)
+    assert len(rungs) == len(LADDER) and all("--data=synthetic" in line for line in rungs)
 
 
 def test_make_n_all_changes_nothing_and_still_refuses_bad_arguments(tmp_path, suite_env):
@@ -202,7 +202,7 @@ def test_make_n_all_changes_nothing_and_still_refuses_bad_arguments(tmp_path, su
     assert "WARNING" not in r.stderr and not prefix.exists() and not (tmp_path / "no-data").exists()
     commands = [line for line in r.stdout.splitlines() if line.startswith("run=0;")]   # each rung's run loop
     assert len(commands) == len(LADDER)
-    assert f"plot_results.py --prefix {prefix}" in r.stdout   # the charts, echoed
+    assert f"plot_results.py --prefix={prefix}" in r.stdout   # the charts, echoed
     bad = make(["-n", "all", "STEPS=two", "BATCH_SIZE=1", f"PREFIX={prefix}"], env, timeout=120)
     assert bad.returncode != 0 and "STEPS" in bad.stderr and not prefix.exists()
 

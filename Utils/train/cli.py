@@ -120,6 +120,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str | None = None) -> Ru
             _text(name, value)
     if not a.prefix.strip():
         raise UsageError(f"PREFIX is empty: name the output folder, {EXAMPLE}")
+    if a.data_dir is not None and not a.data_dir.strip():   # else the default folder would be used unsaid
+        raise UsageError("DATA_DIR is empty: name the folder that holds tiny shakespeare, or leave DATA_DIR out "
+                         "(./data, or the environment's DATA_DIR)")
 
     if a.device not in ("auto", "cuda", "cpu"):
         raise UsageError(f"DEVICE={a.device!r} is not one of auto, cuda, cpu")

@@ -222,6 +222,10 @@ def test_a_folder_where_a_results_file_goes_is_one_error(tmp_path, name):
         append_run(tmp_path, _run("new"), _steps("new", 2))
     assert str(err.value) == f"{tmp_path / name} is not a file: move it aside or use another PREFIX"
     assert store.main(["init", str(tmp_path)]) == 2
+    from Utils.results.read import load
+    with pytest.raises(ResultsError) as err:   # what the report reads: not "not found", which names no fix
+        load(tmp_path)
+    assert str(err.value) == f"{tmp_path / name} is not a file: move it aside or use another PREFIX"
 
 
 def test_a_file_with_windows_line_endings_is_appended_to_in_its_own(tmp_path):

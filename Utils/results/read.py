@@ -60,6 +60,9 @@ def load(prefix: str | os.PathLike) -> tuple[pd.DataFrame, pd.DataFrame]:
     runs_path = os.path.join(prefix, RUNS_FILE)
     if os.path.exists(prefix) and not os.path.isdir(prefix):
         raise ResultsError(f"PREFIX={prefix} is a file, not a folder: pass the folder the runs wrote into")
+    for path in (steps_path, runs_path):
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise ResultsError(f"{path} is not a file: move it aside or use another PREFIX")
     if not os.path.isfile(steps_path):
         raise ResultsError(f"{steps_path} not found: {_first_run_hint(prefix)}")
     if os.path.getsize(steps_path) == 0:

@@ -62,7 +62,7 @@ help:
 	@echo "  make reset PREFIX=dir                         remove every file the suite wrote in PREFIX, results too"
 	@echo "  make notebook [RESULTS=dir]                   execute the notebook against RESULTS (saved into RESULTS)"
 	@echo "  make install                                  what the suite needs (PyTorch's CPU build where there is no GPU)"
-	@echo "  make test                                     the test suite (CPU, about 4 minutes on 2 cores; installs requirements-test.txt)"
+	@echo "  make test                                     the test suite (CPU, about 5 minutes on 2 cores; installs requirements-test.txt)"
 	@echo "  make gpu-test                                 the tests marked gpu, on a CUDA machine"
 	@echo ""
 	@echo "Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE=auto|cuda|cpu"

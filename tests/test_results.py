@@ -242,3 +242,22 @@ def test_a_file_with_windows_line_endings_is_appended_to_in_its_own(tmp_path):
         raw = (tmp_path / name).read_bytes()
         assert raw.startswith(before[name]) and raw.count(b"\n") == raw.count(b"\r\n")
     assert [r[0] for r in _csv_rows(tmp_path / "runs.csv")[1:]] == ["old", "new"]
+
+
+@pytest.mark.parametrize("name", ["results.csv", "runs.csv"])
+def test_a_cell_the_report_cannot_read_is_refused_before_a_run(tmp_path, name):
+    # Right number of fields, but a number column holds text: a run appended to it would end with charts that
+    # cannot be drawn, so it is refused before training, as the report would refuse it after.
+    init_files(tmp_path)
+    append_run(tmp_path, _run("old"), _steps("old", 2))
+    rows = _csv_rows(tmp_path / name)
+    column = "warmup" if name == "results.csv" else "median_step_ms"
+    rows[1][rows[0].index(column)] = "abc"
+    with open(tmp_path / name, "w", newline="") as f:
+        csv.writer(f, lineterminator="\n").writerows(rows)
+    raw = {n: (tmp_path / n).read_bytes() for n in ("results.csv", "runs.csv")}
+    with pytest.raises(ResultsError) as err:
+        check_prefix(tmp_path)
+    assert str(err.value) == (f"{tmp_path / name} line 2: {column}='abc' is not a number: the file is damaged; "
+                              f"move it aside or repair that line")
+    assert {n: (tmp_path / n).read_bytes() for n in raw} == raw

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from Utils.results.files import TEMPORARY_PREFIX, real_path, stage
-from Utils.results.schema import (LOCK_FILE, RUN_COLUMNS, RUNS_FILE, SCHEMA_VERSION, STATUSES, STEP_COLUMNS,
-                                  STEPS_FILE, known_headers)
+from Utils.results.schema import (LOCK_FILE, PEAK_COLUMNS, PEAK_FILE, PEAK_NUMERIC, RUN_COLUMNS, RUN_NUMERIC, RUNS_FILE,
+                                  SCHEMA_VERSION, STATUSES, STEP_COLUMNS, STEP_NUMERIC, STEPS_FILE, known_headers)
 
 Row = Mapping[str, object]
 
@@ -32,9 +32,10 @@ class ResultsError(Exception):
     """A results file that cannot be trusted or written; the message is one line and names the fix."""
 
 
-def check_file(path: str | os.PathLike, columns: Sequence[str]) -> list[str] | None:
+def check_file(path: str | os.PathLike, columns: Sequence[str], numeric: Sequence[str] = ()) -> list[str] | None:
     """Raise ResultsError unless `path` is absent, empty, or a complete file with the header of some schema
-    version of `columns` (schema.known_headers); return that header, or None for an absent or empty file."""
+    version of `columns` (schema.known_headers) whose cells in the `numeric` columns are blank or numbers, as the
+    report reads them (Utils.results.read.read_table); return that header, or None for an absent or empty file."""
     if not os.path.exists(path):
         return None
     if not os.path.isfile(path):
@@ -66,7 +67,22 @@ def check_file(path: str | os.PathLike, columns: Sequence[str]) -> list[str] | N
         if len(row) != len(header):
             raise ResultsError(f"{path} line {i} has {len(row)} fields, expected {len(header)}: "
                                f"the file is damaged; move it aside; it was not changed")
+    for col in (c for c in numeric if c in header):
+        at = header.index(col)
+        for i, row in enumerate(rows[1:], start=2):
+            if not _is_number(row[at]):
+                raise ResultsError(f"{path} line {i}: {col}={row[at].strip()!r} is not a number: the file is damaged; "
+                                   f"move it aside or repair that line")
     return header
+
+
+def _is_number(cell: str) -> bool:
+    """Blank, NaN or a float's text: what the report's reader takes for a number."""
+    try:
+        float(cell.strip() or "nan")
+    except ValueError:
+        return False
+    return True
 
 
 def check_prefix(prefix: str | os.PathLike) -> None:
@@ -81,9 +97,11 @@ def check_prefix(prefix: str | os.PathLike) -> None:
 
 
 def check_files(prefix: str | os.PathLike) -> None:
-    """Raise ResultsError unless PREFIX's results files are absent or whole files of the suite (check_file)."""
-    check_file(os.path.join(prefix, STEPS_FILE), STEP_COLUMNS)
-    check_file(os.path.join(prefix, RUNS_FILE), RUN_COLUMNS)
+    """Raise ResultsError unless PREFIX's results files, and its peak.csv, are absent or whole files of the suite
+    that the report can read (check_file): a run then never appends to a file whose charts cannot be drawn."""
+    check_file(os.path.join(prefix, STEPS_FILE), STEP_COLUMNS, STEP_NUMERIC)
+    check_file(os.path.join(prefix, RUNS_FILE), RUN_COLUMNS, RUN_NUMERIC)
+    check_file(os.path.join(prefix, PEAK_FILE), PEAK_COLUMNS, PEAK_NUMERIC)
 
 
 @contextmanager

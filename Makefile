@@ -74,7 +74,19 @@ help:
 	@echo "          PARALLEL=ddp|fsdp (with NPROC: DistributedDataParallel, the default, or FSDP2's fully_shard)"
 	@echo "          PEERS=\"llmc hf\" (make peers: only these)  LLMC_SOURCE=dir|file.tar.gz (llm.c's source, offline)"
 
+# The variables a user sets. A line break in one would end the recipe line that holds it, and the shell would
+# see half a command: each is refused first, by name.
+define newline
+
+
+endef
+USER_VARIABLES := STEPS BATCH_SIZE PREFIX MODEL SEQ_LEN DEVICE DATA WARMUP SEED DATA_DIR PROFILE COLD REPEAT WITH \
+	ADDITIONS FROM PEERS RUNG NPROC PARALLEL PREFIXES OUT RESULTS MATMUL_N COPY_GIB
+broken_lines = $(strip $(foreach v,$(USER_VARIABLES),$(if $(findstring $(newline),$(value $(v))),$(v))))
+no_line_breaks = @$(if $(broken_lines),echo 'error: $(firstword $(broken_lines)) holds a line break: give it on one line' >&2; exit 2,true)
+
 require-run:
+	$(no_line_breaks)
 	$(call need,STEPS)
 	$(call need,BATCH_SIZE)
 	$(call need,PREFIX)
@@ -82,6 +94,7 @@ require-run:
 	@case '$(subst ','\'',$(PROFILE))' in ''|0|1|yes|no|true|false) ;; *) printf "error: PROFILE must be 1 (profile the run too) or 0, not '%s'\n" $(call sq,$(PROFILE)) >&2; exit 2;; esac
 
 require-prefix:
+	$(no_line_breaks)
 	$(call need,PREFIX)
 
 # $(call not_empty,VAR,FIX): VAR given but set to nothing is refused with FIX, not read as its default (FROM= would

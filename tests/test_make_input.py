@@ -111,3 +111,17 @@ def test_make_compare_reads_every_word_of_prefixes_as_a_folder(tmp_path):
     done = make(["compare", f"PREFIXES=-h {tmp_path}"], clean_env(), timeout=120)
     assert done.returncode == 2 and "usage" not in done.stdout
     assert done.stderr.splitlines()[0].startswith("error: -h/results.csv not found")
+
+
+@pytest.mark.parametrize("target,variable", [("fused", "PREFIX"), ("fused", "STEPS"), ("ablation", "ADDITIONS"),
+                                             ("plots", "PREFIX")])
+def test_a_line_break_in_a_variable_is_named(tmp_path, target, variable):
+    # Unrefused, it ends the recipe line that holds it: the shell reports half a command, naming nothing.
+    canary = tmp_path / "ran"
+    values = {"PREFIX": str(tmp_path / "out"), "STEPS": "2", "BATCH_SIZE": "1"}
+    values[variable] = f"{values.get(variable, 'prefetch')}\ntouch {canary}"
+    done = make([target, *[f"{k}={v}" for k, v in values.items()], "DATA=synthetic", "MODEL=tiny"], clean_env(),
+                timeout=60)
+    assert done.returncode == 2 and "Syntax error" not in done.stderr
+    assert done.stderr.splitlines()[0] == f"error: {variable} holds a line break: give it on one line"
+    assert not canary.exists() and not (tmp_path / "out").exists()

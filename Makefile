@@ -13,16 +13,16 @@ endif
 , := ,
 EXAMPLE := e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out
 
-# $(call q,VAR): VAR's value exactly as the user typed it (make does not expand a $ in it), quoted for the
-# shell, so that PREFIX='runs $$5' reaches the script as it was written. Make syntax in a value, $(shell ...),
-# is make's to run, as on any make command line: make expands a variable given on its command line when it
-# exports it to a recipe.
-q = '$(subst ','\'',$(value $(1)))'
 # $(call sq,TEXT): TEXT quoted for the shell. $(call each_quoted,LIST): each word of LIST quoted on its own, so that a
 # list a user typed (ADDITIONS, PEERS, NPROC) reaches its check as words, never as shell syntax: NPROC='1; rm x'
 # is then refused by the check instead of run.
 sq = '$(subst ','\'',$(1))'
 each_quoted = $(foreach w,$(1),$(call sq,$(w)))
+# $(call q,VAR): VAR's value exactly as the user typed it (make does not expand a $ in it), quoted for the
+# shell, so that PREFIX='runs $$5' reaches the script as it was written. Make syntax in a value, $(shell ...),
+# is make's to run, as on any make command line: make expands a variable given on its command line when it
+# exports it to a recipe.
+q = $(call sq,$(value $(1)))
 # An optional variable is passed on when it is set at all, even to nothing, so that WARMUP= is refused
 # by the script with a clear message instead of being silently dropped.
 opt = $(if $(filter undefined,$(origin $(1))),,$(2)=$(call q,$(1)))
@@ -31,7 +31,7 @@ RUN_ARGS = --steps=$(call q,STEPS) --batch-size=$(call q,BATCH_SIZE) --prefix=$(
 	$(call opt,DATA,--data) $(call opt,WARMUP,--warmup) $(call opt,SEED,--seed) $(call opt,DATA_DIR,--data-dir) \
 	$(if $(filter 1 yes true,$(PROFILE)),--profile) $(if $(filter 1 yes true,$(COLD)),--cold)
 
-need = @if [ -z '$(subst ','\'',$(strip $(value $(1))))' ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
+need = @if [ -z $(call sq,$(strip $(value $(1)))) ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
 
 .PHONY: help install all scaling ablation additions custom peers profile plots compare peak test gpu-test init_results reset clean notebook $(RUNGS) require-run require-prefix
 .DEFAULT_GOAL := help
@@ -90,8 +90,8 @@ require-run:
 	$(call need,STEPS)
 	$(call need,BATCH_SIZE)
 	$(call need,PREFIX)
-	@case '$(subst ','\'',$(COLD))' in ''|0|1|yes|no|true|false) ;; *) printf "error: COLD must be 1 (compile with an empty cache) or 0, not '%s'\n" $(call sq,$(COLD)) >&2; exit 2;; esac
-	@case '$(subst ','\'',$(PROFILE))' in ''|0|1|yes|no|true|false) ;; *) printf "error: PROFILE must be 1 (profile the run too) or 0, not '%s'\n" $(call sq,$(PROFILE)) >&2; exit 2;; esac
+	@case $(call sq,$(COLD)) in ''|0|1|yes|no|true|false) ;; *) printf "error: COLD must be 1 (compile with an empty cache) or 0, not '%s'\n" $(call sq,$(COLD)) >&2; exit 2;; esac
+	@case $(call sq,$(PROFILE)) in ''|0|1|yes|no|true|false) ;; *) printf "error: PROFILE must be 1 (profile the run too) or 0, not '%s'\n" $(call sq,$(PROFILE)) >&2; exit 2;; esac
 
 require-prefix:
 	$(no_line_breaks)
@@ -109,12 +109,12 @@ rounds = $$(r=0; while [ $$r -lt $(REPEAT) ]; do r=$$((r + 1)); echo $(1); done)
 round_start = if [ $$x = $(1) ]; then round=$$(($${round:-0} + 1)); [ $(REPEAT) -eq 1 ] || echo "--- round $$round of $(REPEAT) ---"; fi
 # true where RUNG names one rung
 rung_named = [ $(words $(RUNG)) = 1 ] && [ -n "$(filter $(strip $(RUNG)),$(RUNGS))" ]
-check_repeat = @case '$(subst ','\'',$(REPEAT))' in [1-9]|[1-9][0-9]) ;; *) printf "error: REPEAT must be a number of runs from 1 to 99, not '%s' (e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)\n" $(call sq,$(REPEAT)) >&2; exit 2;; esac
+check_repeat = @case $(call sq,$(REPEAT)) in [1-9]|[1-9][0-9]) ;; *) printf "error: REPEAT must be a number of runs from 1 to 99, not '%s' (e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)\n" $(call sq,$(REPEAT)) >&2; exit 2;; esac
 # $(call repeat,NAME,COMMAND): COMMAND REPEAT times in a row, stopping at the first run that is not ok: on
 # a GPU whose clock moves one run's median by a few percent, summary.md then reports the median of medians.
 define repeat
 	$(check_repeat)
-	@printf '%s\n' '$(subst ','\'',$(strip $(2)))'
+	@printf '%s\n' $(call sq,$(strip $(2)))
 	@run=0; while [ $$run -lt $(REPEAT) ]; do run=$$((run + 1)); \
 		if [ $(REPEAT) -gt 1 ]; then echo "=== $(1), run $$run of $(REPEAT) ==="; fi; \
 		$(call wait_for,$(2)); [ $$rc -eq 0 ] || exit $$rc; \
@@ -236,7 +236,7 @@ peers: require-run
 	@if [ $(call sq,$(strip $(NPROC))) != 1 ] || [ -n $(call sq,$(strip $(PARALLEL))$(filter 1 yes true,$(PROFILE))) ]; then echo "error: make peers runs each peer as one process, unprofiled: leave out NPROC, PARALLEL and PROFILE" >&2; exit 2; fi
 	@seen=" "; for x in $(call each_quoted,$(PEERS)); do case " $(PEER_NAMES) " in *" $$x "*) ;; *) echo "error: PEERS names $$x: use some of $(PEER_NAMES)" >&2; exit 2;; esac; \
 		case "$$seen" in *" $$x "*) echo "error: PEERS names $$x twice: name each peer once (REPEAT=n runs rounds)" >&2; exit 2;; esac; seen="$$seen$$x "; done
-	@if [ -n '$(subst ','\'',$(strip $(RUNG)))' ] && ! { $(rung_named); }; then echo 'error: RUNG must name one rung ($(RUNGS)) to run beside the peers, e.g. make peers RUNG=max REPEAT=3 STEPS=30 BATCH_SIZE=64 PREFIX=./out' >&2; exit 2; fi
+	@if [ -n $(call sq,$(strip $(RUNG))) ] && ! { $(rung_named); }; then echo 'error: RUNG must name one rung ($(RUNGS)) to run beside the peers, e.g. make peers RUNG=max REPEAT=3 STEPS=30 BATCH_SIZE=64 PREFIX=./out' >&2; exit 2; fi
 	$(call each,peers,$(call rounds,$(PEER_ROUND)),$(call round_start,$(firstword $(PEER_ROUND))); if [ $$x = '$(strip $(RUNG))' ]; then run='$(call script,$(strip $(RUNG)))'; else run="-m Utils.peers $$x"; fi; $(PYTHON) $$run $(RUN_ARGS) $${data:+--data=$$data},$(charts))
 
 # Each rung again with --profile: STEPS timed steps, then a few under torch.profiler; writes the
@@ -252,8 +252,8 @@ plots: require-prefix
 # One table and one chart across results folders (machines or commits), written into OUT (default: the first).
 # Each word of PREFIXES is one folder, quoted for the shell as $(call q,...) quotes PREFIX.
 compare:
-	@if [ -z '$(subst ','\'',$(strip $(value PREFIXES)))' ]; then echo 'error: PREFIXES is required: two or more results folders, e.g. make compare PREFIXES="results/h200-b16 results/h100-b16" [OUT=dir]' >&2; exit 2; fi
-	$(PYTHON) -m Utils.report.compare $(call opt,OUT,--out) -- $(foreach p,$(value PREFIXES),'$(subst ','\'',$(p))')
+	@if [ -z $(call sq,$(strip $(value PREFIXES))) ]; then echo 'error: PREFIXES is required: two or more results folders, e.g. make compare PREFIXES="results/h200-b16 results/h100-b16" [OUT=dir]' >&2; exit 2; fi
+	$(PYTHON) -m Utils.report.compare $(call opt,OUT,--out) -- $(call each_quoted,$(value PREFIXES))
 
 init_results: require-prefix
 	$(PYTHON) -m Utils.results.store init $(call q,PREFIX)

@@ -21,20 +21,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.dgelu_triton import _tile  # noqa: E402   (row tiles walked in groups, GROUP_M at a time)
 from bench.gelu_epilogue import bench  # noqa: E402
 from Utils.kernels import cublaslt as L  # noqa: E402
 from Utils.kernels.fp8_loss import to_e4m3  # noqa: E402
 
 ROWS, WIDTH, VOCAB = 4096, 768, 50304
-
-
-@triton.jit
-def _tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    # GROUP_M row tiles walked together, so that their weight rows stay in L2.
-    group = GROUP_M * num_pid_n
-    first_m = (tile_id // group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile_id % group) % size_m, (tile_id % group) // size_m
 
 
 @triton.jit

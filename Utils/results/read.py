@@ -16,9 +16,9 @@ def read_table(path: str | os.PathLike, columns: Sequence[str], numeric: Sequenc
     """The CSV at `path` as a frame in file order (index 0..n-1) with every one of `columns`, after
     check_file(path, columns): a file of an earlier schema version has the columns added since blank.
 
-    Raises ResultsError when the file is foreign or cut off (check_file), unreadable, or holds a cell in a
-    `numeric` column that is neither blank nor a number."""
-    check_file(path, columns)
+    Raises ResultsError when the file is foreign or cut off, or holds a cell in a `numeric` column that is
+    neither blank nor a number (check_file, which a run's own check shares), or is unreadable."""
+    check_file(path, columns, numeric)
     try:
         df = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
@@ -27,15 +27,8 @@ def read_table(path: str | os.PathLike, columns: Sequence[str], numeric: Sequenc
     if list(columns) == RUN_COLUMNS:
         for col, value in RUN_DEFAULTS.items():   # rows written before the column existed
             df.loc[df[col] == "", col] = value
-    for col in numeric:
-        text = df[col].str.strip()
-        values = pd.to_numeric(text, errors="coerce")
-        bad = values.isna() & ~text.isin(["", "nan", "NaN"])
-        if bad.any():
-            line = int(bad.idxmax()) + 2   # the header is line 1
-            raise ResultsError(f"{path} line {line}: {col}={text[bad].iloc[0]!r} is not a number: the file is "
-                               f"damaged; move it aside or repair that line")
-        df[col] = values.astype(float)
+    for col in numeric:   # check_file has proved every cell blank or a number
+        df[col] = df[col].str.strip().replace("", "nan").astype(float)
     return df.reset_index(drop=True)
 
 

@@ -29,11 +29,12 @@ opt = $(if $(filter undefined,$(origin $(1))),,$(2)=$(call q,$(1)))
 RUN_ARGS = --steps=$(call q,STEPS) --batch-size=$(call q,BATCH_SIZE) --prefix=$(call q,PREFIX) \
 	$(call opt,MODEL,--model) $(call opt,SEQ_LEN,--seq-len) $(call opt,DEVICE,--device) \
 	$(call opt,DATA,--data) $(call opt,WARMUP,--warmup) $(call opt,SEED,--seed) $(call opt,DATA_DIR,--data-dir) \
+	$(call opt,SDPA_BACKEND,--sdpa-backend) \
 	$(if $(filter 1 yes true,$(PROFILE)),--profile) $(if $(filter 1 yes true,$(COLD)),--cold)
 
 need = @if [ -z $(call sq,$(strip $(value $(1)))) ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
 
-.PHONY: help install all scaling ablation additions custom peers profile plots compare peak test gpu-test init_results reset clean notebook $(RUNGS) require-run require-prefix
+.PHONY: help install lock check-upgrades all scaling ablation additions custom peers profile plots compare peak test gpu-test init_results reset clean notebook $(RUNGS) require-run require-prefix
 .DEFAULT_GOAL := help
 
 # A target that is none of these: name the rungs, rather than make's own "No rule to make target".
@@ -61,8 +62,11 @@ help:
 	@echo "  make clean PREFIX=dir                         remove the charts (scaling.png too), summary.md, breakdown.md/.png, compare.md/.png"
 	@echo "  make reset PREFIX=dir                         remove every file the suite wrote in PREFIX, results too"
 	@echo "  make notebook [RESULTS=dir]                   execute the notebook against RESULTS (saved into RESULTS)"
-	@echo "  make install                                  what the suite needs (PyTorch's CPU build where there is no GPU)"
-	@echo "  make test                                     the test suite (CPU, about 5 minutes on 2 cores; installs requirements-test.txt)"
+	@echo "  make install                                  what the suite needs, from the locks (PyTorch's CPU build where there is no GPU)"
+	@echo "                                                (UPGRADE=1: the newest versions requirements.txt allows)"
+	@echo "  make lock                                     resolve the locks again after a change to requirements*.txt"
+	@echo "  make check-upgrades                           make test UPGRADE=1 in a new virtual environment"
+	@echo "  make test                                     the test suite (CPU, about 5 minutes on 2 cores; installs requirements-test.lock)"
 	@echo "  make gpu-test                                 the tests marked gpu, on a CUDA machine"
 	@echo ""
 	@echo "Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE=auto|cuda|cpu"
@@ -70,6 +74,7 @@ help:
 	@echo "          REPEAT=n (rung targets, custom and all: n runs in a row, judged on their median; ablation: n rounds)"
 	@echo "          PROFILE=1 (a rung target: profile it too)  ADDITIONS=\"a b c+d\" (make ablation: only these; c+d together)"
 	@echo "          COLD=1 (compile with an empty Inductor cache, as on a fresh machine)"
+	@echo "          SDPA_BACKEND=auto|flash|cudnn|efficient|math (the kernel SDPA is held to; auto: PyTorch's choice)"
 	@echo "          NPROC=n (runs, all, custom, ablation: n processes through torchrun, one GPU each; BATCH_SIZE stays per GPU)"
 	@echo "          PARALLEL=ddp|fsdp (with NPROC: DistributedDataParallel, the default, or FSDP2's fully_shard)"
 	@echo "          PEERS=\"llmc hf\" (make peers: only these)  LLMC_SOURCE=dir|file.tar.gz (llm.c's source, offline)"
@@ -80,7 +85,7 @@ define newline
 
 
 endef
-USER_VARIABLES := STEPS BATCH_SIZE PREFIX MODEL SEQ_LEN DEVICE DATA WARMUP SEED DATA_DIR PROFILE COLD REPEAT WITH \
+USER_VARIABLES := STEPS BATCH_SIZE PREFIX MODEL SEQ_LEN DEVICE DATA WARMUP SEED DATA_DIR SDPA_BACKEND PROFILE COLD REPEAT WITH \
 	ADDITIONS FROM PEERS RUNG NPROC PARALLEL PREFIXES OUT RESULTS MATMUL_N COPY_GIB
 broken_lines = $(strip $(foreach v,$(USER_VARIABLES),$(if $(findstring $(newline),$(value $(v))),$(v))))
 no_line_breaks = @$(if $(broken_lines),echo 'error: $(firstword $(broken_lines)) holds a line break: give it on one line' >&2; exit 2,true)
@@ -284,28 +289,32 @@ reset: require-prefix
 # the cells and the results only, so a second run against the same results changes nothing.
 notebook:
 	@$(PYTHON) -c "import nbformat, nbclient, ipykernel" 2>/dev/null || \
-		PIP_DISABLE_PIP_VERSION_CHECK=1 $(PYTHON) -m pip install -q -r requirements-notebook.txt
+		PIP_DISABLE_PIP_VERSION_CHECK=1 $(PYTHON) -m Utils.install notebook$(upgrade)
 	$(PYTHON) notebooks/build_notebook.py $(if $(RESULTS),--results=$(call q,RESULTS))
 
-# PyPI's torch for Linux is the CUDA build (several GB with its libraries): where no NVIDIA GPU answers,
-# PyTorch's CPU wheels instead, and none of requirements.txt's nvidia-* packages but nvidia-ml-py (pure
-# Python, and its tests run on a CPU). A torch already there is kept.
-TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# Installs come from the locks (requirements*.lock: exact versions with hashes); UPGRADE=1 takes the newest
+# versions requirements*.txt allow instead. A CUDA build of PyTorch where nvidia-smi finds a GPU, its CPU build
+# elsewhere (TORCH_CPU_INDEX= names a mirror of PyTorch's CPU index). Utils/install.py says how.
+upgrade = $(if $(filter 1 yes true,$(UPGRADE)), --upgrade)
+export TORCH_CPU_INDEX
 install:
-	@if nvidia-smi -L >/dev/null 2>&1; then \
-		echo "$(PYTHON) -m pip install -r requirements.txt"; $(PYTHON) -m pip install -r requirements.txt; \
-	else \
-		if $(PYTHON) -c "import torch" 2>/dev/null; then echo "torch is installed: kept"; \
-		else echo "no NVIDIA GPU: PyTorch's CPU build"; \
-			$(PYTHON) -m pip install torch --index-url '$(TORCH_CPU_INDEX)' || exit $$?; fi; \
-		reqs=$$(mktemp); { grep -v '^nvidia-' requirements.txt; grep '^nvidia-ml-py' requirements.txt; } > $$reqs; \
-		echo "$(PYTHON) -m pip install -r requirements.txt (without its nvidia-* CUDA packages)"; \
-		$(PYTHON) -m pip install -r $$reqs; rc=$$?; rm -f $$reqs; exit $$rc; \
-	fi
+	$(PYTHON) -m Utils.install suite$(upgrade)
 
+# Every lock resolved again from requirements*.txt (uv pip compile); commit the locks with the change.
+lock:
+	$(PYTHON) -m Utils.install lock
+
+PYTEST = -m pytest -q -rs -n auto --dist loadgroup tests
 test:
-	@PIP_DISABLE_PIP_VERSION_CHECK=1 $(PYTHON) -m pip install -q -r requirements-test.txt
-	$(PYTHON) -m pytest -q -rs -n auto --dist loadgroup tests
+	@PIP_DISABLE_PIP_VERSION_CHECK=1 $(PYTHON) -m Utils.install test$(upgrade)
+	$(PYTHON) $(PYTEST)
+
+# What CI would meet with the newest releases: make test UPGRADE=1 in a new virtual environment, made in a
+# temporary folder and removed after; run it before a release breaks CI, as it did with pytest 9.2.
+check-upgrades:
+	@venv=$$(mktemp -d); trap 'rm -rf "$$venv"' EXIT; $(PYTHON) -m venv "$$venv" && \
+	PIP_DISABLE_PIP_VERSION_CHECK=1 "$$venv/bin/python" -m Utils.install test --upgrade && \
+	"$$venv/bin/python" $(PYTEST)
 
 # The tests that need a CUDA GPU (marked gpu); `make test` leaves them out. Only the files that hold such
 # tests are collected, so that a GPU machine needs none of the notebook's packages.

@@ -344,16 +344,25 @@ def test_split_kernel_totals_unknowns_and_transfers():
     assert t[MEMSET].bandwidth == pytest.approx(4096 / 20e-6)
 
 
+def assert_gaps(bd, expected: dict) -> None:
+    """bd's gaps are exactly expected's pairs, each (ms per step, count per step) within float rounding.
+    Element by element: pytest 9's approx refuses a dict whose values are tuples."""
+    got = {(g.before, g.after): (g.ms_per_step, g.count_per_step) for g in bd.gaps}
+    assert sorted(got) == sorted(expected)
+    for pair, (ms, count) in expected.items():
+        assert got[pair][0] == pytest.approx(ms), pair
+        assert got[pair][1] == pytest.approx(count), pair
+
+
 def test_the_overhead_is_kept_gap_by_gap_with_the_activities_on_either_side():
     bd = split(hand_trace())
     # Window 1: start -> memcpy 10, memcpy -> GEMM 80, add -> flash 50 (add outlasts the GEMM), mystery ->
     # softmax 50 (mystery outlasts flash), mystery2 -> end 250. Window 2: start -> GEMM 100; the memset
     # starts as the GEMM ends (no gap); memset -> add 230; the add runs past the window's end (no gap).
-    got = {(g.before, g.after): (g.ms_per_step, g.count_per_step) for g in bd.gaps}
-    assert got == pytest.approx({(STEP_START, HTOD): (0.005, 0.5), (HTOD, GEMM): (0.04, 0.5),
-                                 (ADD, FLASH): (0.025, 0.5), (MYSTERY, SOFTMAX): (0.025, 0.5),
-                                 (MYSTERY2, STEP_END): (0.125, 0.5), (STEP_START, GEMM): (0.05, 0.5),
-                                 (MEMSET, ADD): (0.115, 0.5)})
+    assert_gaps(bd, {(STEP_START, HTOD): (0.005, 0.5), (HTOD, GEMM): (0.04, 0.5),
+                     (ADD, FLASH): (0.025, 0.5), (MYSTERY, SOFTMAX): (0.025, 0.5),
+                     (MYSTERY2, STEP_END): (0.125, 0.5), (STEP_START, GEMM): (0.05, 0.5),
+                     (MEMSET, ADD): (0.115, 0.5)})
     assert [(g.before, g.after) for g in bd.gaps[:2]] == [(MYSTERY2, STEP_END), (MEMSET, ADD)]   # longest first
     assert sum(g.ms_per_step for g in bd.gaps) == pytest.approx(bd.ms["overhead"])
 
@@ -373,9 +382,8 @@ def test_a_gap_follows_the_activity_that_ended_last_and_repeats_add_up():
                    _x("kernel", SOFTMAX, w + 120, 10), _x("kernel", GEMM, w + 150, 10),
                    _x("kernel", SOFTMAX, w + 170, 5)]
     bd = split({"traceEvents": events})
-    got = {(g.before, g.after): (g.ms_per_step, g.count_per_step) for g in bd.gaps}
-    assert got == pytest.approx({(STEP_START, GEMM): (0.010, 1.0), (GEMM, SOFTMAX): (0.030, 2.0),
-                                 (SOFTMAX, GEMM): (0.020, 1.0), (SOFTMAX, STEP_END): (0.025, 1.0)})
+    assert_gaps(bd, {(STEP_START, GEMM): (0.010, 1.0), (GEMM, SOFTMAX): (0.030, 2.0),
+                     (SOFTMAX, GEMM): (0.020, 1.0), (SOFTMAX, STEP_END): (0.025, 1.0)})
     assert sum(g.ms_per_step for g in bd.gaps) == pytest.approx(bd.ms["overhead"]) == pytest.approx(0.085)
 
 

@@ -207,34 +207,14 @@ def test_make_n_all_changes_nothing_and_still_refuses_bad_arguments(tmp_path, su
     assert bad.returncode != 0 and "STEPS" in bad.stderr and not prefix.exists()
 
 
-@pytest.mark.parametrize("gpu", [False, True])
-def test_make_install_takes_cpu_wheels_and_no_cuda_package_without_a_gpu(tmp_path, gpu):
-    # A fake Python records what make install asks pip for; a fake nvidia-smi answers where there is a GPU.
-    log = tmp_path / "pip.log"
-    fake = tmp_path / "python"
-    fake.write_text(f"""#!/bin/sh
-if [ "$1" = -c ]; then exit 1; fi   # no torch installed yet
-echo "$@" >> {log}
-while [ $# -gt 0 ]; do if [ "$1" = -r ]; then cat "$2" >> {log}; fi; shift; done
-""")
-    fake.chmod(0o755)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    if gpu:
-        (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200'\n")
-        (bin_dir / "nvidia-smi").chmod(0o755)
-    env = dict(clean_env(), PATH=f"{bin_dir}:/usr/bin:/bin")
-    # PYTHON is the fake; the registry is read by this interpreter, as the Makefile reads it at parse time.
-    r = subprocess.run(["make", "--no-print-directory", f"PYTHON={fake}", "LADDER=baseline:no_optimization.py",
-                        "install"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    asked = log.read_text()
-    if gpu:
-        assert "--index-url" not in asked and "nvidia-cudnn-frontend" in asked
-    else:
-        assert "-m pip install torch --index-url https://download.pytorch.org/whl/cpu" in asked
-        assert "torch>=" in asked and "nvidia-cudnn" not in asked and "nvidia-cuda" not in asked
-        assert "nvidia-ml-py" in asked   # pure Python: NVML's tests run on a CPU too
+@pytest.mark.parametrize("upgrade, flag", [("", ""), ("UPGRADE=1", " --upgrade")])
+def test_make_install_test_and_notebook_install_through_utils_install(upgrade, flag):
+    # What each installs on which machine is Utils.install's (tests/test_install.py); make only calls it.
+    for target, what in (("install", "suite"), ("test", "test"), ("notebook", "notebook")):
+        r = subprocess.run(["make", "-n", "--no-print-directory", target] + ([upgrade] if upgrade else []),
+                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert f"-m Utils.install {what}{flag}\n" in r.stdout, r.stdout
 
 
 def test_make_ablation_runs_the_fused_rung_first_then_each_addition_then_the_charts(tmp_path, suite_env):

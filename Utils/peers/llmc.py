@@ -276,6 +276,7 @@ def train(cfg: RunConfig, tokens: np.ndarray, run: dict, log: str, start_samplin
         write_tokens(tokens, data)
         args = command(binary, data, DESCRIPTORS[cfg.model], cfg.batch_size, cfg.seq_len, cfg.steps)
         shown = " ".join(["train_gpt2cu"] + [a if a != data else "tokens.bin" for a in args[1:]])
+        run["attention_kernel"] = "cudnn"   # built with USE_CUDNN: its attention is cuDNN's, with no choice at run time
         run["notes"] = (f"{what}, built with {nvcc}; {shown}; step times are llm.c's own "
                         f"(CUDA events around each step's work)"
                         + ("" if shutil.which("stdbuf") else "; no stdbuf: the GPU sampled from the program's start"))

@@ -9,8 +9,9 @@ a new version and never renamed, dropped or moved: a header that is no version's
 """
 from typing import NamedTuple
 
-SCHEMA_VERSION = 3   # 2: schema_version, wall-clock steps (window_wall_s), provenance, clocks and power
+SCHEMA_VERSION = 4   # 2: schema_version, wall-clock steps (window_wall_s), provenance, clocks and power
                      # 3: several GPUs (nproc, parallel, global and per-GPU tokens/s)
+                     # 4: the attention kernel that ran
 
 STEPS_FILE = "results.csv"        # a row per step
 RUNS_FILE = "runs.csv"            # a row per run
@@ -91,6 +92,10 @@ RUN_SCHEMA = (
            since=3),
     Column("global_tokens_per_s", True, "tokens/s of all processes together at the median step time", since=3),
     Column("tokens_per_s_per_gpu", True, "global_tokens_per_s / nproc", since=3),
+    Column("attention_kernel", False, "the attention kernel the first step ran, read off its operators: flash2 "
+           "(FlashAttention-2), cudnn (cuDNN's fused attention), efficient (memory-efficient), math, flash_cpu, packed "
+           "(the packed_attention addition), or written_out (no SDPA); '+'-joined if several; llm.c's build runs "
+           "cuDNN's", since=4),
 )
 
 BREAKDOWN_SCHEMA = (

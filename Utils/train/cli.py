@@ -34,6 +34,7 @@ class RunConfig:
     profile: bool = False
     cold: bool = False
     parallel: str = ""        # ddp or fsdp: one of several processes started by torchrun
+    sdpa_backend: str = "auto"  # the kernel SDPA is held to (Utils.train.attention.BACKENDS); auto: PyTorch's choice
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -61,6 +62,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--cold", action="store_true",
                    help="compile with an empty Inductor and Triton cache, as on a fresh machine (COLD=1); "
                         "runs.csv's compile_cache says which a run had")
+    p.add_argument("--sdpa-backend", default="auto",
+                   help="auto (PyTorch's choice), flash, cudnn, efficient or math: the kernel F.scaled_dot_product_"
+                        "attention is held to (SDPA_BACKEND); runs.csv's attention_kernel says what ran")
     p.add_argument("--parallel", default="", help="ddp or fsdp: this process is one of torchrun's (make ... NPROC=n "
                                                   "PARALLEL=ddp); BATCH_SIZE is per process")
     return p
@@ -146,6 +150,10 @@ def parse_args(argv: Sequence[str] | None = None, prog: str | None = None) -> Ru
     if data not in ("auto", "shakespeare", "synthetic") and not os.path.isfile(data):
         raise UsageError(f"DATA={data!r} is not a file: give a text file, or DATA=shakespeare, synthetic or auto")
 
+    from Utils.train.attention import BACKENDS
+    if a.sdpa_backend not in BACKENDS:
+        raise UsageError(f"SDPA_BACKEND={a.sdpa_backend!r} is not one of {', '.join(BACKENDS)}: e.g. SDPA_BACKEND=flash")
+
     parallel = a.parallel
     if parallel:
         from Utils.train.distributed import launched_by_torchrun, parallel_problem
@@ -156,7 +164,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str | None = None) -> Ru
                              f"..., or torchrun --standalone --nproc-per-node n <script> --parallel {parallel} ...")
     return RunConfig(steps=steps, batch_size=batch, prefix=a.prefix, model=model, seq_len=seq_len,
                      device=device, data=data, warmup=warmup, seed=seed, data_dir=a.data_dir,
-                     profile=a.profile, cold=a.cold, parallel=parallel)
+                     profile=a.profile, cold=a.cold, parallel=parallel, sdpa_backend=a.sdpa_backend)
 
 
 def check(argv: Sequence[str]) -> int:

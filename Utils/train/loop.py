@@ -19,7 +19,7 @@ import torch
 from Utils.ladder.apply import Build
 from Utils.results import metrics
 from Utils.results.gpus import peak_bf16_flops
-from Utils.train import distributed, nvml
+from Utils.train import attention, distributed, nvml
 from Utils.train.cli import PROFILE_STEPS, RunConfig
 from Utils.train.data import inputs_targets
 
@@ -74,7 +74,7 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list) -> str | None:
             torch.compiler.cudagraph_mark_step_begin()
         window = source.next_batch().to(device, non_blocking=True)
         x, y = inputs_targets(window, cfg.batch_size, cfg.seq_len)
-        with b.autocast():
+        with b.autocast(), attention.pinned(cfg.sdpa_backend):
             loss = step_model(x, y)[1]   # logits a model returns (a peer's) are dropped at once, as a user would
         loss.backward()
         update()
@@ -113,7 +113,9 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list) -> str | None:
     last_end = clock.mark()
     try:
         for i in range(cfg.steps):
-            end, loss = step()
+            # The first step, always a warm-up step, says which attention kernel ran.
+            with attention.watch(run, device) if i == 0 else contextlib.nullcontext():
+                end, loss = step()
             pending.append((i, last_end, end, loss))
             last_end = end
             if len(pending) == b.sync_every or i in (cfg.warmup - 1, cfg.steps - 1):

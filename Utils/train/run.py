@@ -24,6 +24,7 @@ from Utils.ladder.registry import RUNGS, RegistryError, check_parallel, resolve,
 from Utils.model_config import PRESETS, GPTConfig
 from Utils.results import metrics
 from Utils.results.store import ResultsError, append_run, check_prefix
+from Utils.train.attention import cannot_run
 from Utils.train.cli import RunConfig, UsageError, parse_args
 from Utils.train.data import DataError, TokenLoader, check_enough_tokens, load_tokens
 from Utils.train.failures import compile_failure, first_line, out_of_memory
@@ -46,12 +47,29 @@ def main(additions: str | Iterable[str], argv: Iterable[str] | None = None, comm
         additions = resolve(RUNGS[additions].additions if isinstance(additions, str) else additions)
         cfg = parse_args(argv, prog=os.path.basename(sys.argv[0]))
         check_parallel(additions, cfg.parallel)
+        check_sdpa_backend(additions, cfg, peer)
         check_prefix(cfg.prefix)
     except (UsageError, ResultsError, RegistryError) as e:
         return fail(str(e))
     if command is None:
         command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.argv[0])] + argv)
     return run(additions, cfg, command, peer)
+
+
+def check_sdpa_backend(additions: tuple, cfg: RunConfig, peer: "Peer | None" = None) -> None:
+    """SDPA_BACKEND refused, with the fix, where the run's attention goes through SDPA and the backend cannot run
+    it on this device at the run's dtype and head size. Rungs whose attention is written out ignore it."""
+    if cfg.sdpa_backend == "auto" or not ({"flash", "packed_attention"} & set(additions) or peer):
+        return
+    dtype = torch.bfloat16 if "bf16" in additions else torch.float32
+    preset = PRESETS[cfg.model]
+    head_dim = preset.n_embd // preset.n_head
+    device = torch.device(cfg.device)
+    why = cannot_run(cfg.sdpa_backend, device, dtype, head_dim)
+    if why:
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "this CPU"
+        raise UsageError(f"SDPA_BACKEND={cfg.sdpa_backend} cannot run this run's attention ({str(dtype)[6:]}, head "
+                         f"size {head_dim}) on {where}: {why}; use SDPA_BACKEND=auto, or another backend")
 
 
 def compile_counts() -> tuple[int, int]:

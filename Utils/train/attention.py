@@ -1,0 +1,91 @@
+"""Which attention kernel a run ran, and SDPA_BACKEND, the pin a user may put on PyTorch's choice.
+
+F.scaled_dot_product_attention picks a kernel at each call from the inputs and the GPU: on Hopper with cuDNN
+newer than 9.15, PyTorch 2.11 prefers cuDNN's fused attention to FlashAttention-2. So the run records what its
+first step dispatched, read off a host-side profile of that step (always a warm-up step): each backend runs
+under an operator of its own, which compiled code calls as eager code does. Operators that torch.compile ran
+while tracing (inside its `dynamo_timed` ranges) are not what the step ran, and are left out: Inductor may
+replace the traced attention with another kernel, or with its own.
+"""
+import contextlib
+import os
+import warnings
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+# The operator each SDPA backend runs under, and ours (Utils.kernels.packed_attention), by the name runs.csv uses.
+KERNELS = {
+    "aten::_scaled_dot_product_flash_attention": "flash2",
+    "aten::_flash_attention_forward": "flash2",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash_cpu",
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_cudnn_attention_forward": "cudnn",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_efficient_attention_forward": "efficient",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "gpt_suite::packed_attention": "packed",
+}
+WRITTEN_OUT = "written_out"   # no SDPA: the scores, mask and softmax as the model writes them (the first rungs)
+
+# SDPA_BACKEND's values; auto leaves the choice to PyTorch.
+BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+
+
+def kernel_of(operators: Iterable[str]) -> str:
+    """The attention kernel(s) among the operators a step ran, '+'-joined if several; written_out if none."""
+    found = sorted({KERNELS[name] for name in operators if name in KERNELS})
+    return "+".join(found) or WRITTEN_OUT
+
+
+@contextlib.contextmanager
+def watch(run: dict, device: torch.device) -> Iterator[None]:
+    """Records in run["attention_kernel"] the attention kernel of what runs inside (the host's operators only:
+    no CUDA tracing, so the step is barely slowed, and it is a warm-up step)."""
+    if device.type != "cuda":
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")   # a CUDA build of torch on a CPU run: no GPU to ask for
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield
+    run["attention_kernel"] = kernel_of(e.name for e in prof.events() if e.name in KERNELS and not _compiling(e))
+
+
+def _compiling(event) -> bool:
+    """True for an operator that torch.compile ran while tracing or compiling, not as part of the step."""
+    while event is not None:
+        if event.name.endswith("(dynamo_timed)"):
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def _backend(name: str):
+    from torch.nn.attention import SDPBackend
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+
+
+def pinned(name: str) -> contextlib.AbstractContextManager:
+    """SDPA held to one backend (PyTorch's sdpa_kernel); auto: PyTorch's own choice."""
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+    return sdpa_kernel(_backend(name))
+
+
+def cannot_run(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why SDPA held to backend `name` cannot run causal attention of this head size and dtype, forward and
+    backward, on this device (PyTorch's own warnings say which condition failed); None when it can."""
+    if name == "auto":
+        return None
+    q, k, v = (torch.randn(1, 2, 64, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            with pinned(name):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+            return None
+        except RuntimeError as e:
+            reasons = [str(w.message).split("\n")[0] for w in said] or [str(e).split("\n")[0]]
+            return "; ".join(dict.fromkeys(reasons))

@@ -1,0 +1,76 @@
+"""The attention kernel a run records is the one its first step dispatched, and SDPA_BACKEND pins it or is refused."""
+import pytest
+import torch
+
+from Utils.train import attention
+from Utils.train.run import main
+
+from conftest import read_csv
+
+ARGS = ["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--data", "synthetic", "--warmup", "1"]
+
+
+@pytest.mark.parametrize("operators, kernel", [
+    (["aten::mm", "aten::_scaled_dot_product_flash_attention", "aten::add"], "flash2"),
+    (["aten::_scaled_dot_product_cudnn_attention"], "cudnn"),
+    (["aten::_scaled_dot_product_efficient_attention", "aten::_efficient_attention_forward"], "efficient"),
+    (["aten::_scaled_dot_product_attention_math", "aten::softmax"], "math"),
+    (["aten::_scaled_dot_product_flash_attention_for_cpu"], "flash_cpu"),
+    (["gpt_suite::packed_attention", "aten::_scaled_dot_product_cudnn_attention"], "cudnn+packed"),
+    (["aten::bmm", "aten::softmax", "aten::masked_fill"], "written_out"),
+])
+def test_the_kernel_is_named_from_the_operators_that_ran(operators, kernel):
+    assert attention.kernel_of(operators) == kernel
+
+
+@pytest.mark.parametrize("backend, kernel", [("auto", "flash_cpu"), ("math", "math"), ("flash", "flash_cpu")])
+def test_watch_reads_what_sdpa_ran_under_each_pin(backend, kernel):
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    run = {}
+    with attention.watch(run, torch.device("cpu")), attention.pinned(backend):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    assert run["attention_kernel"] == kernel
+
+
+@pytest.mark.parametrize("rung, kernel", [("baseline", "written_out"), ("flash", "flash_cpu")])
+def test_a_cpu_run_records_its_attention_kernel(tmp_path, rung, kernel):
+    assert main(rung, ARGS + ["--prefix", str(tmp_path)]) == 0
+    (run,) = read_csv(tmp_path / "runs.csv")
+    assert run["attention_kernel"] == kernel
+
+
+def test_sdpa_backend_math_is_what_an_eager_sdpa_run_then_runs(tmp_path):
+    assert main(["flash"], ARGS + ["--prefix", str(tmp_path), "--sdpa-backend", "math"]) == 0
+    (run,) = read_csv(tmp_path / "runs.csv")
+    assert run["attention_kernel"] == "math"
+    assert '"sdpa_backend": "math"' in run["config"]
+
+
+def test_what_torch_compile_ran_while_tracing_is_not_taken_for_the_step():
+    compiled = torch.compile(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    for _ in range(2):   # the first call traces, the second only runs what was compiled
+        q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+        run = {}
+        with attention.watch(run, torch.device("cpu")), attention.pinned("math"):
+            compiled(q, k, v).sum().backward()
+        # Inductor decomposes math attention into kernels of its own: no SDPA operator runs in the step.
+        assert run["attention_kernel"] == "written_out"
+
+
+def test_a_backend_the_device_cannot_run_is_refused_in_one_line_with_the_fix(tmp_path, capsys):
+    assert main("flash", ARGS + ["--prefix", str(tmp_path), "--sdpa-backend", "cudnn"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("error: SDPA_BACKEND=cudnn cannot run this run's attention (bfloat16, head size 32)")
+    assert "on this CPU" in err and "use SDPA_BACKEND=auto" in err
+    assert not (tmp_path / "runs.csv").exists()
+
+
+def test_a_rung_whose_attention_is_written_out_ignores_the_pin(tmp_path):
+    assert main("baseline", ARGS + ["--prefix", str(tmp_path), "--sdpa-backend", "cudnn"]) == 0
+    assert read_csv(tmp_path / "runs.csv")[0]["attention_kernel"] == "written_out"
+
+
+def test_an_unknown_backend_is_refused(tmp_path, capsys):
+    assert main("flash", ARGS + ["--prefix", str(tmp_path), "--sdpa-backend", "fa3"]) == 2
+    assert "SDPA_BACKEND='fa3' is not one of auto, flash, cudnn, efficient, math" in capsys.readouterr().err

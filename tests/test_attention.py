@@ -44,6 +44,7 @@ def test_sdpa_backend_math_is_what_an_eager_sdpa_run_then_runs(tmp_path):
     (run,) = read_csv(tmp_path / "runs.csv")
     assert run["attention_kernel"] == "math"
     assert '"sdpa_backend": "math"' in run["config"]
+    assert run["optimization"] == "baseline+flash@math"   # a row of its own beside PyTorch's choice
 
 
 def test_what_torch_compile_ran_while_tracing_is_not_taken_for_the_step():
@@ -68,7 +69,19 @@ def test_a_backend_the_device_cannot_run_is_refused_in_one_line_with_the_fix(tmp
 
 def test_a_rung_whose_attention_is_written_out_ignores_the_pin(tmp_path):
     assert main("baseline", ARGS + ["--prefix", str(tmp_path), "--sdpa-backend", "cudnn"]) == 0
-    assert read_csv(tmp_path / "runs.csv")[0]["attention_kernel"] == "written_out"
+    (run,) = read_csv(tmp_path / "runs.csv")
+    assert run["attention_kernel"] == "written_out" and run["optimization"] == "baseline"
+
+
+def test_summary_shows_each_runs_attention_kernel(tmp_path):
+    from Utils.report.cli import main as plots
+    for backend in ("auto", "math"):
+        assert main(["flash"], ARGS + ["--prefix", str(tmp_path), "--sdpa-backend", backend]) == 0
+    assert plots(["--prefix", str(tmp_path)]) == 0
+    rows = [line for line in (tmp_path / "summary.md").read_text().splitlines() if line.startswith("| baseline+flash")]
+    assert len(rows) == 2
+    cells = [[c.strip() for c in row.split("|")] for row in rows]
+    assert cells[0][-4] == "flash_cpu" and cells[1][1] == "baseline+flash@math" and cells[1][-4] == "math"
 
 
 def test_an_unknown_backend_is_refused(tmp_path, capsys):

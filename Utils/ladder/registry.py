@@ -214,7 +214,9 @@ def run_name(additions: Iterable[str]) -> str:
 
 def additions_of(name: str) -> tuple | None:
     """The additions of a run recorded under `name`: run_name's inverse. None for a name run_name cannot have
-    built (a part that is neither the leading rung nor an addition)."""
+    built (a part that is neither the leading rung nor an addition). A run with SDPA_BACKEND pinned, flash@cudnn,
+    has the additions of its name before the @."""
+    name = name.split("@")[0]
     if name in RUNGS:
         return RUNGS[name].additions
     if "-" in name:

@@ -32,8 +32,8 @@ TRIM = 0.10            # the trimmed mean drops this share of the steps at each 
 SUMMARY_COLUMNS = ["run_id", "status", "message", "runs", "median_step_ms", "iqr_step_ms", "trimmed_mean_ms",
                    "spread", "noisy", "speedup", "speedup_lo", "speedup_hi", "tokens_per_s", "mfu", "mfu_measured",
                    "peak_mem_allocated_gib", "peak_mem_reserved_gib", "compile_s", "compile_cache", "final_loss",
-                   "measured_steps"]
-TEXT_COLUMNS = ("run_id", "status", "message", "compile_cache")
+                   "measured_steps", "attention_kernel"]
+TEXT_COLUMNS = ("run_id", "status", "message", "compile_cache", "attention_kernel")
 
 
 def trimmed_mean(values: np.ndarray, trim: float = TRIM) -> float:
@@ -116,7 +116,8 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataF
                        tokens_per_s=nproc_of(run) * run["batch_size"] * run["seq_len"] / (median / 1000.0),
                        peak_mem_allocated_gib=run["peak_mem_allocated_gib"],
                        peak_mem_reserved_gib=run["peak_mem_reserved_gib"], compile_s=run["compile_s"],
-                       compile_cache=norm(run.get("compile_cache", "")))
+                       compile_cache=norm(run.get("compile_cache", "")),
+                       attention_kernel=norm(run.get("attention_kernel", "")))
             runs = sel.repeats.get(rung) or [run]
             all_steps = pd.concat([measured(by_run[r["run_id"]]) for r in runs])
             row["mfu"], row["mfu_measured"] = _mfus(runs, all_steps, row["tokens_per_s"], peak)
@@ -161,7 +162,8 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataF
     for col in SUMMARY_COLUMNS:
         if col not in TEXT_COLUMNS:
             table[col] = table[col].astype(float)
-    table["compile_cache"] = table["compile_cache"].fillna("").astype(str)
+    for col in ("compile_cache", "attention_kernel"):
+        table[col] = table[col].fillna("").astype(str)
     steps = pd.concat(step_frames, ignore_index=True) if step_frames else steps_df.iloc[0:0]
     compared = pd.DataFrame([sel.chosen[r] for r in table.index if r in sel.chosen], columns=runs_df.columns)
     # every run behind a row, a repeated rung's runs included: they may come from several cards

@@ -16,7 +16,7 @@ from Utils.results.schema import step_timing
 SUMMARY_FILE = "summary.md"
 TABLE_HEADER = ["rung", "runs", "median ms", "IQR ms", "trimmed mean ms", "spread", "noisy", "speedup", "tokens/s",
                 "MFU", "MFU of measured peak", "peak alloc GiB", "peak reserved GiB", "compile s", "cache",
-                "final loss", "status"]
+                "attention", "final loss", "status"]
 SCALING_HEADER = ["rung", "GPUs", "parallel", "median ms", "global tokens/s", "tokens/s per GPU", "efficiency"]
 ABLATION_WORDS = {   # base -> what its runs are, and which sign means the addition pays
     "fused": "The fused rung with each addition alone (`make ablation`): negative is faster with the addition.",
@@ -35,7 +35,7 @@ def table_rows(table: pd.DataFrame) -> list[list[str]]:
                      markdown.cell(r["speedup"], ".2f", "x"), markdown.cell(r["tokens_per_s"], ",.0f"),
                      markdown.cell(100 * r["mfu"], ".1f", "%"), markdown.cell(100 * r["mfu_measured"], ".1f", "%"),
                      markdown.cell(r["peak_mem_allocated_gib"], ".1f"), markdown.cell(r["peak_mem_reserved_gib"], ".1f"),
-                     markdown.cell(r["compile_s"], ".1f"), r["compile_cache"] or "-",
+                     markdown.cell(r["compile_s"], ".1f"), r["compile_cache"] or "-", r["attention_kernel"] or "-",
                      markdown.cell(r["final_loss"], ".3f"), r["status"]])
     return rows
 
@@ -180,7 +180,9 @@ def render_summary(report: Report, scaling: "Scaling | None" = None,
                  f"((max - min) / median) and the mean of all its steps without the {TRIM:.0%} at each end. "
                  f"noisy: a run's IQR is over {NOISY_IQR:.0%} of its median. "
                  "speedup = baseline median / rung median; tokens/s = global batch (processes × batch) × seq_len / "
-                 "median step time; MFU is per GPU. "
+                 "median step time; MFU is per GPU; attention: the kernel the run's first step ran (flash2: "
+                 "FlashAttention-2, cudnn: cuDNN's fused attention, written_out: no SDPA), a rung@backend row a run "
+                 "with SDPA_BACKEND pinned. "
                  f"{mfu_text(report)} speedup.png's whiskers: 95% bootstrap interval of the ratio of medians "
                  f"({BOOTSTRAP_RESAMPLES} resamples of the measured step times): the spread within runs, not "
                  f"between them, which the spread column shows.")

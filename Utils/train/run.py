@@ -56,10 +56,15 @@ def main(additions: str | Iterable[str], argv: Iterable[str] | None = None, comm
     return run(additions, cfg, command, peer)
 
 
+def pins_sdpa(additions: tuple, cfg: RunConfig, peer: "Peer | None" = None) -> bool:
+    """True where SDPA_BACKEND holds the run's attention: it names a backend and the attention goes through SDPA."""
+    return cfg.sdpa_backend != "auto" and bool({"flash", "packed_attention"} & set(additions) or peer)
+
+
 def check_sdpa_backend(additions: tuple, cfg: RunConfig, peer: "Peer | None" = None) -> None:
     """SDPA_BACKEND refused, with the fix, where the run's attention goes through SDPA and the backend cannot run
     it on this device at the run's dtype and head size. Rungs whose attention is written out ignore it."""
-    if cfg.sdpa_backend == "auto" or not ({"flash", "packed_attention"} & set(additions) or peer):
+    if not pins_sdpa(additions, cfg, peer):
         return
     dtype = torch.bfloat16 if "bf16" in additions else torch.float32
     preset = PRESETS[cfg.model]
@@ -185,6 +190,8 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
     """Run and record `additions`; a peer trains its own model under the same additions and loop. Returns the
     exit status."""
     name = peer.name if peer else run_name(additions)
+    if pins_sdpa(additions, cfg, peer):
+        name += f"@{cfg.sdpa_backend}"   # another kernel than PyTorch's choice: another row of the report
     dist = distributed.from_env(cfg.parallel)
     device = torch.device(cfg.device)
     try:

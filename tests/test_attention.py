@@ -87,3 +87,13 @@ def test_summary_shows_each_runs_attention_kernel(tmp_path):
 def test_an_unknown_backend_is_refused(tmp_path, capsys):
     assert main("flash", ARGS + ["--prefix", str(tmp_path), "--sdpa-backend", "fa3"]) == 2
     assert "SDPA_BACKEND='fa3' is not one of auto, flash, cudnn, efficient, math" in capsys.readouterr().err
+
+
+def test_a_compiled_rung_pinned_after_a_run_of_its_own_choice_runs_the_pinned_kernel(tmp_path):
+    # The flash rung compiles; the pinned run must not get the first run's graph back from a cache.
+    assert main("flash", ARGS + ["--prefix", str(tmp_path)]) == 0
+    torch._dynamo.reset()   # as a new process starts: only the caches on disk are left
+    assert main("flash", ARGS + ["--prefix", str(tmp_path), "--sdpa-backend", "math"]) == 0
+    auto, pinned = read_csv(tmp_path / "runs.csv")
+    assert auto["attention_kernel"] == "flash_cpu"
+    assert pinned["optimization"] == "flash@math" and pinned["attention_kernel"] != "flash_cpu"

@@ -119,6 +119,19 @@ def cold_caches(cold: bool) -> Iterator[None]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def autograd_cache_unless(pinned: bool) -> Iterator[None]:
+    """With SDPA_BACKEND pinned, no AOTAutograd cache: its key is the graph before SDPA picks a kernel, so it
+    hands back a graph compiled under PyTorch's own choice (measured: flash@flash ran cuDNN's attention on an
+    H200). Traced again, the graph holds the pinned kernel's operator, which Inductor's own cache keys on."""
+    if not pinned:
+        yield
+        return
+    import torch._functorch.config as functorch_config
+    with functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
 def add_run_figures(additions: tuple, cfg: RunConfig, run: dict, rows: list,
                     counts_before: tuple[int, int] = (0, 0)) -> None:
     """runs.csv's figures of a run from its step rows, into `run`: the measured steps' median and IQR, tokens/s,
@@ -225,7 +238,7 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
     status, message, code = "ok", "", 0
     reset_peak_memory(device)
     trace, counts_before = None, compile_counts()
-    with Interrupts() as interrupts, cold_caches(cfg.cold):
+    with Interrupts() as interrupts, cold_caches(cfg.cold), autograd_cache_unless(pins_sdpa(additions, cfg, peer)):
         try:
             try:   # the only place a signal raises; every handler below runs with it disarmed
                 interrupts.arm()

@@ -164,3 +164,13 @@ def test_install_refuses_a_stale_lock_naming_make_lock(monkeypatch):
     monkeypatch.setattr(install, "stale", lambda: ["requirements-cpu.lock is older than requirements.txt: run make lock"])
     with pytest.raises(InstallError, match="run make lock"):
         install.install("suite", upgrade=False)
+
+
+def test_install_imports_the_standard_library_only():
+    # It runs before anything is installed, with a bare Python.
+    import ast
+    import sys
+    tree = ast.parse(open(install.__file__).read())
+    imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported - {"uv"} <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)

@@ -26,8 +26,9 @@ ALLOWED = {
     "peers": {"peers", "train", "ladder", "model", "model_config", "results"},
     "results": {"results"},
     "report": {"report", "results", "ladder.registry", "model_config"},
+    "install": {"install"},   # runs before anything is installed: the standard library only
 }
-NO_TORCH = ("results", "report", "model_config")
+NO_TORCH = ("results", "report", "model_config", "install")
 TORCH = ("torch", "triton", "numpy.testing")
 
 

@@ -40,7 +40,8 @@ _ADDITIONS = [
              needs="an Ampere or newer GPU"),
     Addition("bf16", "settings", "compute", "bf16 autocast: matmuls and attention in bf16, softmax and loss in fp32",
              needs="a GPU with bf16, or a CPU"),
-    Addition("flash", "settings", "memory", "F.scaled_dot_product_attention: the T x T scores never reach memory"),
+    Addition("flash", "settings", "memory", "F.scaled_dot_product_attention: the T x T scores never reach memory; "
+             "PyTorch picks the kernel (cuDNN's on Hopper, FlashAttention-2 on Ampere and Ada)"),
     Addition("vocab_multiple", "settings", "compute",
              "embedding padded to 50,304 rows, so the output layer's GEMM tiles evenly"),
     # model

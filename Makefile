@@ -29,7 +29,7 @@ opt = $(if $(filter undefined,$(origin $(1))),,$(2)=$(call q,$(1)))
 RUN_ARGS = --steps=$(call q,STEPS) --batch-size=$(call q,BATCH_SIZE) --prefix=$(call q,PREFIX) \
 	$(call opt,MODEL,--model) $(call opt,SEQ_LEN,--seq-len) $(call opt,DEVICE,--device) \
 	$(call opt,DATA,--data) $(call opt,WARMUP,--warmup) $(call opt,SEED,--seed) $(call opt,DATA_DIR,--data-dir) \
-	$(call opt,SDPA_BACKEND,--sdpa-backend) \
+	$(call opt,SDPA_BACKEND,--sdpa-backend) $(call opt,MICRO_BATCH,--micro-batch) $(call opt,GPU_MEMORY_GIB,--gpu-memory-gib) \
 	$(if $(filter 1 yes true,$(PROFILE)),--profile) $(if $(filter 1 yes true,$(COLD)),--cold)
 
 need = @if [ -z $(call sq,$(strip $(value $(1)))) ]; then echo "error: $(1) is required ($(EXAMPLE))" >&2; exit 2; fi
@@ -70,6 +70,9 @@ help:
 	@echo "  make gpu-test                                 the tests marked gpu, on a CUDA machine"
 	@echo ""
 	@echo "Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE=auto|cuda|cpu"
+	@echo "          MICRO_BATCH=auto|n (rows one forward/backward holds; the step accumulates BATCH_SIZE/n of them;"
+	@echo "          auto: the largest divisor of BATCH_SIZE that fits, measured per rung)"
+	@echo "          GPU_MEMORY_GIB=x (use at most x GiB of the GPU: what a smaller card would fit)"
 	@echo "          DATA=auto|shakespeare|synthetic|path.txt  WARMUP=n  SEED=n  DATA_DIR=dir  PYTHON=python3"
 	@echo "          REPEAT=n (rung targets, custom and all: n runs in a row, judged on their median; ablation: n rounds)"
 	@echo "          PROFILE=1 (a rung target: profile it too)  ADDITIONS=\"a b c+d\" (make ablation: only these; c+d together)"
@@ -85,7 +88,8 @@ define newline
 
 
 endef
-USER_VARIABLES := STEPS BATCH_SIZE PREFIX MODEL SEQ_LEN DEVICE DATA WARMUP SEED DATA_DIR SDPA_BACKEND PROFILE COLD REPEAT WITH \
+USER_VARIABLES := STEPS BATCH_SIZE PREFIX MODEL SEQ_LEN DEVICE DATA WARMUP SEED DATA_DIR SDPA_BACKEND MICRO_BATCH \
+	GPU_MEMORY_GIB UPGRADE PROFILE COLD REPEAT WITH \
 	ADDITIONS FROM PEERS RUNG NPROC PARALLEL PREFIXES OUT RESULTS MATMUL_N COPY_GIB
 broken_lines = $(strip $(foreach v,$(USER_VARIABLES),$(if $(findstring $(newline),$(value $(v))),$(v))))
 no_line_breaks = @$(if $(broken_lines),echo 'error: $(firstword $(broken_lines)) holds a line break: give it on one line' >&2; exit 2,true)

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from Utils.kernels import chunked_loss, cublaslt, fp8_linear, fp8_loss, gelu_epilogue, loss_kernel, packed_attention
 from Utils.ladder import modules
-from Utils.ladder.parallel import wrap
+from Utils.ladder.parallel import gradient_sync, wrap
 from Utils.ladder.registry import ADDITIONS, STAGES, check_parallel, resolve
 from Utils.model import GPT
 from Utils.model_config import GPTConfig
@@ -69,6 +69,10 @@ class Build:
     def fell_back(self) -> list[str]:
         """The additions that could not take effect here as they are (their apply function noted what runs)."""
         return list(self.noted)
+
+    def gradient_sync(self, sync: bool):
+        """The context of a micro-batch's forward and backward: gradients reduced over the ranks or not."""
+        return gradient_sync(self.module, self.parallel, sync)
 
     def autocast(self) -> torch.autocast:
         if self.autocast_dtype is None:

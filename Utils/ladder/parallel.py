@@ -7,6 +7,9 @@ fsdp  FSDP2's fully_shard on each block, then on the whole model: parameters, gr
       states are split over the ranks and gathered a block at a time.
 Which additions cannot run under which mode is Utils.ladder.registry.PARALLEL_EXCLUDES.
 """
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn as nn
 
@@ -24,3 +27,16 @@ def wrap(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
         fully_shard(model)   # the embeddings, the final norm and the tied output layer
         return model
     raise ValueError(f"parallel must be ddp or fsdp, not {parallel!r}")
+
+
+@contextlib.contextmanager
+def gradient_sync(module: nn.Module, parallel: str, sync: bool) -> Iterator[None]:
+    """A micro-batch's backward with (sync) or without the reduction of the gradients over the ranks: a step
+    of several micro-batches reduces them once, in its last backward, as nanoGPT's gradient accumulation does."""
+    if parallel == "ddp" and not sync:
+        with module.no_sync():
+            yield
+        return
+    if parallel == "fsdp":
+        module.set_requires_gradient_sync(sync)
+    yield

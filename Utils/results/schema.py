@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 SCHEMA_VERSION = 4   # 2: schema_version, wall-clock steps (window_wall_s), provenance, clocks and power
                      # 3: several GPUs (nproc, parallel, global and per-GPU tokens/s)
-                     # 4: the attention kernel that ran
+                     # 4: the attention kernel that ran, micro-batches, the GPU memory cap
 
 STEPS_FILE = "results.csv"        # a row per step
 RUNS_FILE = "runs.csv"            # a row per run
@@ -96,6 +96,11 @@ RUN_SCHEMA = (
            "(FlashAttention-2), cudnn (cuDNN's fused attention), efficient (memory-efficient), math, flash_cpu, packed "
            "(the packed_attention addition), or written_out (no SDPA); '+'-joined if several; llm.c's build runs "
            "cuDNN's", since=4),
+    Column("micro_batch", True, "rows one forward/backward held (MICRO_BATCH, or what auto found to fit); "
+           "blank before version 4: the whole batch", since=4),
+    Column("accumulation_steps", True, "micro-batches a step accumulated: batch_size / micro_batch", since=4),
+    Column("gpu_memory_gib", True, "the GPU memory the run was capped to (GPU_MEMORY_GIB), GiB; blank: the card's",
+           since=4),
 )
 
 BREAKDOWN_SCHEMA = (

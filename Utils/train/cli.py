@@ -35,6 +35,8 @@ class RunConfig:
     cold: bool = False
     parallel: str = ""        # ddp or fsdp: one of several processes started by torchrun
     sdpa_backend: str = "auto"  # the kernel SDPA is held to (Utils.train.attention.BACKENDS); auto: PyTorch's choice
+    micro_batch: int | None = None   # rows one forward/backward holds; None: auto (the largest that fits)
+    gpu_memory_gib: float | None = None   # the most GPU memory the run may use (GPU_MEMORY_GIB); None: the card's
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -62,6 +64,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--cold", action="store_true",
                    help="compile with an empty Inductor and Triton cache, as on a fresh machine (COLD=1); "
                         "runs.csv's compile_cache says which a run had")
+    p.add_argument("--micro-batch", default="auto",
+                   help="rows one forward/backward holds (MICRO_BATCH); the step accumulates BATCH_SIZE / MICRO_BATCH "
+                        "of them. auto: on a GPU the largest divisor of BATCH_SIZE whose step fits, found by a "
+                        "measured step; on a CPU the whole batch")
+    p.add_argument("--gpu-memory-gib", default=None,
+                   help="use at most this much of the GPU's memory (GPU_MEMORY_GIB), to see what a smaller card fits")
     p.add_argument("--sdpa-backend", default="auto",
                    help="auto (PyTorch's choice), flash, cudnn, efficient or math: the kernel F.scaled_dot_product_"
                         "attention is held to (SDPA_BACKEND); runs.csv's attention_kernel says what ran")
@@ -150,6 +158,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str | None = None) -> Ru
     if data not in ("auto", "shakespeare", "synthetic") and not os.path.isfile(data):
         raise UsageError(f"DATA={data!r} is not a file: give a text file, or DATA=shakespeare, synthetic or auto")
 
+    micro = _micro_batch(a.micro_batch, batch)
+    gib = _gpu_memory_gib(a.gpu_memory_gib, device)
+
     from Utils.train.attention import BACKENDS
     if a.sdpa_backend not in BACKENDS:
         raise UsageError(f"SDPA_BACKEND={a.sdpa_backend!r} is not one of {', '.join(BACKENDS)}: e.g. SDPA_BACKEND=flash")
@@ -164,7 +175,43 @@ def parse_args(argv: Sequence[str] | None = None, prog: str | None = None) -> Ru
                              f"..., or torchrun --standalone --nproc-per-node n <script> --parallel {parallel} ...")
     return RunConfig(steps=steps, batch_size=batch, prefix=a.prefix, model=model, seq_len=seq_len,
                      device=device, data=data, warmup=warmup, seed=seed, data_dir=a.data_dir,
-                     profile=a.profile, cold=a.cold, parallel=parallel, sdpa_backend=a.sdpa_backend)
+                     profile=a.profile, cold=a.cold, parallel=parallel, sdpa_backend=a.sdpa_backend,
+                     micro_batch=micro, gpu_memory_gib=gib)
+
+
+def divisors(n: int) -> list[int]:
+    """n's divisors, largest first: the micro-batches a batch of n rows splits into evenly."""
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def _micro_batch(value: str, batch: int) -> int | None:
+    if str(value).strip() == "auto":
+        return None
+    micro = _positive_int("MICRO_BATCH", value, f"pass the rows of one forward/backward, a divisor of BATCH_SIZE={batch}, "
+                                                f"or MICRO_BATCH=auto")
+    if batch % micro:
+        below = max(d for d in divisors(batch) if d < micro)
+        above = [d for d in divisors(batch) if d > micro]
+        nearest = f"{below} or {min(above)}" if above else f"{below}"
+        raise UsageError(f"MICRO_BATCH={micro} does not divide BATCH_SIZE={batch}: use {nearest} (or MICRO_BATCH=auto)")
+    return micro
+
+
+def _gpu_memory_gib(value: str | None, device: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        gib = float(str(value).strip())
+    except ValueError:
+        gib = float("nan")
+    if device != "cuda":
+        raise UsageError(f"GPU_MEMORY_GIB={value} caps a GPU's memory, and this run is on the CPU: leave it out, "
+                         f"or run on a GPU")
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    if not 0 < gib <= total:   # also false for nan
+        raise UsageError(f"GPU_MEMORY_GIB={value!r} is not a number of GiB from above 0 to this card's {total:.1f}: "
+                         f"e.g. GPU_MEMORY_GIB=3.5 for a 4 GB card")
+    return gib
 
 
 def check(argv: Sequence[str]) -> int:

@@ -110,6 +110,18 @@ def reduce_steps(step_ms: list, losses: list, window_s: float | None,
     return times[:-1], (loss / td.get_world_size()).tolist(), (times[-1] if window_s is not None else None)
 
 
+def smallest(value: int, device: "torch.device") -> int:
+    """The smallest of every rank's `value` (the micro-batch that fits on every rank's GPU); `value` alone in a
+    single process."""
+    import torch
+    import torch.distributed as td
+    if not td.is_initialized():
+        return value
+    box = torch.tensor([value], dtype=torch.int64, device=device)
+    td.all_reduce(box, op=td.ReduceOp.MIN)
+    return int(box.item())
+
+
 def broadcast_text(text: str, device: "torch.device") -> str:
     """Rank 0's `text` on every rank (the run's id, so that every rank names the same run)."""
     import torch.distributed as td

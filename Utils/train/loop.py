@@ -53,10 +53,43 @@ class StepClock:
         return time.perf_counter()
 
 
+def make_step(b: Build, cfg: RunConfig, clock: StepClock) -> Callable[[], tuple[Mark, torch.Tensor]]:
+    """One training step of cfg.batch_size rows in micro-batches of cfg.micro_batch rows: returns (the mark of its
+    end, its loss tensor) without synchronizing. Each micro-batch's loss is the mean over its rows, scaled by
+    micro / batch, so that the gradients add up to the whole batch's; among several processes they are
+    reduced once, in the last micro-batch's backward."""
+    device, source, update, step_model, optimizer = b.device, b.source, b.update, b.step_model, b.optimizer
+    micro = cfg.micro_batch or cfg.batch_size
+    parts = cfg.batch_size // micro
+    deferred = b.sync_every > 1
+
+    def step():
+        window = source.next_batch().to(device, non_blocking=True)
+        x, y = inputs_targets(window, cfg.batch_size, cfg.seq_len)
+        total = None
+        for k, (xm, ym) in enumerate(zip(x.split(micro), y.split(micro))):
+            if b.cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            with b.gradient_sync(k == parts - 1):
+                with b.autocast(), attention.pinned(cfg.sdpa_backend):
+                    loss = step_model(xm, ym)[1]   # logits a model returns (a peer's) are dropped at once, as a user would
+                (loss if parts == 1 else loss / parts).backward()
+            if parts > 1:   # a sum of its own, which the next micro-batch's replay of a CUDA graph leaves alone
+                total = loss.detach() / parts if total is None else total + loss.detach() / parts
+        update()
+        optimizer.zero_grad(set_to_none=True)
+        if parts > 1:
+            return clock.mark(), total
+        # A loss read later must survive the next step (a CUDA graph replay reuses its output's memory).
+        return clock.mark(), (loss.detach().clone() if deferred else loss)
+
+    return step
+
+
 def train(b: Build, cfg: RunConfig, run: dict, rows: list) -> str | None:
     """Run cfg.steps timed steps of the built run `b`, appending a dict per step to rows. With cfg.profile,
     then profiles a few more and returns the trace's path (on the main process), else None."""
-    device, source, optimizer, update, step_model, config = b.device, b.source, b.optimizer, b.update, b.step_model, b.config
+    device, config = b.device, b.config
     flops_token = metrics.flops_per_token(b.model.num_params(), config.n_layer, config.n_head,
                                           config.n_embd // config.n_head, cfg.seq_len)
     run["flops_per_token"] = flops_token
@@ -64,23 +97,11 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list) -> str | None:
     clock = StepClock(device)
     world = run.get("nproc") or 1
     tokens_per_step = world * cfg.batch_size * cfg.seq_len   # the global batch
-    cudagraphs, deferred, main = b.cudagraphs, b.sync_every > 1, run.get("rank", 0) == 0
+    main = run.get("rank", 0) == 0
     # Rank 0 records the run, so only its GPU is sampled.
     sampler = nvml.Sampler(run.get("gpu_uuid", "")) if device.type == "cuda" and main else None
 
-    def step():
-        """One training step; returns (the mark of its end, loss tensor) without synchronizing."""
-        if cudagraphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        window = source.next_batch().to(device, non_blocking=True)
-        x, y = inputs_targets(window, cfg.batch_size, cfg.seq_len)
-        with b.autocast(), attention.pinned(cfg.sdpa_backend):
-            loss = step_model(x, y)[1]   # logits a model returns (a peer's) are dropped at once, as a user would
-        loss.backward()
-        update()
-        optimizer.zero_grad(set_to_none=True)
-        # A loss read later must survive the next step (a CUDA graph replay reuses its output's memory).
-        return clock.mark(), (loss.detach().clone() if deferred else loss)
+    step = make_step(b, cfg, clock)
 
     def record(i, ms, loss_value):
         tps = tokens_per_step / (ms / 1e3)

@@ -13,6 +13,7 @@ import tempfile
 import traceback
 import uuid
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Callable, NamedTuple
 
@@ -25,12 +26,13 @@ from Utils.model_config import PRESETS, GPTConfig
 from Utils.results import metrics
 from Utils.results.store import ResultsError, append_run, check_prefix
 from Utils.train.attention import cannot_run
-from Utils.train.cli import RunConfig, UsageError, parse_args
+from Utils.train.cli import RunConfig, UsageError, divisors, parse_args
 from Utils.train.data import DataError, TokenLoader, check_enough_tokens, load_tokens
 from Utils.train.failures import compile_failure, first_line, out_of_memory
 from Utils.train.interrupts import EXIT_INTERRUPTED, Interrupts
 from Utils.train import distributed
-from Utils.train.loop import train
+from Utils.train.loop import StepClock, make_step, train
+from Utils.train.micro import PROBE_STEPS, NothingFits, cap_memory, search
 from Utils.train.provenance import environment
 from Utils.train.usage import fail
 
@@ -199,6 +201,64 @@ class Peer(NamedTuple):
     about: Callable[[], str]                   # what it is, with its version, for the run's notes
 
 
+def choose_micro_batch(additions: tuple, cfg: RunConfig, device: torch.device, tokens, dist, peer: Peer | None,
+                       run: dict) -> RunConfig:
+    """cfg with its micro-batch settled: MICRO_BATCH as given; auto: the whole batch on a CPU (and under FSDP,
+    whose memory a probe without the other ranks would not show), else the largest that fits (Utils.train.micro),
+    on every rank. Recorded in `run`."""
+    micro = cfg.micro_batch
+    if micro is None and (device.type != "cuda" or cfg.parallel == "fsdp"):
+        micro = cfg.batch_size
+    elif micro is None:
+        seen = {}
+        try:
+            fit = search(cfg.batch_size, lambda m: _probe(additions, cfg, m, device, tokens, dist, peer, seen),
+                         out_of_memory, device)
+        except NothingFits:
+            raise NothingFits(_nothing_fits(cfg, device, seen)) from None
+        micro = distributed.smallest(fit.micro_batch, device)
+        if dist.main:
+            left = f"; {', '.join(map(str, fit.too_large))} did not fit" if fit.too_large else ""
+            print(f"micro-batch: {micro} rows, {cfg.batch_size // micro} a step (auto{left}; the search took "
+                  f"{fit.probe_s:.1f} s, outside the measured steps)", flush=True)
+    run.update(micro_batch=micro, accumulation_steps=cfg.batch_size // micro, gpu_memory_gib=cfg.gpu_memory_gib)
+    return replace(cfg, micro_batch=micro)
+
+
+def _probe(additions, cfg, micro, device, tokens, dist, peer, seen) -> None:
+    """PROBE_STEPS steps at `micro` rows a micro-batch, of the run built as it will run (its own copy, thrown
+    away after). Under DDP without the other ranks: their gradient buckets add little. Notes in `seen` the
+    memory of the weights, and of the weights and optimizer states after a step."""
+    loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=True, rank=dist.rank, world=dist.world_size)
+    b = build(additions, device, PRESETS[cfg.model], cfg.seed, loader,
+              **({"make_model": peer.make_model} if peer else {}))
+    seen.setdefault("weights", torch.cuda.memory_allocated(device))
+    clock = StepClock(device)
+    step = make_step(b, replace(cfg, micro_batch=micro), clock)
+    for i in range(PROBE_STEPS):
+        clock.wait(step()[0])
+        if i == 0:
+            seen.setdefault("after_step", torch.cuda.memory_allocated(device))
+
+
+def _nothing_fits(cfg: RunConfig, device: torch.device, seen: dict) -> str:
+    """Why not even one row fits, from what the probe measured: the memory that does not grow with the batch
+    (weights, their gradients, the optimizer's states) against the cap, and what to change."""
+    cap = cfg.gpu_memory_gib or torch.cuda.get_device_properties(device).total_memory / 2**30
+    weights = seen.get("weights", 0) / 2**30
+    if "after_step" in seen:   # weights and states measured; the gradients are as large as the weights
+        fixed, how = seen["after_step"] / 2**30 + weights, "measured"
+    else:                      # no step finished: AdamW's two fp32 states and the gradients, each the weights' size
+        fixed, how = 4 * weights, "estimated from the weights"
+    left = cap - fixed
+    start = (f"out of memory at MICRO_BATCH=1: of {cap:.1f} GiB, the weights ({weights:.2f} GiB), their gradients "
+             f"and the optimizer's states take {fixed:.2f} GiB ({how}) before any activation")
+    if left < 0.25 * cap:
+        return start + f"; try a smaller MODEL, or the 8bit rung (optimizer states in 8 bits instead of 32)"
+    return (start + f", leaving {left:.2f} GiB, less than one row's activations at SEQ_LEN={cfg.seq_len}; try "
+            f"SEQ_LEN={max(1, cfg.seq_len // 2)}, or a rung from flash on (no T x T attention scores in memory)")
+
+
 def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None) -> int:
     """Run and record `additions`; a peer trains its own model under the same additions and loop. Returns the
     exit status."""
@@ -242,6 +302,9 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
         try:
             try:   # the only place a signal raises; every handler below runs with it disarmed
                 interrupts.arm()
+                cap_memory(device, cfg.gpu_memory_gib)
+                cfg = choose_micro_batch(additions, cfg, device, tokens, dist, peer, run)
+                reset_peak_memory(device)
                 loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda",
                                      rank=dist.rank, world=world)
                 held["build"] = build(additions, device, PRESETS[cfg.model], cfg.seed, loader, cfg.parallel,
@@ -257,15 +320,20 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
                 interrupts.disarm()
         except Unavailable as e:
             status, message, code = "skipped", str(e), EXIT_SKIPPED
+        except NothingFits as e:
+            status, message, code = "oom", str(e), EXIT_OOM
         except KeyboardInterrupt:
             pass   # recorded below, with a signal that came after training
         except Exception as e:
             if out_of_memory(e):
                 peak = peak_memory_gib(device)[0]
                 status, code = "oom", EXIT_OOM
-                message = (f"out of memory at BATCH_SIZE={cfg.batch_size} after {len(rows)} steps"
+                micro = cfg.micro_batch or cfg.batch_size
+                smaller = [d for d in divisors(cfg.batch_size) if d < micro]
+                message = (f"out of memory at MICRO_BATCH={micro} (BATCH_SIZE={cfg.batch_size}) after {len(rows)} steps"
                            + (f" (peak {peak:.1f} GiB allocated)" if peak is not None else "")
-                           + f": try a smaller BATCH_SIZE, e.g. {max(1, cfg.batch_size // 2)}")
+                           + (f": try MICRO_BATCH={smaller[0]}, or MICRO_BATCH=auto, which finds the largest that fits"
+                              if smaller else ": MICRO_BATCH=auto says what does not fit"))
             else:
                 log = _write_error_log(cfg.prefix, run["run_id"], dist.rank)
                 where = f" (the whole error: {log})" if log else ""

@@ -1,0 +1,65 @@
+"""MICRO_BATCH=auto: the largest divisor of BATCH_SIZE whose whole step fits on this GPU, found by running real
+steps, and GPU_MEMORY_GIB, the cap that lets a large card show what a small one fits.
+
+A formula for a step's memory misses what the allocator, the compiler and the kernels' workspaces add, so each
+candidate is tried for real: the rung built as it will run (compiled rungs compiled, CUDA graphs recorded),
+PROBE_STEPS steps taken so that the optimizer's states exist, largest candidate first. Each try is built from
+scratch and thrown away, so the measured run starts as a run given MICRO_BATCH outright would.
+"""
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from Utils.train.cli import divisors
+
+# Three steps: the optimizer's states appear in the first, and a CUDA graph is recorded in the second and
+# replayed from the third, each holding memory of its own.
+PROBE_STEPS = 3
+
+
+@dataclass(frozen=True)
+class Fit:
+    micro_batch: int               # the largest candidate that fitted
+    too_large: tuple[int, ...]     # the candidates that ran out of memory, largest first
+    probe_s: float                 # what the search took, kept out of the measured window
+
+
+class NothingFits(Exception):
+    """Not even one row a micro-batch fits; the message says what was measured and what to change."""
+
+
+def cap_memory(device: torch.device, gib: float | None) -> None:
+    """The process may allocate at most `gib` GiB of the GPU (PyTorch's per-process memory fraction)."""
+    if gib is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
+
+
+def free(device: torch.device) -> None:
+    """Give back what a try held: compiled graphs and their CUDA-graph pools, then the allocator's cache."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def search(batch: int, try_step: Callable[[int], None], is_oom: Callable[[BaseException], bool],
+           device: torch.device) -> Fit:
+    """The largest divisor m of `batch` for which try_step(m) runs without running out of memory."""
+    start, too_large = time.perf_counter(), []
+    for micro in divisors(batch):
+        fitted = True
+        try:
+            try_step(micro)
+        except Exception as e:   # noqa: BLE001 - anything but running out of memory is raised again
+            if not is_oom(e):
+                raise
+            fitted = False
+        free(device)   # outside the handler: the exception's frames no longer hold the try's tensors
+        if fitted:
+            return Fit(micro, tuple(too_large), time.perf_counter() - start)
+        too_large.append(micro)
+    raise NothingFits(f"not even MICRO_BATCH=1 fits (tried {', '.join(map(str, too_large))})")

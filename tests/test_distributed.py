@@ -32,13 +32,15 @@ def test_ranks_read_the_global_batch_of_one_process_in_order():
         assert torch.equal(torch.cat([parts[0][:-1], parts[1]]), whole)
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_processes_train_as_one_process_on_twice_the_batch(tmp_path, parallel):
+@pytest.mark.parametrize("parallel, micro", [("ddp", []), ("fsdp", []), ("ddp", ["MICRO_BATCH=1"]),
+                                             ("fsdp", ["MICRO_BATCH=1"])])
+def test_two_processes_train_as_one_process_on_twice_the_batch(tmp_path, parallel, micro):
+    # With MICRO_BATCH=1 each rank accumulates two micro-batches and reduces the gradients once, in the last.
     env = clean_env()
     one = make(["baseline", "STEPS=5", "BATCH_SIZE=4", f"PREFIX={tmp_path / 'one'}"] + RUN, env, timeout=300)
     assert one.returncode == 0, one.stderr
     two = make(["baseline", "STEPS=5", "BATCH_SIZE=2", f"PREFIX={tmp_path / 'two'}", "NPROC=2",
-                f"PARALLEL={parallel}"] + RUN, env, timeout=300)
+                f"PARALLEL={parallel}"] + micro + RUN, env, timeout=300)
     assert two.returncode == 0, two.stderr
     # results.csv keeps 6 significant digits (steps of 1e-4 at a loss near 10.8), and the two runs' sums may
     # differ by about 1e-6 before that rounding: one step apart at most. Another split of the batch moves the
@@ -56,6 +58,7 @@ def test_two_processes_train_as_one_process_on_twice_the_batch(tmp_path, paralle
                                                               rel=1e-4)
     assert float(run["tokens_per_s_per_gpu"]) == pytest.approx(float(run["global_tokens_per_s"]) / 2, rel=1e-5)
     assert read_csv(tmp_path / "one" / "runs.csv")[0]["nproc"] == "1"
+    assert (run["micro_batch"], run["accumulation_steps"]) == (("1", "2") if micro else ("2", "1"))
 
 
 def test_compiled_ddp_runs(tmp_path):

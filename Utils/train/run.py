@@ -229,15 +229,17 @@ def _probe(additions, cfg, micro, device, tokens, dist, peer, seen) -> None:
     """PROBE_STEPS steps at `micro` rows a micro-batch, of the run built as it will run (its own copy, thrown
     away after). Under DDP without the other ranks: their gradient buckets add little. Notes in `seen` the
     memory of the weights, and of the weights and optimizer states after a step."""
-    loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=True, rank=dist.rank, world=dist.world_size)
+    cuda = device.type == "cuda"
+    loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=cuda, rank=dist.rank, world=dist.world_size)
     b = build(additions, device, PRESETS[cfg.model], cfg.seed, loader,
               **({"make_model": peer.make_model} if peer else {}))
-    seen.setdefault("weights", torch.cuda.memory_allocated(device))
+    if cuda:
+        seen.setdefault("weights", torch.cuda.memory_allocated(device))
     clock = StepClock(device)
     step = make_step(b, replace(cfg, micro_batch=micro), clock)
     for i in range(PROBE_STEPS):
         clock.wait(step()[0])
-        if i == 0:
+        if i == 0 and cuda:
             seen.setdefault("after_step", torch.cuda.memory_allocated(device))
 
 

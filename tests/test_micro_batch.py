@@ -1,0 +1,139 @@
+"""Gradient accumulation: BATCH_SIZE rows a step in micro-batches of MICRO_BATCH give the whole batch's gradients
+and losses, bad values are refused, and MICRO_BATCH=auto's search keeps the largest micro-batch that fits."""
+import pytest
+import torch
+
+from Utils.ladder.apply import build
+from Utils.model_config import PRESETS
+from Utils.train import distributed
+from Utils.train.cli import UsageError, parse_args
+from Utils.train.data import TokenLoader, load_tokens
+from Utils.train.failures import out_of_memory
+from Utils.train.loop import StepClock, make_step
+from Utils.train.micro import NothingFits, search
+from Utils.train.run import _probe, main
+
+from conftest import read_csv
+
+CPU = torch.device("cpu")
+ARGS = ["--seq-len", "16", "--data", "synthetic", "--warmup", "1"]
+# Every recipe that runs on a CPU without compiling (each micro-batch size would compile anew), and one that
+# compiles. bf16 autocast rounds each micro-batch's matmuls to bf16: its gradients agree to bf16's rounding.
+RECIPES = [(("tf32",), 1e-5), (("tf32", "bf16"), 2e-2), (("tf32", "bf16", "flash"), 2e-2), (("fused",), 1e-5),
+           (("8bit",), 1e-5), (("bf16", "flash", "loss", "fold_norm", "gemm_bias_grad"), 2e-2),
+           (("torch_compile",), 1e-5)]
+
+
+def _config(**kw):
+    args = ["--steps", "4", "--batch-size", "4", "--prefix", "unused"] + ARGS
+    return parse_args(args + sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in kw.items()), []))
+
+
+def _gradients(additions, micro):
+    """The gradients of one step of 4 rows in micro-batches of `micro`, taken where the optimizer would step."""
+    cfg = _config(micro_batch=micro)
+    tokens, _ = load_tokens("synthetic", PRESETS[cfg.model].vocab_size, cfg.seed, None)
+    b = build(additions, CPU, PRESETS[cfg.model], cfg.seed, TokenLoader(tokens, 4, cfg.seq_len))
+    taken = {}
+    b.update = lambda: taken.update({n: p.grad.detach().clone() for n, p in b.model.named_parameters()
+                                     if p.grad is not None})
+    make_step(b, cfg, StepClock(CPU))()
+    return taken
+
+
+@pytest.mark.parametrize("additions, rtol", RECIPES, ids=["+".join(r[0]) for r in RECIPES])
+def test_micro_batches_of_1_2_and_4_give_the_whole_batchs_gradients(additions, rtol):
+    whole = _gradients(additions, 4)
+    assert whole
+    for micro in (1, 2) if "torch_compile" not in additions else (2,):
+        parts = _gradients(additions, micro)
+        assert parts.keys() == whole.keys()
+        for name, g in whole.items():
+            # relative to the gradient's own size: a single element near zero carries no tolerance of its own
+            err = (parts[name] - g).norm() / g.norm().clamp_min(1e-12)
+            assert err < rtol, (name, micro, float(err))
+
+
+def test_a_four_step_run_ends_at_the_same_loss_in_any_micro_batch(tmp_path):
+    finals = {}
+    for micro in (1, 2, 4):
+        prefix = tmp_path / str(micro)
+        assert main("baseline", ["--steps", "4", "--batch-size", "4", "--prefix", str(prefix), "--micro-batch",
+                                 str(micro)] + ARGS) == 0
+        (run,) = read_csv(prefix / "runs.csv")
+        assert (run["micro_batch"], run["accumulation_steps"]) == (str(micro), str(4 // micro))
+        finals[micro] = float(run["final_loss"])
+    assert finals[1] == pytest.approx(finals[4], rel=1e-5) and finals[2] == pytest.approx(finals[4], rel=1e-5)
+
+
+def test_auto_on_a_cpu_is_the_whole_batch(tmp_path):
+    assert main("baseline", ["--steps", "2", "--batch-size", "4", "--prefix", str(tmp_path)] + ARGS) == 0
+    (run,) = read_csv(tmp_path / "runs.csv")
+    assert (run["micro_batch"], run["accumulation_steps"], run["gpu_memory_gib"]) == ("4", "1", "")
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--micro-batch", "7"], "MICRO_BATCH=7 does not divide BATCH_SIZE=12: use 6 or 12 (or MICRO_BATCH=auto)"),
+    (["--micro-batch", "5"], "MICRO_BATCH=5 does not divide BATCH_SIZE=12: use 4 or 6"),
+    (["--micro-batch", "24"], "MICRO_BATCH=24 does not divide BATCH_SIZE=12: use 12 (or"),
+    (["--micro-batch", "0"], "MICRO_BATCH='0' is not a positive integer"),
+    (["--micro-batch", "two"], "MICRO_BATCH='two' is not a positive integer"),
+    (["--gpu-memory-gib", "3.5"], "GPU_MEMORY_GIB=3.5 caps a GPU's memory, and this run is on the CPU"),
+])
+def test_bad_micro_batches_and_memory_caps_are_refused_with_the_fix(argv, error):
+    with pytest.raises(UsageError) as e:
+        parse_args(["--steps", "4", "--batch-size", "12", "--prefix", "p", "--device", "cpu"] + argv)
+    assert str(e.value).startswith(error)
+
+
+def test_make_refuses_a_micro_batch_that_does_not_divide_in_one_line(tmp_path, suite_env):
+    from conftest import make
+    r = make(["fused", "STEPS=2", "BATCH_SIZE=6", "MICRO_BATCH=4", f"PREFIX={tmp_path}"], suite_env, timeout=120)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and errors == ["error: MICRO_BATCH=4 does not divide BATCH_SIZE=6: use 3 or 6 "
+                                            "(or MICRO_BATCH=auto)"]
+    assert not (tmp_path / "runs.csv").exists()
+
+
+def _fake_memory(monkeypatch, rows_that_fit):
+    """The model runs out of memory, as CUDA's allocator says so, on a micro-batch of more rows than fit."""
+    from Utils.model import GPT
+    forward = GPT.forward
+
+    def limited(self, idx, targets=None):
+        if idx.shape[0] > rows_that_fit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {idx.shape[0]} rows")
+        return forward(self, idx, targets)
+    monkeypatch.setattr(GPT, "forward", limited)
+
+
+def _search(additions, batch, monkeypatch, rows_that_fit):
+    _fake_memory(monkeypatch, rows_that_fit)
+    cfg = parse_args(["--steps", "4", "--batch-size", str(batch), "--prefix", "p"] + ARGS)
+    tokens, _ = load_tokens("synthetic", PRESETS[cfg.model].vocab_size, cfg.seed, None)
+    dist = distributed.from_env("")
+    return search(batch, lambda m: _probe(additions, cfg, m, CPU, tokens, dist, None, {}), out_of_memory, CPU)
+
+
+@pytest.mark.parametrize("batch, fits, chosen, too_large", [(12, 5, 4, (12, 6)), (8, 8, 8, ()), (16, 1, 1, (16, 8, 4, 2))])
+def test_auto_keeps_the_largest_divisor_whose_real_steps_fit(monkeypatch, batch, fits, chosen, too_large):
+    fit = _search(("bf16", "fused"), batch, monkeypatch, fits)
+    assert (fit.micro_batch, fit.too_large) == (chosen, too_large) and fit.probe_s > 0
+
+
+def test_auto_says_when_not_even_one_row_fits(monkeypatch):
+    with pytest.raises(NothingFits, match="not even MICRO_BATCH=1 fits"):
+        _search(("fused",), 4, monkeypatch, 0)
+
+
+def test_an_error_that_is_not_out_of_memory_is_not_taken_for_one(monkeypatch):
+    from Utils.model import GPT
+
+    def broken(self, idx, targets=None):
+        raise RuntimeError("a kernel failed")
+    monkeypatch.setattr(GPT, "forward", broken)
+    cfg = parse_args(["--steps", "4", "--batch-size", "4", "--prefix", "p"] + ARGS)
+    tokens, _ = load_tokens("synthetic", PRESETS[cfg.model].vocab_size, cfg.seed, None)
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        search(4, lambda m: _probe(("fused",), cfg, m, CPU, tokens, distributed.from_env(""), None, {}),
+               out_of_memory, CPU)

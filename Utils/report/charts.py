@@ -212,7 +212,7 @@ def plot_throughput(report: Report) -> Figure:
 
 
 def plot_memory(report: Report) -> Figure:
-    """Peak allocated and reserved GPU memory per rung."""
+    """Peak allocated and reserved GPU memory per rung, and the micro-batch it fitted where it accumulated."""
     t = report.table
     rungs = list(t.index)
     fig, (ax,) = _figure("Peak GPU memory (lower is better)", report, _bar_height(len(rungs)) + 0.5)
@@ -233,7 +233,10 @@ def plot_memory(report: Report) -> Figure:
                 ax.barh(y + dy, value, height=h, color=colors[rung], **style)
                 # A peer's own program reports the GPU's memory in use, not a caching allocator's reserve.
                 in_use = " in use on the GPU" if is_peer(rung) and not np.isfinite(a) else ""
-                ax.text(value, y + dy, f" {value:.1f}{in_use}", va="center", fontsize=8)
+                micro = t.loc[rung, "micro_batch"]
+                fitted = (f", micro-batch {micro:.0f}" if dy < 0 and np.isfinite(micro)
+                          and t.loc[rung, "accumulation_steps"] > 1 else "")
+                ax.text(value, y + dy, f" {value:.1f}{in_use}{fitted}", va="center", fontsize=8)
     ax.set_xlim(0, np.nanmax(np.concatenate([alloc.to_numpy(), reserved.to_numpy()])) * 1.15)
     _rung_axis(ax, rungs)
     ax.set_xlabel("peak memory (GiB), as recorded in runs.csv", fontsize=9)

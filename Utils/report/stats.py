@@ -32,8 +32,17 @@ TRIM = 0.10            # the trimmed mean drops this share of the steps at each 
 SUMMARY_COLUMNS = ["run_id", "status", "message", "runs", "median_step_ms", "iqr_step_ms", "trimmed_mean_ms",
                    "spread", "noisy", "speedup", "speedup_lo", "speedup_hi", "tokens_per_s", "mfu", "mfu_measured",
                    "peak_mem_allocated_gib", "peak_mem_reserved_gib", "compile_s", "compile_cache", "final_loss",
-                   "measured_steps", "attention_kernel"]
+                   "measured_steps", "attention_kernel", "micro_batch", "accumulation_steps", "gpu_memory_gib"]
 TEXT_COLUMNS = ("run_id", "status", "message", "compile_cache", "attention_kernel")
+
+
+def _number(value: object, default: float) -> float:
+    """A number cell of runs.csv, or `default` where it is blank (a column an older schema lacked)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return default
+    return default if np.isnan(v) else v
 
 
 def trimmed_mean(values: np.ndarray, trim: float = TRIM) -> float:
@@ -117,7 +126,11 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataF
                        peak_mem_allocated_gib=run["peak_mem_allocated_gib"],
                        peak_mem_reserved_gib=run["peak_mem_reserved_gib"], compile_s=run["compile_s"],
                        compile_cache=norm(run.get("compile_cache", "")),
-                       attention_kernel=norm(run.get("attention_kernel", "")))
+                       attention_kernel=norm(run.get("attention_kernel", "")),
+                       # before schema version 4 a step was one micro-batch: the whole batch
+                       micro_batch=_number(run.get("micro_batch"), run["batch_size"]),
+                       accumulation_steps=_number(run.get("accumulation_steps"), 1.0),
+                       gpu_memory_gib=_number(run.get("gpu_memory_gib"), np.nan))
             runs = sel.repeats.get(rung) or [run]
             all_steps = pd.concat([measured(by_run[r["run_id"]]) for r in runs])
             row["mfu"], row["mfu_measured"] = _mfus(runs, all_steps, row["tokens_per_s"], peak)

@@ -3,6 +3,7 @@ fastest rung against the peers; each addition against its base; and, where a run
 its scaling table."""
 import os
 
+import numpy as np
 import pandas as pd
 
 from Utils.report import markdown
@@ -14,7 +15,7 @@ from Utils.results.gpus import gpu_spec
 from Utils.results.schema import step_timing
 
 SUMMARY_FILE = "summary.md"
-TABLE_HEADER = ["rung", "runs", "median ms", "IQR ms", "trimmed mean ms", "spread", "noisy", "speedup", "tokens/s",
+TABLE_HEADER = ["rung", "runs", "micro-batch", "median ms", "IQR ms", "trimmed mean ms", "spread", "noisy", "speedup", "tokens/s",
                 "MFU", "MFU of measured peak", "peak alloc GiB", "peak reserved GiB", "compile s", "cache",
                 "attention", "final loss", "status"]
 SCALING_HEADER = ["rung", "GPUs", "parallel", "median ms", "global tokens/s", "tokens/s per GPU", "efficiency"]
@@ -29,7 +30,8 @@ def table_rows(table: pd.DataFrame) -> list[list[str]]:
     """summarize()'s frame as the text cells of summary.md's table, header first."""
     rows = [TABLE_HEADER]
     for rung, r in table.iterrows():
-        rows.append([rung, markdown.cell(r["runs"], ".0f"), markdown.cell(r["median_step_ms"], ".1f"),
+        micro = (f"{r['micro_batch']:.0f} × {r['accumulation_steps']:.0f}" if np.isfinite(r["micro_batch"]) else "-")
+        rows.append([rung, markdown.cell(r["runs"], ".0f"), micro, markdown.cell(r["median_step_ms"], ".1f"),
                      markdown.cell(r["iqr_step_ms"], ".1f"), markdown.cell(r["trimmed_mean_ms"], ".1f"),
                      markdown.cell(100 * r["spread"], ".1f", "%"), "yes" if r["noisy"] == 1 else "-",
                      markdown.cell(r["speedup"], ".2f", "x"), markdown.cell(r["tokens_per_s"], ",.0f"),
@@ -180,7 +182,9 @@ def render_summary(report: Report, scaling: "Scaling | None" = None,
                  f"((max - min) / median) and the mean of all its steps without the {TRIM:.0%} at each end. "
                  f"noisy: a run's IQR is over {NOISY_IQR:.0%} of its median. "
                  "speedup = baseline median / rung median; tokens/s = global batch (processes × batch) × seq_len / "
-                 "median step time; MFU is per GPU; attention: the kernel the run's first step ran (flash2: "
+                 "median step time; MFU is per GPU; micro-batch: rows one forward/backward held × micro-batches a "
+                 "step accumulated (MICRO_BATCH; every rung does the same batch a step, so a memory saving that "
+                 "fits a larger micro-batch shows as speed); attention: the kernel the run's first step ran (flash2: "
                  "FlashAttention-2, cudnn: cuDNN's fused attention, written_out: no SDPA), a rung@backend row a run "
                  "with SDPA_BACKEND pinned. "
                  f"{mfu_text(report)} speedup.png's whiskers: 95% bootstrap interval of the ratio of medians "

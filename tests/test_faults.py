@@ -37,7 +37,7 @@ def test_out_of_memory_is_recorded_and_named(tmp_path, monkeypatch, capsys):
                            "--prefix", str(tmp_path)]) == EXIT_OOM
     run = read_csv(tmp_path / "runs.csv")[-1]
     assert run["status"] == "oom"
-    assert "out of memory at BATCH_SIZE=1 after 2 steps" in run["message"]
+    assert "out of memory at MICRO_BATCH=1 (BATCH_SIZE=1) after 2 steps" in run["message"]
     assert "smaller BATCH_SIZE, e.g. 1" in run["message"]
     assert "peak" not in run["message"]   # a CPU has no device-memory reading to quote
     assert len(read_csv(tmp_path / "results.csv")) == 2
@@ -203,7 +203,7 @@ def test_running_out_of_host_memory_is_oom(tmp_path, monkeypatch):
     monkeypatch.setattr(model_module.GPT, "forward", forward)
     assert run_in_process("baseline", tmp_path) == EXIT_OOM
     run = read_csv(tmp_path / "runs.csv")[-1]
-    assert run["status"] == "oom" and run["message"].startswith("out of memory at BATCH_SIZE=2 after 0 steps: try")
+    assert run["status"] == "oom" and run["message"].startswith("out of memory at MICRO_BATCH=2 (BATCH_SIZE=2) after 0 steps: try MICRO_BATCH=1")
 
 
 @pytest.mark.parametrize("target", ["clean", "reset"])

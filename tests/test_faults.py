@@ -38,7 +38,7 @@ def test_out_of_memory_is_recorded_and_named(tmp_path, monkeypatch, capsys):
     run = read_csv(tmp_path / "runs.csv")[-1]
     assert run["status"] == "oom"
     assert "out of memory at MICRO_BATCH=1 (BATCH_SIZE=1) after 2 steps" in run["message"]
-    assert "smaller BATCH_SIZE, e.g. 1" in run["message"]
+    assert "one row does not fit; try SEQ_LEN=8, a smaller MODEL" in run["message"]
     assert "peak" not in run["message"]   # a CPU has no device-memory reading to quote
     assert len(read_csv(tmp_path / "results.csv")) == 2
     assert "error: baseline oom" in capsys.readouterr().err

@@ -335,7 +335,8 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
                 message = (f"out of memory at MICRO_BATCH={micro} (BATCH_SIZE={cfg.batch_size}) after {len(rows)} steps"
                            + (f" (peak {peak:.1f} GiB allocated)" if peak is not None else "")
                            + (f": try MICRO_BATCH={smaller[0]}, or MICRO_BATCH=auto, which finds the largest that fits"
-                              if smaller else ": MICRO_BATCH=auto says what does not fit"))
+                              if smaller else f": one row does not fit; try SEQ_LEN={max(1, cfg.seq_len // 2)}, a "
+                                              f"smaller MODEL, or a rung that saves memory (flash, 8bit)"))
             else:
                 log = _write_error_log(cfg.prefix, run["run_id"], dist.rank)
                 where = f" (the whole error: {log})" if log else ""

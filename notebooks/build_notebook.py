@@ -334,9 +334,13 @@ CELLS = [
     ### flash: `F.scaled_dot_product_attention` (FlashAttention)
 
     **What changes.** The attention layer calls `F.scaled_dot_product_attention(q, k, v, is_causal=True)`
-    instead of writing out the scores; PyTorch dispatches it to a FlashAttention kernel on GPUs that
-    support one. The `flash` addition sets it through the model's config (`GPTConfig.flash`), and the
-    model's attention branches on it (printed below).
+    instead of writing out the scores, and PyTorch picks a fused kernel for it: on an H100 or H200 with
+    PyTorch 2.11 and cuDNN 9.19, cuDNN's fused attention (PyTorch prefers it on Hopper from cuDNN 9.15 on);
+    on an A100 or an RTX card, FlashAttention-2. Both run the FlashAttention algorithm below. Each run
+    records the kernel its first step ran (runs.csv's `attention_kernel`), and `SDPA_BACKEND=flash` holds
+    the rung to FlashAttention-2 ([BENCHMARKS.md](../BENCHMARKS.md) compares them on an H200). The `flash`
+    addition sets it through the model's config (`GPTConfig.flash`), and the model's attention branches on
+    it (printed below).
 
     **Why it is faster.** FlashAttention never materializes the T×T scores. It walks over K and V in tiles
     that fit in the chip's on-chip memory, computing each tile's scores, its part of the softmax (an

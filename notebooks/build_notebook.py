@@ -337,7 +337,7 @@ CELLS = [
     instead of writing out the scores, and PyTorch picks a fused kernel for it: on an H100 or H200 with
     PyTorch 2.11 and cuDNN 9.19, cuDNN's fused attention (PyTorch prefers it on Hopper from cuDNN 9.15 on);
     on an A100 or an RTX card, FlashAttention-2. Both run the FlashAttention algorithm below. Each run
-    records the kernel its first step ran (runs.csv's `attention_kernel`), and `SDPA_BACKEND=flash` holds
+    records the kernel a warm-up step ran (runs.csv's `attention_kernel`), and `SDPA_BACKEND=flash` holds
     the rung to FlashAttention-2 ([BENCHMARKS.md](../BENCHMARKS.md) compares them on an H200). The `flash`
     addition sets it through the model's config (`GPTConfig.flash`), and the model's attention branches on
     it (printed below).

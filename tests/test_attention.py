@@ -26,10 +26,9 @@ def test_the_kernel_is_named_from_the_operators_that_ran(operators, kernel):
 @pytest.mark.parametrize("backend, kernel", [("auto", "flash_cpu"), ("math", "math"), ("flash", "flash_cpu")])
 def test_watch_reads_what_sdpa_ran_under_each_pin(backend, kernel):
     q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
-    run = {}
-    with attention.watch(run, torch.device("cpu")), attention.pinned(backend):
+    with attention.Watch(torch.device("cpu")) as watch, attention.pinned(backend):
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-    assert run["attention_kernel"] == kernel
+    assert watch.kernel() == kernel
 
 
 @pytest.mark.parametrize("rung, kernel", [("baseline", "written_out"), ("flash", "flash_cpu")])
@@ -51,11 +50,44 @@ def test_what_torch_compile_ran_while_tracing_is_not_taken_for_the_step():
     compiled = torch.compile(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
     for _ in range(2):   # the first call traces, the second only runs what was compiled
         q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
-        run = {}
-        with attention.watch(run, torch.device("cpu")), attention.pinned("math"):
+        with attention.Watch(torch.device("cpu")) as watch, attention.pinned("math"):
             compiled(q, k, v).sum().backward()
         # Inductor decomposes math attention into kernels of its own: no SDPA operator runs in the step.
-        assert run["attention_kernel"] == "written_out"
+        assert watch.kernel() == "written_out"
+
+
+def test_nothing_watched_names_no_kernel():
+    assert attention.Watch(torch.device("cpu")).kernel() is None
+
+
+@pytest.mark.parametrize("warmup, watched", [(1, 0), (2, 0), (5, 1)])
+def test_the_watched_step_is_a_warm_up_step_followed_by_one_and_read_after_the_timed_steps(tmp_path, monkeypatch,
+                                                                                          warmup, watched):
+    # Reading the profile between two steps would land in the next step's time.
+    seen = {"entered": [], "read_at": None}
+    steps = []
+    real = attention.Watch
+    from Utils.train import loop
+
+    class Spy(real):
+        def __enter__(self):
+            seen["entered"].append(len(steps))
+            return super().__enter__()
+
+        def kernel(self):
+            seen["read_at"] = len(steps)
+            return super().kernel()
+    monkeypatch.setattr(loop.attention, "Watch", Spy)
+    real_step = loop.make_step
+
+    def counting(*a, **kw):
+        step = real_step(*a, **kw)
+        return lambda: (steps.append(1), step())[1]
+    monkeypatch.setattr(loop, "make_step", counting)
+    assert main("flash", ["--steps", "6", "--batch-size", "2", "--seq-len", "16", "--data", "synthetic", "--warmup",
+                          str(warmup), "--prefix", str(tmp_path)]) == 0
+    assert seen == {"entered": [watched], "read_at": 6}
+    assert read_csv(tmp_path / "runs.csv")[0]["attention_kernel"] == "flash_cpu"
 
 
 def test_a_backend_the_device_cannot_run_is_refused_in_one_line_with_the_fix(tmp_path, capsys):

@@ -184,7 +184,7 @@ def render_summary(report: Report, scaling: "Scaling | None" = None,
                  "speedup = baseline median / rung median; tokens/s = global batch (processes × batch) × seq_len / "
                  "median step time; MFU is per GPU; micro-batch: rows one forward/backward held × micro-batches a "
                  "step accumulated (MICRO_BATCH; every rung does the same batch a step, so a memory saving that "
-                 "fits a larger micro-batch shows as speed); attention: the kernel the run's first step ran (flash2: "
+                 "fits a larger micro-batch shows as speed); attention: the kernel a warm-up step of the run ran (flash2: "
                  "FlashAttention-2, cudnn: cuDNN's fused attention, written_out: no SDPA), a rung@backend row a run "
                  "with SDPA_BACKEND pinned. "
                  f"{mfu_text(report)} speedup.png's whiskers: 95% bootstrap interval of the ratio of medians "

@@ -92,7 +92,7 @@ RUN_SCHEMA = (
            since=3),
     Column("global_tokens_per_s", True, "tokens/s of all processes together at the median step time", since=3),
     Column("tokens_per_s_per_gpu", True, "global_tokens_per_s / nproc", since=3),
-    Column("attention_kernel", False, "the attention kernel the first step ran, read off its operators: flash2 "
+    Column("attention_kernel", False, "the attention kernel a warm-up step ran, read off its operators: flash2 "
            "(FlashAttention-2), cudnn (cuDNN's fused attention), efficient (memory-efficient), math, flash_cpu, packed "
            "(the packed_attention addition), or written_out (no SDPA); '+'-joined if several; llm.c's build runs "
            "cuDNN's", since=4),

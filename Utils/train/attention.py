@@ -1,10 +1,10 @@
 """Which attention kernel a run ran, and SDPA_BACKEND, the pin a user may put on PyTorch's choice.
 
 F.scaled_dot_product_attention picks a kernel at each call from the inputs and the GPU: on Hopper with cuDNN
-newer than 9.15, PyTorch 2.11 prefers cuDNN's fused attention to FlashAttention-2. So the run records what its
-first step dispatched, read off a host-side profile of that step (always a warm-up step): each backend runs
-under an operator of its own, which compiled code calls as eager code does. Operators that torch.compile ran
-while tracing (inside its `dynamo_timed` ranges) are not what the step ran, and are left out: Inductor may
+newer than 9.15, PyTorch 2.11 prefers cuDNN's fused attention to FlashAttention-2. So the run records what a
+warm-up step dispatched (Utils.train.loop picks which), read off a host-side profile of that step: each backend
+runs under an operator of its own, which compiled code calls as eager code does. Operators that torch.compile
+ran while tracing (inside its `dynamo_timed` ranges) are not what the step ran, and are left out: Inductor may
 replace the traced attention with another kernel, or with its own.
 """
 import contextlib
@@ -39,16 +39,30 @@ def kernel_of(operators: Iterable[str]) -> str:
     return "+".join(found) or WRITTEN_OUT
 
 
-@contextlib.contextmanager
-def watch(run: dict, device: torch.device) -> Iterator[None]:
-    """Records in run["attention_kernel"] the attention kernel of what runs inside (the host's operators only:
-    no CUDA tracing, so the step is barely slowed, and it is a warm-up step)."""
-    if device.type != "cuda":
-        os.environ.setdefault("KINETO_LOG_LEVEL", "5")   # a CUDA build of torch on a CPU run: no GPU to ask for
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        yield
-    run["attention_kernel"] = kernel_of(e.name for e in prof.events() if e.name in KERNELS and not _compiling(e))
+class Watch:
+    """Profiles what runs inside `with watch:` (the host's operators only: no CUDA tracing, so the step is barely
+    slowed); kernel() then names the attention kernel among them. Reading the profile takes from milliseconds to
+    seconds, so it is left for after the timed steps: done between two steps, it would land in the next one."""
+
+    def __init__(self, device: torch.device):
+        if device.type != "cuda":
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")   # a CUDA build of torch on a CPU run: no GPU to ask for
+        self.profile = None
+
+    def __enter__(self) -> "Watch":
+        from torch.profiler import ProfilerActivity, profile
+        self.profile = profile(activities=[ProfilerActivity.CPU])
+        self.profile.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.profile.__exit__(*exc)
+
+    def kernel(self) -> str | None:
+        """The attention kernel of what ran inside, or None if nothing was watched."""
+        if self.profile is None:
+            return None
+        return kernel_of(e.name for e in self.profile.events() if e.name in KERNELS and not _compiling(e))
 
 
 def _compiling(event) -> bool:

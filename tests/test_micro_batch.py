@@ -139,3 +139,22 @@ def test_an_error_that_is_not_out_of_memory_is_not_taken_for_one(monkeypatch):
     with pytest.raises(RuntimeError, match="a kernel failed"):
         search(4, lambda m: _probe(("fused",), cfg, m, CPU, tokens, distributed.from_env(""), None, {}),
                out_of_memory, CPU)
+
+
+def test_cold_caches_renewed_after_the_search_leave_the_run_an_empty_folder_and_remove_every_one(monkeypatch):
+    import os
+
+    from Utils.train.run import cold_caches
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/kept")
+    with cold_caches(True) as renew:
+        first = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        open(os.path.join(first, "compiled-by-the-search"), "w").close()
+        renew()
+        second = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        assert second != first and os.listdir(second) == []
+        assert os.environ["TRITON_CACHE_DIR"] == os.path.join(second, "triton")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/kept"
+    assert not os.path.exists(first) and not os.path.exists(second)
+    with cold_caches(False) as renew:
+        renew()
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/kept"

@@ -100,25 +100,32 @@ def compile_cache(before: tuple[int, int]) -> str | None:
 
 
 @contextlib.contextmanager
-def cold_caches(cold: bool) -> Iterator[None]:
+def cold_caches(cold: bool) -> Iterator[Callable[[], None]]:
     """With `cold`, Inductor and Triton compile into an empty folder of their own, removed afterwards: the
-    compile time of a fresh machine (make ... COLD=1)."""
+    compile time of a fresh machine (make ... COLD=1). Yields `renew`, which moves them to another empty folder:
+    after MICRO_BATCH=auto's tries have compiled, the measured run still compiles cold."""
     if not cold:
-        yield
+        yield lambda: None
         return
-    folder = tempfile.mkdtemp(prefix="cold-compile-")
+    folders = []
+
+    def renew() -> None:
+        folders.append(tempfile.mkdtemp(prefix="cold-compile-"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folders[-1]
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(folders[-1], "triton")
+
     saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
-    os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
+    renew()
     try:
-        yield
+        yield renew
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        shutil.rmtree(folder, ignore_errors=True)
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -300,12 +307,15 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
     status, message, code = "ok", "", 0
     reset_peak_memory(device)
     trace, counts_before = None, compile_counts()
-    with Interrupts() as interrupts, cold_caches(cfg.cold), autograd_cache_unless(pins_sdpa(additions, cfg, peer)):
+    with Interrupts() as interrupts, cold_caches(cfg.cold) as renew_cold_caches, \
+            autograd_cache_unless(pins_sdpa(additions, cfg, peer)):
         try:
             try:   # the only place a signal raises; every handler below runs with it disarmed
                 interrupts.arm()
                 cap_memory(device, cfg.gpu_memory_gib)
                 cfg = choose_micro_batch(additions, cfg, device, tokens, dist, peer, run)
+                renew_cold_caches()   # what the search compiled is not the run's compilation, nor its cache
+                counts_before = compile_counts()
                 reset_peak_memory(device)
                 loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda",
                                      rank=dist.rank, world=world)

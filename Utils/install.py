@@ -129,7 +129,8 @@ def _uv(args: list[str]) -> str:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "uv"], check=True)
     done = subprocess.run([sys.executable, "-m", "uv", "pip", "compile", *args], capture_output=True, text=True)
     if done.returncode != 0:
-        raise InstallError(f"uv pip compile failed: {done.stderr.strip().splitlines()[-1:]}")
+        errors = [line for line in done.stderr.splitlines() if line.strip() and not line.lstrip().startswith("hint")]
+        raise InstallError(f"uv pip compile failed: {(errors or ['no message'])[0].strip()}")
     return done.stdout
 
 
@@ -230,9 +231,9 @@ def _cpu_torch(target, upgrade, torch, python, root, cpu_index):
     """PyTorch's CPU build, where it must be installed: none is there, or (locked, for the suite) another
     version is. The tests take whatever torch is there."""
     pip = [python, "-m", "pip", "install"]
-    if upgrade or target == "test":
-        if torch:
-            return [(f"torch {torch} is installed: kept", None)]
+    if torch and (upgrade or target == "test"):
+        return [(f"torch {torch} is installed: kept", None)]
+    if upgrade:
         return [("PyTorch's CPU build", pip + ["torch", "--index-url", cpu_index])]
     want = locked_torch(root)
     if torch and torch.split("+")[0] == want:
@@ -250,7 +251,8 @@ def _read(root: str, name: str) -> str:
 
 
 def install(target: str, upgrade: bool, python: str = sys.executable) -> int:
-    problems = [] if upgrade else [p for p in stale() if target != "notebook" or "notebook" in p]
+    mine = {"suite": ("cuda", "cpu"), "test": ("test",), "notebook": ("notebook",)}[target]
+    problems = [] if upgrade else [p for p in stale() if p.split()[0] in {LOCKS[k].path for k in mine}]
     if problems:
         raise InstallError(problems[0])
     steps = plan(target, has_gpu(), upgrade, installed_torch(), python,

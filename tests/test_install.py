@@ -174,3 +174,20 @@ def test_install_imports_the_standard_library_only():
     imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported - {"uv"} <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+
+
+def test_the_tests_without_any_torch_get_the_locked_cpu_build():
+    steps = plan("test", gpu=False, upgrade=False, torch=None, python="py", cpu_index="https://mirror/cpu")
+    assert _commands(steps) == [["py", "-m", "pip", "install", f"torch=={install.TORCH['cpu']}",
+                                 "--index-url", "https://mirror/cpu"]]
+
+
+def test_a_stale_notebook_lock_does_not_block_the_suites_install(monkeypatch):
+    monkeypatch.setattr(install, "stale", lambda: ["requirements-notebook.lock is older than requirements-notebook.txt: "
+                                                   "run make lock, and commit both"])
+    monkeypatch.setattr(install, "has_gpu", lambda: False)
+    monkeypatch.setattr(install, "installed_torch", lambda: f"{install.TORCH['cpu']}+cpu")
+    monkeypatch.setattr(install.subprocess, "run", lambda *a, **k: type("Done", (), {"returncode": 0})())
+    assert install.install("suite", upgrade=False, python="py") == 0
+    with pytest.raises(InstallError, match="requirements-notebook.lock"):
+        install.install("notebook", upgrade=False, python="py")

@@ -158,3 +158,56 @@ def test_cold_caches_renewed_after_the_search_leave_the_run_an_empty_folder_and_
     with cold_caches(False) as renew:
         renew()
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/kept"
+
+
+def test_each_micro_batch_but_the_last_skips_the_gradient_reduction(monkeypatch):
+    cfg = _config(micro_batch=1)
+    tokens, _ = load_tokens("synthetic", PRESETS[cfg.model].vocab_size, cfg.seed, None)
+    b = build(("fused",), CPU, PRESETS[cfg.model], cfg.seed, TokenLoader(tokens, 4, cfg.seq_len))
+    syncs = []
+    real = b.gradient_sync
+    monkeypatch.setattr(b, "gradient_sync", lambda sync: (syncs.append(sync), real(sync))[1])
+    make_step(b, cfg, StepClock(CPU))()
+    assert syncs == [False, False, False, True]
+
+
+@pytest.mark.parametrize("parallel, calls", [("ddp", ["no_sync"]), ("fsdp", [("set", False)]), ("", [])])
+def test_gradient_sync_holds_back_ddp_and_fsdp_reductions_until_the_last_micro_batch(parallel, calls):
+    import contextlib
+
+    from Utils.ladder.parallel import gradient_sync
+
+    class Module:
+        def __init__(self):
+            self.calls = []
+
+        @contextlib.contextmanager
+        def no_sync(self):
+            self.calls.append("no_sync")
+            yield
+
+        def set_requires_gradient_sync(self, sync):
+            self.calls.append(("set", sync))
+
+    m = Module()
+    with gradient_sync(m, parallel, sync=False):
+        pass
+    assert m.calls == calls
+    m.calls.clear()
+    with gradient_sync(m, parallel, sync=True):
+        pass
+    assert m.calls == ([("set", True)] if parallel == "fsdp" else [])
+
+
+def test_with_cuda_graphs_the_gradients_of_several_micro_batches_live_outside_the_graphs(monkeypatch):
+    # A CUDA graph's replay overwrites the memory of its outputs: a gradient must not be one of them.
+    from Utils.ladder.apply import Build
+    monkeypatch.setattr(Build, "cudagraphs", property(lambda self: True))
+    cfg = _config(micro_batch=2)
+    tokens, _ = load_tokens("synthetic", PRESETS[cfg.model].vocab_size, cfg.seed, None)
+    b = build(("fused",), CPU, PRESETS[cfg.model], cfg.seed, TokenLoader(tokens, 4, cfg.seq_len))
+    step = make_step(b, cfg, StepClock(CPU))
+    grads = {n: p.grad for n, p in b.model.named_parameters()}
+    assert all(g is not None and not g.any() for g in grads.values())   # allocated before any graph runs
+    step()
+    assert all(p.grad is grads[n] and not p.grad.any() for n, p in b.model.named_parameters())   # zeroed in place

@@ -62,6 +62,14 @@ def make_step(b: Build, cfg: RunConfig, clock: StepClock) -> Callable[[], tuple[
     micro = cfg.micro_batch or cfg.batch_size
     parts = cfg.batch_size // micro
     deferred = b.sync_every > 1
+    # A gradient that a CUDA graph's backward hands to an empty .grad lives in the graph's memory pool, which the
+    # next micro-batch's replay overwrites (torch's cudagraph_trees warns of gradient accumulation): with several
+    # micro-batches the gradients are allocated outside the graphs once, and zeroed instead of freed.
+    keep_grads = parts > 1 and b.cudagraphs
+    if keep_grads:
+        for p in b.model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     def step():
         window = source.next_batch().to(device, non_blocking=True)
@@ -77,7 +85,7 @@ def make_step(b: Build, cfg: RunConfig, clock: StepClock) -> Callable[[], tuple[
             if parts > 1:   # a sum of its own, which the next micro-batch's replay of a CUDA graph leaves alone
                 total = loss.detach() / parts if total is None else total + loss.detach() / parts
         update()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not keep_grads)
         if parts > 1:
             return clock.mark(), total
         # A loss read later must survive the next step (a CUDA graph replay reuses its output's memory).

@@ -71,7 +71,8 @@ def check_sdpa_backend(additions: tuple, cfg: RunConfig, peer: "Peer | None" = N
     dtype = torch.bfloat16 if "bf16" in additions else torch.float32
     preset = PRESETS[cfg.model]
     head_dim = preset.n_embd // preset.n_head
-    device = torch.device(cfg.device)
+    # torchrun's LOCAL_RANK: each process checks its own GPU, not every one the first
+    device = torch.device(cfg.device, int(os.environ.get("LOCAL_RANK", 0))) if cfg.device == "cuda" else torch.device("cpu")
     why = cannot_run(cfg.sdpa_backend, device, dtype, head_dim)
     if why:
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "this CPU"
@@ -228,7 +229,8 @@ def choose_micro_batch(additions: tuple, cfg: RunConfig, device: torch.device, t
             left = f"; {', '.join(map(str, fit.too_large))} did not fit" if fit.too_large else ""
             print(f"micro-batch: {micro} rows, {cfg.batch_size // micro} a step (auto{left}; the search took "
                   f"{fit.probe_s:.1f} s, outside the measured steps)", flush=True)
-    run.update(micro_batch=micro, accumulation_steps=cfg.batch_size // micro, gpu_memory_gib=cfg.gpu_memory_gib)
+    run.update(micro_batch=micro, accumulation_steps=cfg.batch_size // micro, gpu_memory_gib=cfg.gpu_memory_gib,
+               micro_auto=cfg.micro_batch is None)
     return replace(cfg, micro_batch=micro)
 
 
@@ -344,7 +346,8 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
                 smaller = [d for d in divisors(cfg.batch_size) if d < micro]
                 message = (f"out of memory at MICRO_BATCH={micro} (BATCH_SIZE={cfg.batch_size}) after {len(rows)} steps"
                            + (f" (peak {peak:.1f} GiB allocated)" if peak is not None else "")
-                           + (f": try MICRO_BATCH={smaller[0]}, or MICRO_BATCH=auto, which finds the largest that fits"
+                           + (f": try MICRO_BATCH={smaller[0]}" + ("" if run.get("micro_auto") else
+                                                                        ", or MICRO_BATCH=auto, which finds the largest that fits")
                               if smaller else f": one row does not fit; try SEQ_LEN={max(1, cfg.seq_len // 2)}, a "
                                               f"smaller MODEL, or a rung that saves memory (flash, 8bit)"))
             else:

@@ -32,8 +32,7 @@ def test_ranks_read_the_global_batch_of_one_process_in_order():
         assert torch.equal(torch.cat([parts[0][:-1], parts[1]]), whole)
 
 
-@pytest.mark.parametrize("parallel, micro", [("ddp", []), ("fsdp", []), ("ddp", ["MICRO_BATCH=1"]),
-                                             ("fsdp", ["MICRO_BATCH=1"])])
+@pytest.mark.parametrize("parallel, micro", [("ddp", []), ("fsdp", []), ("ddp", ["MICRO_BATCH=1"])])
 def test_two_processes_train_as_one_process_on_twice_the_batch(tmp_path, parallel, micro):
     # With MICRO_BATCH=1 each rank accumulates two micro-batches and reduces the gradients once, in the last.
     env = clean_env()

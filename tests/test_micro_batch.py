@@ -117,7 +117,7 @@ def _search(additions, batch, monkeypatch, rows_that_fit):
 
 # The whole batch first, then a binary search of the smaller divisors: too_large is what was tried and did not fit.
 @pytest.mark.parametrize("batch, fits, chosen, too_large", [(12, 5, 4, (12, 6)), (8, 8, 8, ()), (16, 1, 1, (16, 4, 2)),
-                                                            (256, 40, 32, (256, 64)), (256, 100, 64, (256, 128))])
+                                                            (32, 10, 8, (32, 16)), (32, 20, 16, (32,))])
 def test_auto_keeps_the_largest_divisor_whose_real_steps_fit(monkeypatch, batch, fits, chosen, too_large):
     fit = _search(("bf16", "fused"), batch, monkeypatch, fits)
     assert (fit.micro_batch, fit.too_large) == (chosen, too_large) and fit.probe_s > 0

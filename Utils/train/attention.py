@@ -8,7 +8,6 @@ ran while tracing (inside its `dynamo_timed` ranges) are not what the step ran, 
 replace the traced attention with another kernel, or with its own.
 """
 import contextlib
-import os
 import warnings
 from collections.abc import Iterable, Iterator
 
@@ -40,18 +39,17 @@ def kernel_of(operators: Iterable[str]) -> str:
 
 
 class Watch:
-    """Profiles what runs inside `with watch:` (the host's operators only: no CUDA tracing, so the step is barely
-    slowed); kernel() then names the attention kernel among them. Reading the profile takes from milliseconds to
-    seconds, so it is left for after the timed steps: done between two steps, it would land in the next one."""
+    """Profiles what runs inside `with watch:` (the host's operators only, with the autograd profiler's own event
+    list: Kineto's first start costs over a second a process, this a few milliseconds); kernel() then names the
+    attention kernel among them. Reading the profile is left for after the timed steps: done between two steps,
+    it would land in the next one."""
 
     def __init__(self, device: torch.device):
-        if device.type != "cuda":
-            os.environ.setdefault("KINETO_LOG_LEVEL", "5")   # a CUDA build of torch on a CPU run: no GPU to ask for
         self.profile = None
 
     def __enter__(self) -> "Watch":
-        from torch.profiler import ProfilerActivity, profile
-        self.profile = profile(activities=[ProfilerActivity.CPU])
+        from torch.autograd.profiler import profile
+        self.profile = profile(use_kineto=False)
         self.profile.__enter__()
         return self
 
@@ -62,7 +60,8 @@ class Watch:
         """The attention kernel of what ran inside, or None if nothing was watched."""
         if self.profile is None:
             return None
-        return kernel_of(e.name for e in self.profile.events() if e.name in KERNELS and not _compiling(e))
+        events = self.profile.function_events
+        return kernel_of(e.name for e in events if e.name in KERNELS and not _compiling(e))
 
 
 def _compiling(event) -> bool:

@@ -66,7 +66,7 @@ help:
 	@echo "                                                (UPGRADE=1: the newest versions requirements.txt allows)"
 	@echo "  make lock                                     resolve the locks again after a change to requirements*.txt"
 	@echo "  make check-upgrades                           make test UPGRADE=1 in a new virtual environment"
-	@echo "  make test                                     the test suite (CPU, about 5 minutes on 2 cores; installs requirements-test.lock)"
+	@echo "  make test                                     the test suite (CPU, about 13 minutes on 2 cores; installs requirements-test.lock)"
 	@echo "  make gpu-test                                 the tests marked gpu, on a CUDA machine"
 	@echo ""
 	@echo "Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE=auto|cuda|cpu"

@@ -3,10 +3,10 @@ steps, and GPU_MEMORY_GIB, the cap that lets a large card show what a small one 
 
 A formula for a step's memory misses what the allocator, the compiler and the kernels' workspaces add, so each
 candidate is tried for real: the rung built as it will run (compiled rungs compiled, CUDA graphs recorded),
-PROBE_STEPS steps taken so that the optimizer's states exist, the whole batch first. Each try is built from
-scratch and thrown away, so the measured run starts from the same weights and data as a run given MICRO_BATCH
-outright; only its compilation finds the graphs the search compiled in Inductor's cache (compile_cache says
-warm; COLD=1 gives the run an empty cache of its own).
+PROBE_STEPS steps of two micro-batches taken so that the optimizer's states and the accumulated gradients exist,
+the whole batch first. Each try is built from scratch and thrown away, so the measured run starts from the same
+weights and data as a run given MICRO_BATCH outright; only its compilation finds the graphs the search compiled in
+Inductor's cache (compile_cache says warm; COLD=1 gives the run an empty cache of its own).
 """
 import gc
 import time

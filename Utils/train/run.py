@@ -236,16 +236,19 @@ def choose_micro_batch(additions: tuple, cfg: RunConfig, device: torch.device, t
 
 def _probe(additions, cfg, micro, device, tokens, dist, peer, seen) -> None:
     """PROBE_STEPS steps at `micro` rows a micro-batch, of the run built as it will run (its own copy, thrown
-    away after). Under DDP without the other ranks: their gradient buckets add little. Notes in `seen` the
-    memory of the weights, and of the weights and optimizer states after a step."""
+    away after). Each step holds two micro-batches, not BATCH_SIZE / micro: the gradients accumulate in place, so
+    the second micro-batch already reaches the peak of any later one, and a try at 1 row of 256 takes seconds, not
+    minutes. Under DDP without the other ranks: their gradient buckets add little. Notes in `seen` the memory of
+    the weights, and of the weights and optimizer states after a step."""
     cuda = device.type == "cuda"
+    cfg = replace(cfg, batch_size=min(cfg.batch_size, 2 * micro), micro_batch=micro)
     loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=cuda, rank=dist.rank, world=dist.world_size)
     b = build(additions, device, PRESETS[cfg.model], cfg.seed, loader,
               **({"make_model": peer.make_model} if peer else {}))
     if cuda:
         seen.setdefault("weights", torch.cuda.memory_allocated(device))
     clock = StepClock(device)
-    step = make_step(b, replace(cfg, micro_batch=micro), clock)
+    step = make_step(b, cfg, clock)
     for i in range(PROBE_STEPS):
         clock.wait(step()[0])
         if i == 0 and cuda:

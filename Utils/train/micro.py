@@ -36,8 +36,9 @@ class NothingFits(Exception):
 def cap_memory(device: torch.device, gib: float | None) -> None:
     """The process may allocate at most `gib` GiB of the GPU (PyTorch's per-process memory fraction)."""
     if gib is not None and device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
+        index = torch.cuda.current_device() if device.index is None else device.index   # it takes no bare "cuda"
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), index)
 
 
 def free(device: torch.device) -> None:

@@ -130,20 +130,25 @@ def _fake_memory(monkeypatch, rows_that_fit):
     monkeypatch.setattr(GPT, "forward", limited)
 
 
-def _search(additions, batch, monkeypatch, rows_that_fit):
+def _search(additions, batch, monkeypatch, rows_that_fit, say=lambda line: None):
     _fake_memory(monkeypatch, rows_that_fit)
     cfg = parse_args(["--steps", "4", "--batch-size", str(batch), "--prefix", "p"] + ARGS)
     tokens, _ = load_tokens("synthetic", PRESETS[cfg.model].vocab_size, cfg.seed, None)
     dist = distributed.from_env("")
-    return search(batch, lambda m: _probe(additions, cfg, m, CPU, tokens, dist, None, {}), out_of_memory, CPU)
+    return search(batch, lambda m: _probe(additions, cfg, m, CPU, tokens, dist, None, {}), out_of_memory, CPU, say)
 
 
 # The whole batch first, then a binary search of the smaller divisors: too_large is what was tried and did not fit.
 @pytest.mark.parametrize("batch, fits, chosen, too_large", [(12, 5, 4, (12, 6)), (8, 8, 8, ()), (16, 1, 1, (16, 4, 2)),
                                                             (32, 10, 8, (32, 16)), (32, 20, 16, (32,))])
 def test_auto_keeps_the_largest_divisor_whose_real_steps_fit(monkeypatch, batch, fits, chosen, too_large):
-    fit = _search(("bf16", "fused"), batch, monkeypatch, fits)
+    lines = []
+    fit = _search(("bf16", "fused"), batch, monkeypatch, fits, lines.append)
     assert (fit.micro_batch, fit.too_large) == (chosen, too_large) and fit.probe_s > 0
+    # a line a try, in the order tried, each saying how it ended
+    tried = [(int(ln.split("=")[1].split(":")[0]), ln.split(": ")[1].split(" (")[0]) for ln in lines]
+    assert {m for m, outcome in tried if outcome == "out of memory"} == set(too_large)
+    assert max(m for m, outcome in tried if outcome == "fits") == chosen and tried[0][0] == batch
 
 
 def test_a_try_steps_two_micro_batches_whatever_the_batch(monkeypatch):
@@ -163,6 +168,28 @@ def test_a_try_steps_two_micro_batches_whatever_the_batch(monkeypatch):
 def test_auto_says_when_not_even_one_row_fits(monkeypatch):
     with pytest.raises(NothingFits, match="not even MICRO_BATCH=1 fits"):
         _search(("fused",), 4, monkeypatch, 0)
+
+
+def test_out_of_memory_inside_torch_compile_is_taken_for_one(monkeypatch):
+    # Inductor runs what it compiles: an OOM there arrives wrapped (BackendCompilerFailed, its cause the OOM).
+    from torch._dynamo.exc import BackendCompilerFailed
+    from Utils.model import GPT
+    forward = GPT.forward
+
+    def wrapped(self, idx, targets=None):
+        if idx.shape[0] > 2:
+            try:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.14 GiB")
+            except torch.OutOfMemoryError as oom:
+                raise BackendCompilerFailed(lambda *a: None, oom, None) from oom
+        return forward(self, idx, targets)
+    monkeypatch.setattr(GPT, "forward", wrapped)
+    cfg = parse_args(["--steps", "4", "--batch-size", "8", "--prefix", "p"] + ARGS)
+    tokens, _ = load_tokens("synthetic", PRESETS[cfg.model].vocab_size, cfg.seed, None)
+    fit = search(8, lambda m: _probe(("fused",), cfg, m, CPU, tokens, distributed.from_env(""), None, {}),
+                 out_of_memory, CPU)
+    assert (fit.micro_batch, fit.too_large) == (2, (8, 4))
+    assert not out_of_memory(RuntimeError("a kernel failed"))
 
 
 def test_an_error_that_is_not_out_of_memory_is_not_taken_for_one(monkeypatch):

@@ -4,9 +4,17 @@ import torch
 
 
 def out_of_memory(e: BaseException) -> bool:
-    """Out of device memory, or of host memory: PyTorch's CPU allocator raises a plain RuntimeError."""
-    return (isinstance(e, (torch.OutOfMemoryError, MemoryError))
-            or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)))
+    """Out of device memory, or of host memory (PyTorch's CPU allocator raises a plain RuntimeError), also where
+    torch.compile wraps it: Inductor runs the graph it is compiling, and an OOM there reaches the caller as a
+    BackendCompilerFailed whose cause is the OOM."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if (isinstance(e, (torch.OutOfMemoryError, MemoryError))
+                or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))):
+            return True
+        seen.add(id(e))
+        e = getattr(e, "inner_exception", None) or e.__cause__
+    return False
 
 
 def compile_failure(e: BaseException) -> bool:

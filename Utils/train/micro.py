@@ -9,6 +9,7 @@ weights and data as a run given MICRO_BATCH outright; only its compilation finds
 Inductor's cache (compile_cache says warm; COLD=1 gives the run an empty cache of its own).
 """
 import gc
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,23 +51,31 @@ def free(device: torch.device) -> None:
 
 
 def search(batch: int, try_step: Callable[[int], None], is_oom: Callable[[BaseException], bool],
-           device: torch.device) -> Fit:
+           device: torch.device, say: Callable[[str], None] = lambda line: None) -> Fit:
     """The largest divisor m of `batch` for which try_step(m) runs without running out of memory: the whole batch
     first (it fits on most cards), then a binary search over the smaller divisors, since what fits at m rows
-    fits at fewer. Each try of a compiled rung compiles, so fewer tries is minutes less on a small card."""
+    fits at fewer. Each try of a compiled rung compiles, so fewer tries is minutes less on a small card. Each
+    try's outcome and peak memory go to `say`, a line each."""
     start, too_large = time.perf_counter(), []
+    cuda = device.type == "cuda"
 
     def fits(micro: int) -> bool:
-        fitted = True
+        fitted, why, began = True, "", time.perf_counter()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         try:
             try_step(micro)
         except Exception as e:   # noqa: BLE001 - anything but running out of memory is raised again
             if not is_oom(e):
                 raise
-            fitted = False
+            fitted, why = False, _allocation(e)
+        peak = (f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocated, "
+                f"{torch.cuda.max_memory_reserved(device) / 2**30:.2f} reserved") if cuda else ""
         free(device)   # outside the handler: the exception's frames no longer hold the try's tensors
         if not fitted:
             too_large.append(micro)
+        say(f"  MICRO_BATCH={micro}: {'fits' if fitted else 'out of memory' + why}{peak} "
+            f"({time.perf_counter() - began:.1f} s)")
         return fitted
 
     candidates = divisors(batch)
@@ -83,3 +92,14 @@ def search(batch: int, try_step: Callable[[int], None], is_oom: Callable[[BaseEx
     if best is None:
         raise NothingFits(f"not even MICRO_BATCH=1 fits (tried {', '.join(map(str, sorted(too_large, reverse=True)))})")
     return Fit(candidates[best], tuple(sorted(too_large, reverse=True)), time.perf_counter() - start)
+
+
+def _allocation(e: BaseException | None) -> str:
+    """' (tried to allocate 6.14 GiB)' from CUDA's out-of-memory message, looking through torch.compile's
+    wrappers; '' where no message says."""
+    while e is not None:
+        found = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(e))
+        if found:
+            return f" (tried to allocate {found.group(1)})"
+        e = getattr(e, "inner_exception", None) or e.__cause__
+    return ""

@@ -219,9 +219,13 @@ def choose_micro_batch(additions: tuple, cfg: RunConfig, device: torch.device, t
         micro = cfg.batch_size
     elif micro is None:
         seen = {}
+        if dist.main:
+            print(f"micro-batch search (MICRO_BATCH=auto): the largest divisor of BATCH_SIZE={cfg.batch_size} whose "
+                  f"step fits" + (f" in GPU_MEMORY_GIB={cfg.gpu_memory_gib:g}" if cfg.gpu_memory_gib else ""),
+                  flush=True)
         try:
             fit = search(cfg.batch_size, lambda m: _probe(additions, cfg, m, device, tokens, dist, peer, seen),
-                         out_of_memory, device)
+                         out_of_memory, device, say=lambda line: dist.main and print(line, flush=True))
         except NothingFits:
             raise NothingFits(_nothing_fits(cfg, device, seen)) from None
         micro = distributed.smallest(fit.micro_batch, device)

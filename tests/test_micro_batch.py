@@ -275,3 +275,41 @@ def test_with_cuda_graphs_the_gradients_of_several_micro_batches_live_outside_th
     assert all(g is not None and not g.any() for g in grads.values())   # allocated before any graph runs
     step()
     assert all(p.grad is grads[n] and not p.grad.any() for n, p in b.model.named_parameters())   # zeroed in place
+
+
+def _hint(additions, seq_len, cap, fits_up_to, weights=0.5, states=1.0):
+    """_nothing_fits for a run whose measured weights and optimizer states are given in GiB and whose one row fits
+    up to `fits_up_to` tokens; returns (its message, the SEQ_LENs it tried)."""
+    from dataclasses import replace
+
+    from Utils.train.run import _nothing_fits
+    cfg = replace(parse_args(["--steps", "4", "--batch-size", "4", "--prefix", "p", "--model", "gpt2",
+                              "--seq-len", str(seq_len), "--data", "synthetic"]), gpu_memory_gib=cap)
+    tried = []
+
+    def try_row(c):
+        tried.append(c.seq_len)
+        if c.seq_len > fits_up_to:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
+    seen = {"weights": weights * 2**30, "after_step": (weights + states) * 2**30}
+    return _nothing_fits(additions, cfg, CPU, seen, try_row, lambda line: None), tried
+
+
+def test_when_one_row_does_not_fit_the_hint_names_a_sequence_length_it_tried_and_that_fits():
+    message, tried = _hint(("tf32",), 1024, 3.5, fits_up_to=256)
+    assert tried == [512, 256]
+    assert message.startswith("out of memory at MICRO_BATCH=1: of 3.5 GiB, the weights (0.50 GiB), their gradients "
+                              "and the optimizer's states take 2.00 GiB (measured) before any activation, leaving 1.50")
+    assert message.endswith("one row at SEQ_LEN=256 fits (tried): run with SEQ_LEN=256")
+
+
+def test_when_the_optimizer_leaves_no_room_the_hint_names_the_8bit_rung_then_a_smaller_model():
+    # 2.0 of 2.2 GiB before any activation: no sequence length is tried; 8-bit states save 1.5 x the weights
+    message, tried = _hint(("tf32",), 1024, 2.2, fits_up_to=1024)
+    assert tried == [] and message.endswith("the 8bit rung's optimizer states take a quarter of AdamW's, 1.25 GiB in "
+                                            "all: try it (make 8bit)")
+    message, tried = _hint(("tf32", "8bit"), 1024, 1.0, fits_up_to=0, states=0.25)
+    assert tried == [] and "MODEL=tiny (" in message and message.endswith("before any activation: try it")
+    # no row fits at any tried length, and 8-bit states would leave room: both said
+    message, tried = _hint(("tf32",), 256, 2.8, fits_up_to=0)
+    assert tried == [128, 64] and "not even one row at SEQ_LEN=64 fits (tried)" in message and "make 8bit" in message

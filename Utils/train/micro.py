@@ -50,6 +50,27 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def attempt(what: str, try_fn: Callable[[], None], is_oom: Callable[[BaseException], bool], device: torch.device,
+            say: Callable[[str], None]) -> bool:
+    """True if try_fn() runs without running out of memory (any other error is raised); says how it ended and
+    its peak memory in a line, and frees what it held."""
+    fitted, why, began = True, "", time.perf_counter()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        try_fn()
+    except Exception as e:   # noqa: BLE001 - anything but running out of memory is raised again
+        if not is_oom(e):
+            raise
+        fitted, why = False, _allocation(e)
+    peak = (f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocated, "
+            f"{torch.cuda.max_memory_reserved(device) / 2**30:.2f} reserved") if cuda else ""
+    free(device)   # outside the handler: the exception's frames no longer hold the try's tensors
+    say(f"  {what}: {'fits' if fitted else 'out of memory' + why}{peak} ({time.perf_counter() - began:.1f} s)")
+    return fitted
+
+
 def search(batch: int, try_step: Callable[[int], None], is_oom: Callable[[BaseException], bool],
            device: torch.device, say: Callable[[str], None] = lambda line: None) -> Fit:
     """The largest divisor m of `batch` for which try_step(m) runs without running out of memory: the whole batch
@@ -57,25 +78,11 @@ def search(batch: int, try_step: Callable[[int], None], is_oom: Callable[[BaseEx
     fits at fewer. Each try of a compiled rung compiles, so fewer tries is minutes less on a small card. Each
     try's outcome and peak memory go to `say`, a line each."""
     start, too_large = time.perf_counter(), []
-    cuda = device.type == "cuda"
 
     def fits(micro: int) -> bool:
-        fitted, why, began = True, "", time.perf_counter()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        try:
-            try_step(micro)
-        except Exception as e:   # noqa: BLE001 - anything but running out of memory is raised again
-            if not is_oom(e):
-                raise
-            fitted, why = False, _allocation(e)
-        peak = (f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocated, "
-                f"{torch.cuda.max_memory_reserved(device) / 2**30:.2f} reserved") if cuda else ""
-        free(device)   # outside the handler: the exception's frames no longer hold the try's tensors
+        fitted = attempt(f"MICRO_BATCH={micro}", lambda: try_step(micro), is_oom, device, say)
         if not fitted:
             too_large.append(micro)
-        say(f"  MICRO_BATCH={micro}: {'fits' if fitted else 'out of memory' + why}{peak} "
-            f"({time.perf_counter() - began:.1f} s)")
         return fitted
 
     candidates = divisors(batch)

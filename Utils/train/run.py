@@ -32,7 +32,7 @@ from Utils.train.failures import compile_failure, first_line, out_of_memory
 from Utils.train.interrupts import EXIT_INTERRUPTED, Interrupts
 from Utils.train import distributed
 from Utils.train.loop import StepClock, make_step, train
-from Utils.train.micro import PROBE_STEPS, NothingFits, cap_memory, search
+from Utils.train.micro import PROBE_STEPS, NothingFits, attempt, cap_memory, search
 from Utils.train.provenance import environment
 from Utils.train.usage import fail
 
@@ -223,11 +223,13 @@ def choose_micro_batch(additions: tuple, cfg: RunConfig, device: torch.device, t
             print(f"micro-batch search (MICRO_BATCH=auto): the largest divisor of BATCH_SIZE={cfg.batch_size} whose "
                   f"step fits" + (f" in GPU_MEMORY_GIB={cfg.gpu_memory_gib:g}" if cfg.gpu_memory_gib else ""),
                   flush=True)
+        say = lambda line: dist.main and print(line, flush=True)   # noqa: E731
         try:
             fit = search(cfg.batch_size, lambda m: _probe(additions, cfg, m, device, tokens, dist, peer, seen),
-                         out_of_memory, device, say=lambda line: dist.main and print(line, flush=True))
+                         out_of_memory, device, say)
         except NothingFits:
-            raise NothingFits(_nothing_fits(cfg, device, seen)) from None
+            raise NothingFits(_nothing_fits(additions, cfg, device, seen, lambda c: _probe(
+                additions, c, 1, device, tokens, dist, peer, {}), say)) from None
         micro = distributed.smallest(fit.micro_batch, device)
         if dist.main:
             left = f"; {', '.join(map(str, fit.too_large))} did not fit" if fit.too_large else ""
@@ -259,22 +261,51 @@ def _probe(additions, cfg, micro, device, tokens, dist, peer, seen) -> None:
             seen.setdefault("after_step", torch.cuda.memory_allocated(device))
 
 
-def _nothing_fits(cfg: RunConfig, device: torch.device, seen: dict) -> str:
-    """Why not even one row fits, from what the probe measured: the memory that does not grow with the batch
-    (weights, their gradients, the optimizer's states) against the cap, and what to change."""
+# The fraction of the memory that the fixed part may take and leave room for activations.
+ROOM = 0.75
+
+
+def _nothing_fits(additions: tuple, cfg: RunConfig, device: torch.device, seen: dict,
+                  try_row: Callable[[RunConfig], None], say: Callable[[str], None]) -> str:
+    """Why not even one row fits, from what the probe measured (the memory that does not grow with the batch:
+    weights, their gradients, the optimizer's states), and a setting that fits: shorter sequences, each tried
+    (try_row runs one row a micro-batch under a config), where the fixed part leaves room; else the 8bit rung or
+    a smaller MODEL, their fixed part computed from the one measured here."""
     cap = cfg.gpu_memory_gib or torch.cuda.get_device_properties(device).total_memory / 2**30
     weights = seen.get("weights", 0) / 2**30
     if "after_step" in seen:   # weights and states measured; the gradients are as large as the weights
         fixed, how = seen["after_step"] / 2**30 + weights, "measured"
     else:                      # no step finished: AdamW's two fp32 states and the gradients, each the weights' size
         fixed, how = 4 * weights, "estimated from the weights"
-    left = cap - fixed
     start = (f"out of memory at MICRO_BATCH=1: of {cap:.1f} GiB, the weights ({weights:.2f} GiB), their gradients "
              f"and the optimizer's states take {fixed:.2f} GiB ({how}) before any activation")
-    if left < 0.25 * cap:
-        return start + f"; try a smaller MODEL, or the 8bit rung (optimizer states in 8 bits instead of 32)"
-    return (start + f", leaving {left:.2f} GiB, less than one row's activations at SEQ_LEN={cfg.seq_len}; try "
-            f"SEQ_LEN={max(1, cfg.seq_len // 2)}, or a rung from flash on (no T x T attention scores in memory)")
+    if fixed < ROOM * cap:
+        seq_len = cfg.seq_len // 2
+        while seq_len >= 64:
+            if attempt(f"SEQ_LEN={seq_len}, MICRO_BATCH=1", lambda: try_row(replace(cfg, seq_len=seq_len)),
+                       out_of_memory, device, say):
+                return (start + f", leaving {cap - fixed:.2f} GiB, less than one row's activations at "
+                        f"SEQ_LEN={cfg.seq_len}; one row at SEQ_LEN={seq_len} fits (tried): run with SEQ_LEN={seq_len}")
+            seq_len //= 2
+        start += f"; not even one row at SEQ_LEN={seq_len * 2} fits (tried)"
+    # AdamW keeps two fp32 states a parameter (twice the weights); bitsandbytes' AdamW8bit one byte each.
+    if "8bit" not in additions and fixed - 1.5 * weights < ROOM * cap:
+        return start + (f"; the 8bit rung's optimizer states take a quarter of AdamW's, {fixed - 1.5 * weights:.2f} GiB "
+                        f"in all: try it (make 8bit)")
+    params = _parameters(cfg.model)
+    smaller = [m for m in PRESETS if _parameters(m) < params and fixed * _parameters(m) / params < ROOM * cap]
+    if smaller:
+        best = max(smaller, key=_parameters)
+        return start + (f"; MODEL={best} ({_parameters(best) / 1e6:.0f}M parameters) would take about "
+                        f"{fixed * _parameters(best) / params:.2f} GiB before any activation: try it")
+    return start + "; no MODEL preset leaves room on this card"
+
+
+def _parameters(model: str) -> int:
+    """The parameter count of a MODEL preset, from a model built on the meta device (no memory)."""
+    from Utils.model import GPT
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(PRESETS[model]).parameters())
 
 
 def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None) -> int:

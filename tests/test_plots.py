@@ -762,3 +762,17 @@ def test_a_folder_without_peers_or_without_rungs_has_no_peers_section(tmp_path):
         rc, _, err = run_main(p)
         assert rc == 0, err
         assert "against the peers" not in summary_text(p)
+
+
+def test_under_a_memory_cap_the_memory_chart_shows_the_cap_and_each_rungs_micro_batch(tmp_path):
+    # Every rung fills the same cap; what a memory saving bought is the micro-batch beside its bar.
+    p = str(tmp_path)
+    for rung, micro, mem in (("baseline", 2, (3.2, 3.5)), ("max", 16, (2.4, 3.3))):
+        add_run(p, rung, [1, 100, 100, 100], mem=mem, micro_batch=micro, accumulation_steps=BATCH // micro,
+                gpu_memory_gib=3.5)
+    fig = CHART_PLOTS["memory.png"](build_report(*load(p)))
+    ax = fig.axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    assert " 3.2, micro-batch 2" in texts and " 2.4, micro-batch 16" in texts
+    assert "GPU_MEMORY_GIB=3.5" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert [line.get_xdata()[0] for line in ax.lines] == [3.5] and not sticks_out(fig)

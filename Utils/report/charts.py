@@ -212,7 +212,8 @@ def plot_throughput(report: Report) -> Figure:
 
 
 def plot_memory(report: Report) -> Figure:
-    """Peak allocated and reserved GPU memory per rung, and the micro-batch it fitted where it accumulated."""
+    """Peak allocated and reserved GPU memory per rung; where a rung accumulated, every rung's micro-batch, and
+    the GPU_MEMORY_GIB cap the runs fitted under."""
     t = report.table
     rungs = list(t.index)
     fig, (ax,) = _figure("Peak GPU memory (lower is better)", report, _bar_height(len(rungs)) + 0.5)
@@ -222,6 +223,7 @@ def plot_memory(report: Report) -> Figure:
         return fig
     colors = rung_colors(rungs)
     h = 0.36
+    accumulated = (t["accumulation_steps"] > 1).any()   # then every rung's micro-batch, the whole batch's too
     for y, rung in enumerate(rungs):
         a, r = alloc[rung], reserved[rung]
         if not (np.isfinite(a) or np.isfinite(r)):
@@ -234,16 +236,21 @@ def plot_memory(report: Report) -> Figure:
                 # A peer's own program reports the GPU's memory in use, not a caching allocator's reserve.
                 in_use = " in use on the GPU" if is_peer(rung) and not np.isfinite(a) else ""
                 micro = t.loc[rung, "micro_batch"]
-                fitted = (f", micro-batch {micro:.0f}" if dy < 0 and np.isfinite(micro)
-                          and t.loc[rung, "accumulation_steps"] > 1 else "")
+                fitted = f", micro-batch {micro:.0f}" if dy < 0 and np.isfinite(micro) and accumulated else ""
                 ax.text(value, y + dy, f" {value:.1f}{in_use}{fitted}", va="center", fontsize=8)
-    ax.set_xlim(0, np.nanmax(np.concatenate([alloc.to_numpy(), reserved.to_numpy()])) * 1.15)
+    handles = [Patch(facecolor="#777777", label="allocated by tensors"),
+               Patch(facecolor="#777777", alpha=0.4, hatch="///", edgecolor="#777777",
+                     label="reserved by the caching allocator")]
+    # Under GPU_MEMORY_GIB every rung fills the same cap: what a memory saving buys is a larger micro-batch.
+    caps = t["gpu_memory_gib"].dropna().unique()
+    right = np.nanmax(np.concatenate([alloc.to_numpy(), reserved.to_numpy(), caps]))
+    for cap in caps:
+        handles.append(ax.axvline(cap, color="#333333", linestyle="--", linewidth=1,
+                                  label=f"GPU_MEMORY_GIB={cap:g}"))
+    ax.set_xlim(0, right * 1.15)
     _rung_axis(ax, rungs)
     ax.set_xlabel("peak memory (GiB), as recorded in runs.csv", fontsize=9)
-    ax.legend(handles=[Patch(facecolor="#777777", label="allocated by tensors"),
-                       Patch(facecolor="#777777", alpha=0.4, hatch="///", edgecolor="#777777",
-                             label="reserved by the caching allocator")],
-              loc="best", fontsize=8)
+    ax.legend(handles=handles, loc="best", fontsize=8)
     return fig
 
 

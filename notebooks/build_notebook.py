@@ -469,6 +469,25 @@ CELLS = [
     show(*study.batch64())
     """),
     md(r"""
+    ## A small card: micro-batches
+
+    On a card with 4 or 8 GB, a step of the whole batch does not fit: GPT-2 124M's fp32 weights, their
+    gradients and AdamW's two states alone take 1.85 GiB (16 bytes a parameter) before any activation.
+    Gradient accumulation keeps the optimizer's batch and splits the step: `MICRO_BATCH` rows go forward and
+    backward at a time, each micro-batch's loss scaled by its share of the batch, the gradients adding up in
+    place, and the optimizer steps once. The learning is the same (the tests check the gradients against the
+    whole batch's); the speed is not. A micro-batch of a few rows makes small GEMMs, which keep few of the
+    GPU's multiprocessors busy, and repeats every launch once per micro-batch, so overhead grows with the
+    number of micro-batches. That is why a memory saving buys speed on a small card: bf16 activations, no
+    T×T scores (flash), 8-bit optimizer states, a loss that never holds the whole logits (`max`) each let a
+    larger micro-batch fit. `MICRO_BATCH=auto` finds, for each rung, the largest divisor of `BATCH_SIZE`
+    whose step fits, by running it; `GPU_MEMORY_GIB=x` caps the process at x GiB, so a large card shows what a
+    small one fits. The sets below were measured that way, one device call each.
+    """),
+    code(r"""
+    show(*study.small_cards())
+    """),
+    md(r"""
     ## The charts
 
     The figures `plot_results.py` writes next to the results, drawn here from the same report.

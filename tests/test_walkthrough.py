@@ -20,7 +20,8 @@ H200 = os.path.join(REPO_ROOT, "results", "h200-b16")
 SEQ = 256
 
 
-def add_run(prefix, rung, step_ms, status="ok", batch=4, gpu="NVIDIA L4", commit="abc123", message="", config=""):
+def add_run(prefix, rung, step_ms, status="ok", batch=4, gpu="NVIDIA L4", commit="abc123", message="", config="",
+            **extra):
     """Append one run of `rung` with these step times (the first two are warm-up) through the suite's writer."""
     os.makedirs(prefix, exist_ok=True)
     run_id = f"{rung}-{len(os.listdir(prefix))}-{len(step_ms)}"
@@ -31,7 +32,7 @@ def add_run(prefix, rung, step_ms, status="ok", batch=4, gpu="NVIDIA L4", commit
                             seq_len=SEQ, model="gpt2", n_params=124439808, data="synthetic", device="cuda",
                             gpu_name=gpu, torch_version="2.9.0", cuda_version="12.8", compile_s=None,
                             peak_mem_allocated_gib=6.0, peak_mem_reserved_gib=7.0, notes="", git_commit=commit,
-                            config=config,
+                            config=config, **extra,
                             median_step_ms=float(np.median(step_ms[2:])) if step_ms else None), steps)
     return run_id
 
@@ -70,7 +71,8 @@ def test_companions_are_named_after_the_results_folder():
                                                       "ablation": "/r/h200-ablation-b16",
                                                       "leave_one_out": "/r/h200-ablation-max-b16",
                                                       "leave_one_out_b64": "/r/h200-ablation-max-b64",
-                                                      "breakdown": "/r/h200-b16/breakdown.csv"}
+                                                      "breakdown": "/r/h200-b16/breakdown.csv",
+                                                      "small_cards": "/r/small-cards"}
     assert walkthrough.companions("/r/mine")["loss"] == "/r/mine-loss"
 
 
@@ -223,7 +225,8 @@ def test_missing_rungs_and_sets_are_reported_not_invented(unknown_gpu):
     assert "(its predecessor, bf16, not measured)" not in text_of(unknown_gpu.ladder_lines())   # bf16 is not ok
     assert unknown_gpu.leave_one_out() == []   # optional: the ablation's section names it
     for section, absent in ((unknown_gpu.ablation, "is absent"), (unknown_gpu.loss_set, "is absent"),
-                            (unknown_gpu.batch64, "is absent"), (unknown_gpu.breakdown, "No breakdown.csv")):
+                            (unknown_gpu.batch64, "is absent"), (unknown_gpu.breakdown, "No breakdown.csv"),
+                            (unknown_gpu.small_cards, "holds no results")):
         assert absent in text_of(section())
     assert unknown_gpu.bf16_gain() == []
 
@@ -325,3 +328,24 @@ def test_png_is_the_same_bytes_each_time_and_names_no_software_version():
     first, second = walkthrough.png(fig), walkthrough.png(fig)
     assert first == second and first.startswith(b"\x89PNG")
     assert b"Software" not in first and b"atplotlib" not in first
+
+
+def test_small_card_sets_are_compared_side_by_side_smallest_memory_first(tmp_path):
+    cards = tmp_path / "small-cards"
+    for folder, cap, runs in (("whole", None, (("baseline", 4, 300.0), ("max", 4, 40.0))),
+                              ("3.5gib", 3.5, (("baseline", 1, 600.0), ("max", 2, 60.0))),
+                              ("8gib", 8.0, (("baseline", 2, 400.0), ("max", 4, 45.0)))):
+        for rung, micro, ms in runs:
+            add_run(str(cards / folder), rung, [ms] * 6, micro_batch=micro, accumulation_steps=4 // micro,
+                    gpu_memory_gib=cap)
+    add_run(str(cards / "3.5gib"), "flash", [], status="oom", micro_batch=None, gpu_memory_gib=3.5)
+    add_run(str(tmp_path / "l4-b4"), "baseline", [300.0] * 6)
+    items = Study.load(str(tmp_path / "l4-b4")).small_cards()
+    assert text_of(items[:1]).startswith("batch 4 × 256 tokens a step (")
+    table = items[1]
+    assert list(table.columns) == ["3.5 GiB: micro-batch", "3.5 GiB: ms", "8 GiB: micro-batch", "8 GiB: ms",
+                                   "whole card: micro-batch", "whole card: ms"]
+    assert list(table.index) == ["baseline", "flash", "max"]
+    assert list(table["3.5 GiB: micro-batch"]) == ["1 × 4", "oom", "2 × 2"]
+    assert list(table["8 GiB: micro-batch"]) == ["2 × 2", "-", "4 × 1"]
+    assert table.at["max", "3.5 GiB: ms"] == 60.0 and table.at["baseline", "whole card: ms"] == 300.0

@@ -111,13 +111,15 @@ def results_folder(value: str | None = None, repo: str | os.PathLike = REPO) -> 
 def companions(results: str) -> dict[str, str]:
     """The result sets named like `results` that the notebook reads when they exist, by role: for
     results/h200-b16, results/h200-b64 (batch), results/h200-loss (loss), results/h200-ablation-b16
-    (ablation), results/h200-ablation-max-b16 and -b64 (leave_one_out, leave_one_out_b64); and breakdown.csv
-    inside it (breakdown)."""
+    (ablation), results/h200-ablation-max-b16 and -b64 (leave_one_out, leave_one_out_b64); breakdown.csv
+    inside it (breakdown); and results/small-cards beside it, a folder of sets each measured under one
+    GPU_MEMORY_GIB (small_cards)."""
     tag = re.match(r"(.+)-b\d+$", os.path.basename(results))
     stem = os.path.join(os.path.dirname(results), tag.group(1) if tag else os.path.basename(results))
     return {"batch": stem + "-b64", "loss": stem + "-loss", "ablation": stem + "-ablation-b16",
             "leave_one_out": stem + "-ablation-max-b16", "leave_one_out_b64": stem + "-ablation-max-b64",
-            "breakdown": os.path.join(results, BREAKDOWN_FILE)}
+            "breakdown": os.path.join(results, BREAKDOWN_FILE),
+            "small_cards": os.path.join(os.path.dirname(results), "small-cards")}
 
 
 def rounded(value: float | None, digits: int) -> float | None:
@@ -708,6 +710,40 @@ class Study:
             elif rung in other.index and not np.isfinite(theirs):
                 message = other.at[rung, "message"]
                 items.append(f"{rung} at batch 64: {other.at[rung, 'status']}" + (f" ({message})" if message else ""))
+        return items
+
+    def small_cards(self) -> list[Item]:
+        """Each rung's micro-batch and step time in every set of results/small-cards (each under one
+        GPU_MEMORY_GIB, or the whole card), the sets of one batch and sequence length side by side, the smallest
+        memory first."""
+        path = self.companion("small_cards")
+        names = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))) if path else []
+        if not names:
+            return [f"{rel(companions(self.results)['small_cards'])} holds no results: no small-card comparison. "
+                    f"Recording `make all GPU_MEMORY_GIB=4 PREFIX=results/small-cards/4gib` adds it here."]
+        shapes: dict[tuple, list] = {}
+        for name in names:
+            report = build_report(*load(os.path.join(path, name)))
+            if len(report.table):
+                caps = report.table["gpu_memory_gib"].dropna()
+                shape = (int(report.reference["batch_size"]), int(report.reference["seq_len"]))
+                shapes.setdefault(shape, []).append((caps.iloc[0] if len(caps) else np.inf, name, report.table))
+        items: list[Item] = []
+        for (batch, seq_len), sets in shapes.items():
+            sets.sort(key=lambda s: s[0])
+            rungs = rung_order(set().union(*(t.index for _, _, t in sets)))
+            columns = {}
+            for cap, _, t in sets:
+                ok = [r in t.index and t.at[r, "status"] == "ok" for r in rungs]
+                label = f"{cap:g} GiB" if np.isfinite(cap) else "whole card"
+                columns[f"{label}: micro-batch"] = [
+                    f"{t.at[r, 'micro_batch']:.0f} × {t.at[r, 'accumulation_steps']:.0f}" if good
+                    else (t.at[r, "status"] if r in t.index else "-") for r, good in zip(rungs, ok)]
+                columns[f"{label}: ms"] = [round(float(t.at[r, "median_step_ms"]), 1) if good else None
+                                           for r, good in zip(rungs, ok)]
+            folders = ", ".join(rel(os.path.join(path, name)) for _, name, _ in sets)
+            items += [Verbatim(f"batch {batch} × {seq_len} tokens a step ({folders}):"),
+                      pd.DataFrame(columns, index=rungs)]
         return items
 
     def charts(self) -> list[Item]:

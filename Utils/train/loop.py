@@ -65,7 +65,8 @@ def make_step(b: Build, cfg: RunConfig, clock: StepClock) -> Callable[[], tuple[
     # A gradient that a CUDA graph's backward hands to an empty .grad lives in the graph's memory pool, which the
     # next micro-batch's replay overwrites (torch's cudagraph_trees warns of gradient accumulation): with several
     # micro-batches the gradients are allocated outside the graphs once, and zeroed instead of freed.
-    keep_grads = parts > 1 and b.cudagraphs
+    cudagraphs = b.cudagraphs
+    keep_grads = parts > 1 and cudagraphs
     if keep_grads:
         for p in b.model.parameters():
             if p.requires_grad and p.grad is None:
@@ -76,18 +77,18 @@ def make_step(b: Build, cfg: RunConfig, clock: StepClock) -> Callable[[], tuple[
         x, y = inputs_targets(window, cfg.batch_size, cfg.seq_len)
         total = None
         for k, (xm, ym) in enumerate(zip(x.split(micro), y.split(micro))):
-            if b.cudagraphs:
+            if cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()
             with b.gradient_sync(k == parts - 1):
                 with b.autocast(), attention.pinned(cfg.sdpa_backend):
                     loss = step_model(xm, ym)[1]   # logits a model returns (a peer's) are dropped at once, as a user would
                 (loss if parts == 1 else loss / parts).backward()
             if parts > 1:   # a sum of its own, which the next micro-batch's replay of a CUDA graph leaves alone
-                total = loss.detach() / parts if total is None else total + loss.detach() / parts
+                total = loss.detach().clone() if total is None else total + loss.detach()
         update()
         optimizer.zero_grad(set_to_none=not keep_grads)
         if parts > 1:
-            return clock.mark(), total
+            return clock.mark(), total / parts
         # A loss read later must survive the next step (a CUDA graph replay reuses its output's memory).
         return clock.mark(), (loss.detach().clone() if deferred else loss)
 

@@ -313,3 +313,17 @@ def test_when_the_optimizer_leaves_no_room_the_hint_names_the_8bit_rung_then_a_s
     # no row fits at any tried length, and 8-bit states would leave room: both said
     message, tried = _hint(("tf32",), 256, 2.8, fits_up_to=0)
     assert tried == [128, 64] and "not even one row at SEQ_LEN=64 fits (tried)" in message and "make 8bit" in message
+
+
+@pytest.mark.parametrize("users, recorded", [("", "expandable_segments:True"),
+                                             ("max_split_size_mb:64", "max_split_size_mb:64")])
+def test_the_allocator_grows_its_segments_unless_the_user_set_it_and_the_run_records_which(tmp_path, monkeypatch,
+                                                                                          users, recorded):
+    import json
+    import os
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", users)   # restored after the test, whatever main sets
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert main("baseline", ["--steps", "2", "--batch-size", "2", "--prefix", str(tmp_path)] + ARGS) == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == recorded
+    (run,) = read_csv(tmp_path / "runs.csv")
+    assert json.loads(run["config"])["run"]["allocator"] == recorded

@@ -37,6 +37,7 @@ class RunConfig:
     sdpa_backend: str = "auto"  # the kernel SDPA is held to (Utils.train.attention.BACKENDS); auto: PyTorch's choice
     micro_batch: int | None = None   # rows one forward/backward holds; None: auto (the largest that fits)
     gpu_memory_gib: float | None = None   # the most GPU memory the run may use (GPU_MEMORY_GIB); None: the card's
+    allocator: str = ""   # the CUDA caching allocator's settings (PYTORCH_CUDA_ALLOC_CONF), recorded with the run
 
     def as_dict(self) -> dict:
         return asdict(self)

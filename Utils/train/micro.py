@@ -9,6 +9,7 @@ weights and data as a run given MICRO_BATCH outright; only its compilation finds
 Inductor's cache (compile_cache says warm; COLD=1 gives the run an empty cache of its own).
 """
 import gc
+import os
 import re
 import time
 from collections.abc import Callable
@@ -32,6 +33,23 @@ class Fit:
 
 class NothingFits(Exception):
     """Not even one row a micro-batch fits; the message says what was measured and what to change."""
+
+
+# Fixed-size segments of the caching allocator strand free memory between them, and CUDA graphs' private pools
+# strand more: under GPU_MEMORY_GIB=3.5 max's micro-batch of 8 rows failed with 2.33 GiB allocated and all 3.5
+# reserved, and fitted in 3.27 with expandable segments, which grow one mapping instead (BENCHMARKS.md, "Small
+# cards"). A user's own PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is left as it is.
+ALLOCATOR = "expandable_segments:True"
+
+
+def allocator_settings() -> str:
+    """The CUDA caching allocator's settings for this process: the user's, else ALLOCATOR. Takes effect only
+    before CUDA's first use, so it is called first thing."""
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        if os.environ.get(name):
+            return os.environ[name]
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR
+    return ALLOCATOR
 
 
 def cap_memory(device: torch.device, gib: float | None) -> None:

@@ -32,7 +32,7 @@ from Utils.train.failures import compile_failure, first_line, out_of_memory
 from Utils.train.interrupts import EXIT_INTERRUPTED, Interrupts
 from Utils.train import distributed
 from Utils.train.loop import StepClock, make_step, train
-from Utils.train.micro import PROBE_STEPS, NothingFits, attempt, cap_memory, search
+from Utils.train.micro import PROBE_STEPS, NothingFits, allocator_settings, attempt, cap_memory, search
 from Utils.train.provenance import environment
 from Utils.train.usage import fail
 
@@ -45,6 +45,7 @@ def main(additions: str | Iterable[str], argv: Iterable[str] | None = None, comm
     of addition names; `command` is what the record says repeats the run (the script and argv by default).
     Parse, check PREFIX, run, record; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    allocator = allocator_settings()
     try:
         additions = resolve(RUNGS[additions].additions if isinstance(additions, str) else additions)
         cfg = parse_args(argv, prog=os.path.basename(sys.argv[0]))
@@ -55,7 +56,7 @@ def main(additions: str | Iterable[str], argv: Iterable[str] | None = None, comm
         return fail(str(e))
     if command is None:
         command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.argv[0])] + argv)
-    return run(additions, cfg, command, peer)
+    return run(additions, replace(cfg, allocator=allocator), command, peer)
 
 
 def pins_sdpa(additions: tuple, cfg: RunConfig, peer: "Peer | None" = None) -> bool:

@@ -229,9 +229,14 @@ def choose_micro_batch(additions: tuple, cfg: RunConfig, device: torch.device, t
             fit = search(cfg.batch_size, lambda m: _probe(additions, cfg, m, device, tokens, dist, peer, seen),
                          out_of_memory, device, say)
         except NothingFits:
+            fit = None
+        # Every rank takes part, a rank where nothing fits too (its 0 is the smallest), so that none waits alone.
+        micro = distributed.smallest(fit.micro_batch if fit else 0, device)
+        if micro == 0:
+            if fit:
+                raise NothingFits("not even MICRO_BATCH=1 fits on another rank's GPU")
             raise NothingFits(_nothing_fits(additions, cfg, device, seen, lambda c: _probe(
-                additions, c, 1, device, tokens, dist, peer, {}), say)) from None
-        micro = distributed.smallest(fit.micro_batch, device)
+                additions, c, 1, device, tokens, dist, peer, {}), say))
         if dist.main:
             left = f"; {', '.join(map(str, fit.too_large))} did not fit" if fit.too_large else ""
             print(f"micro-batch: {micro} rows, {cfg.batch_size // micro} a step (auto{left}; the search took "

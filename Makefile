@@ -72,7 +72,7 @@ help:
 	@echo "Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE=auto|cuda|cpu"
 	@echo "          MICRO_BATCH=auto|n (rows one forward/backward holds; the step accumulates BATCH_SIZE/n of them;"
 	@echo "          auto: the largest divisor of BATCH_SIZE that fits, measured per rung)"
-	@echo "          GPU_MEMORY_GIB=x (use at most x GiB of the GPU: what a smaller card would fit)"
+	@echo "          GPU_MEMORY_GIB=x (use at most x GiB of the GPU: what a smaller card would fit; 3.5 for a 4 GB card)"
 	@echo "          DATA=auto|shakespeare|synthetic|path.txt  WARMUP=n  SEED=n  DATA_DIR=dir  PYTHON=python3"
 	@echo "          REPEAT=n (rung targets, custom and all: n runs in a row, judged on their median; ablation: n rounds)"
 	@echo "          PROFILE=1 (a rung target: profile it too)  ADDITIONS=\"a b c+d\" (make ablation: only these; c+d together)"

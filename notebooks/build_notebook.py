@@ -478,11 +478,12 @@ CELLS = [
     place, and the optimizer steps once. The learning is the same (the tests check the gradients against the
     whole batch's); the speed is not. A micro-batch of a few rows makes small GEMMs, which keep few of the
     GPU's multiprocessors busy, and repeats every launch once per micro-batch, so overhead grows with the
-    number of micro-batches. That is why a memory saving buys speed on a small card: bf16 activations, no
-    T×T scores (flash), 8-bit optimizer states, a loss that never holds the whole logits (`max`) each let a
-    larger micro-batch fit. `MICRO_BATCH=auto` finds, for each rung, the largest divisor of `BATCH_SIZE`
-    whose step fits, by running it; `GPU_MEMORY_GIB=x` caps the process at x GiB, so a large card shows what a
-    small one fits. The sets below were measured that way, one device call each.
+    number of micro-batches. That is why a memory saving buys speed on a small card: no T×T scores (flash),
+    8-bit optimizer states, a loss that never holds the whole logits (`max`) each can let a larger
+    micro-batch fit. `MICRO_BATCH=auto` finds, for each rung, the largest divisor of `BATCH_SIZE` whose step
+    fits, by running it; `GPU_MEMORY_GIB=x` caps the process at x GiB, so a large card shows what a small one
+    fits (3.5 for a 4 GB card: the CUDA context takes about half a GiB outside the cap). Each set below is one
+    device call; a column is a set's folder.
     """),
     code(r"""
     show(*study.small_cards())

@@ -277,7 +277,18 @@ def test_with_cuda_graphs_the_gradients_of_several_micro_batches_live_outside_th
     assert all(p.grad is grads[n] and not p.grad.any() for n, p in b.model.named_parameters())   # zeroed in place
 
 
-def _hint(additions, seq_len, cap, fits_up_to, weights=0.5, states=1.0):
+@pytest.mark.parametrize("error, oom", [
+    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), True),
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+    (RuntimeError("Triton Error [CUDA]: out of memory"), True),
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"), True),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+    (ValueError("CUDA error: out of memory"), False)])
+def test_memory_outside_pytorchs_allocator_running_out_is_out_of_memory(error, oom):
+    assert out_of_memory(error) is oom
+
+
+def _hint(additions, seq_len, cap, fits_up_to, weights=0.5, states=1.0, **seen_too):
     """_nothing_fits for a run whose measured weights and optimizer states are given in GiB and whose one row fits
     up to `fits_up_to` tokens; returns (its message, the SEQ_LENs it tried)."""
     from dataclasses import replace
@@ -291,7 +302,7 @@ def _hint(additions, seq_len, cap, fits_up_to, weights=0.5, states=1.0):
         tried.append(c.seq_len)
         if c.seq_len > fits_up_to:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
-    seen = {"weights": weights * 2**30, "after_step": (weights + states) * 2**30}
+    seen = {"weights": weights * 2**30, "after_step": (weights + states) * 2**30, **seen_too}
     return _nothing_fits(additions, cfg, CPU, seen, try_row, lambda line: None), tried
 
 
@@ -327,3 +338,19 @@ def test_the_allocator_grows_its_segments_unless_the_user_set_it_and_the_run_rec
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == recorded
     (run,) = read_csv(tmp_path / "runs.csv")
     assert json.loads(run["config"])["run"]["allocator"] == recorded
+
+
+def test_the_hint_counts_gradients_kept_between_steps_once_and_counts_weights_that_never_loaded():
+    # Accumulating under CUDA graphs the gradients stay allocated: the memory after a step holds them already.
+    message, _ = _hint(("tf32",), 1024, 3.5, fits_up_to=256, grads_kept=True, states=1.5)
+    assert "take 2.00 GiB (measured)" in message
+    # The model itself did not load: its fp32 weights counted (gpt2: 124.4M parameters x 4 bytes), AdamW's on top.
+    from dataclasses import replace
+
+    from Utils.train.run import _nothing_fits, _parameters
+    cfg = replace(parse_args(["--steps", "4", "--batch-size", "4", "--prefix", "p", "--model", "gpt2",
+                              "--data", "synthetic"]), gpu_memory_gib=1.0)
+    message = _nothing_fits(("tf32",), cfg, CPU, {}, lambda c: None, lambda line: None)
+    weights = 4 * _parameters("gpt2") / 2**30
+    assert f"the weights ({weights:.2f} GiB)" in message and f"take {4 * weights:.2f} GiB (estimated" in message
+    assert "MODEL=tiny" in message

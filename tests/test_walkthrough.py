@@ -339,13 +339,18 @@ def test_small_card_sets_are_compared_side_by_side_smallest_memory_first(tmp_pat
             add_run(str(cards / folder), rung, [ms] * 6, micro_batch=micro, accumulation_steps=4 // micro,
                     gpu_memory_gib=cap)
     add_run(str(cards / "3.5gib"), "flash", [], status="oom", micro_batch=None, gpu_memory_gib=3.5)
+    add_run(str(cards / "3.5gib-again"), "max", [61.0] * 6, micro_batch=2, accumulation_steps=2, gpu_memory_gib=3.5)
+    (cards / ".ipynb_checkpoints").mkdir()   # no results in it: not a set
     add_run(str(tmp_path / "l4-b4"), "baseline", [300.0] * 6)
     items = Study.load(str(tmp_path / "l4-b4")).small_cards()
     assert text_of(items[:1]).startswith("batch 4 × 256 tokens a step (")
     table = items[1]
-    assert list(table.columns) == ["3.5 GiB: micro-batch", "3.5 GiB: ms", "8 GiB: micro-batch", "8 GiB: ms",
-                                   "whole card: micro-batch", "whole card: ms"]
+    # two sets of one cap stay two columns, each named by its folder
+    assert list(table.columns) == ["3.5gib: micro-batch", "3.5gib: ms", "3.5gib-again: micro-batch",
+                                   "3.5gib-again: ms", "8gib: micro-batch", "8gib: ms", "whole: micro-batch",
+                                   "whole: ms"]
     assert list(table.index) == ["baseline", "flash", "max"]
-    assert list(table["3.5 GiB: micro-batch"]) == ["1 × 4", "oom", "2 × 2"]
-    assert list(table["8 GiB: micro-batch"]) == ["2 × 2", "-", "4 × 1"]
-    assert table.at["max", "3.5 GiB: ms"] == 60.0 and table.at["baseline", "whole card: ms"] == 300.0
+    assert list(table["3.5gib: micro-batch"]) == ["1 × 4", "oom", "2 × 2"]
+    assert list(table["8gib: micro-batch"]) == ["2 × 2", "-", "4 × 1"]
+    assert table.at["max", "3.5gib: ms"] == 60.0 and table.at["max", "3.5gib-again: ms"] == 61.0
+    assert table.at["baseline", "whole: ms"] == 300.0

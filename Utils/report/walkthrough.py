@@ -29,7 +29,7 @@ from Utils.report.breakdown import load_breakdown, plot_breakdown
 from Utils.report.charts import CHARTS, plot_loss, rung_colors
 from Utils.report.stats import Report, build_report, short_commit, summarize
 from Utils.results.read import load, recorded_additions
-from Utils.results.schema import BREAKDOWN_FILE
+from Utils.results.schema import BREAKDOWN_FILE, STEPS_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_RESULTS = os.path.join("results", "h200-b16")
@@ -720,9 +720,12 @@ class Study:
         names = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))) if path else []
         if not names:
             return [f"{rel(companions(self.results)['small_cards'])} holds no results: no small-card comparison. "
-                    f"Recording `make all GPU_MEMORY_GIB=4 PREFIX=results/small-cards/4gib` adds it here."]
+                    f"Recording `make all GPU_MEMORY_GIB=3.5 PREFIX=results/small-cards/3.5gib` (a 4 GB card: "
+                    f"its CUDA context takes about half a GiB) adds it here."]
         shapes: dict[tuple, list] = {}
         for name in names:
+            if not os.path.exists(os.path.join(path, name, STEPS_FILE)):   # a folder of something else: no set
+                continue
             report = build_report(*load(os.path.join(path, name)))
             if len(report.table):
                 caps = report.table["gpu_memory_gib"].dropna()
@@ -733,9 +736,9 @@ class Study:
             sets.sort(key=lambda s: s[0])
             rungs = rung_order(set().union(*(t.index for _, _, t in sets)))
             columns = {}
-            for cap, _, t in sets:
+            for _, name, t in sets:
                 ok = [r in t.index and t.at[r, "status"] == "ok" for r in rungs]
-                label = f"{cap:g} GiB" if np.isfinite(cap) else "whole card"
+                label = name   # the folder: two sets of one cap stay two columns
                 columns[f"{label}: micro-batch"] = [
                     f"{t.at[r, 'micro_batch']:.0f} × {t.at[r, 'accumulation_steps']:.0f}" if good
                     else (t.at[r, "status"] if r in t.index else "-") for r, good in zip(rungs, ok)]

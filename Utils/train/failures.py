@@ -3,14 +3,20 @@ own failures (skipped at the first step), and the one line a message keeps of an
 import torch
 
 
+# How memory outside PyTorch's allocator runs out: the CPU allocator's plain RuntimeError, the CUDA runtime's own
+# error (a kernel's or library's allocation), cuBLAS's workspace, Triton's launcher.
+OUT_OF_MEMORY_TEXTS = ("can't allocate memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
+                       "[CUDA]: out of memory")
+
+
 def out_of_memory(e: BaseException) -> bool:
-    """Out of device memory, or of host memory (PyTorch's CPU allocator raises a plain RuntimeError), also where
+    """Out of device memory, or of host memory (OUT_OF_MEMORY_TEXTS: errors that are no OutOfMemoryError), also where
     torch.compile wraps it: Inductor runs the graph it is compiling, and an OOM there reaches the caller as a
     BackendCompilerFailed whose cause is the OOM."""
     seen = set()
     while e is not None and id(e) not in seen:
-        if (isinstance(e, (torch.OutOfMemoryError, MemoryError))
-                or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))):
+        if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (isinstance(e, RuntimeError) and any(
+                text in str(e) for text in OUT_OF_MEMORY_TEXTS)):
             return True
         seen.add(id(e))
         e = getattr(e, "inner_exception", None) or e.__cause__

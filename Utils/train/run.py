@@ -265,6 +265,8 @@ def _probe(additions, cfg, micro, device, tokens, dist, peer, seen) -> None:
         clock.wait(step()[0])
         if i == 0 and cuda:
             seen.setdefault("after_step", torch.cuda.memory_allocated(device))
+            # kept between steps (accumulating under CUDA graphs), the gradients are in after_step already
+            seen.setdefault("grads_kept", any(p.grad is not None for p in b.model.parameters()))
 
 
 # The fraction of the memory that the fixed part may take and leave room for activations.
@@ -278,9 +280,12 @@ def _nothing_fits(additions: tuple, cfg: RunConfig, device: torch.device, seen: 
     (try_row runs one row a micro-batch under a config), where the fixed part leaves room; else the 8bit rung or
     a smaller MODEL, their fixed part computed from the one measured here."""
     cap = cfg.gpu_memory_gib or torch.cuda.get_device_properties(device).total_memory / 2**30
-    weights = seen.get("weights", 0) / 2**30
+    if "weights" in seen:
+        weights = seen["weights"] / 2**30
+    else:   # the model itself did not fit: its fp32 weights, counted
+        weights = 4 * _parameters(cfg.model) / 2**30
     if "after_step" in seen:   # weights and states measured; the gradients are as large as the weights
-        fixed, how = seen["after_step"] / 2**30 + weights, "measured"
+        fixed, how = seen["after_step"] / 2**30 + (0 if seen.get("grads_kept") else weights), "measured"
     else:                      # no step finished: AdamW's two fp32 states and the gradients, each the weights' size
         fixed, how = 4 * weights, "estimated from the weights"
     start = (f"out of memory at MICRO_BATCH=1: of {cap:.1f} GiB, the weights ({weights:.2f} GiB), their gradients "

@@ -484,6 +484,7 @@ def test_the_newest_ok_baseline_sets_the_configuration(tmp_path):
     add_run(p, "tf32", [1, 50, 50, 50], run_id="tf32-b16")
     add_run(p, "bf16", [1, 25, 25, 25], run_id="bf16-medium", model="gpt2-medium")
     add_run(p, "torch_compile", [1, 20, 20, 20], run_id="tc-cpu", device="cpu")
+    add_run(p, "fused", [1, 30, 30, 30], run_id="fused-capped", gpu_memory_gib=3.5)   # a smaller card's run
     add_run(p, "flash", [], status="oom", run_id="flash-oom", message="out of memory")
     add_run(p, "flash", [], status="skipped", run_id="flash-skip", message="no bf16")
     steps, runs = load(p)
@@ -494,6 +495,7 @@ def test_the_newest_ok_baseline_sets_the_configuration(tmp_path):
     assert reasons["base-b8"] == "batch 8 != 16"
     assert reasons["bf16-medium"] == "model gpt2-medium != gpt2"
     assert reasons["tc-cpu"] == "device cpu != cuda"
+    assert reasons["fused-capped"] == "GPU_MEMORY_GIB 3.5 != (blank)"
     assert run_main(p)[0] == 0
     assert summary_table(p)["flash"]["status"] == "skipped"      # the newest run of the rung speaks for it
     assert summary_table(p)["tf32"]["speedup"] == "4.00x"

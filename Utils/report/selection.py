@@ -19,7 +19,8 @@ BASELINE = "baseline"
 # MATCH_KEYS without the GPU: the settings under which a rung's non-ok run still speaks for it.
 STATUS_KEYS = tuple(k for k in MATCH_KEYS if k != "gpu_name")
 KEY_LABELS = {"batch_size": "batch", "seq_len": "seq_len", "model": "model", "data": "data",
-              "device": "device", "gpu_name": "gpu", "nproc": "nproc", "parallel": "parallel",
+              "device": "device", "gpu_name": "gpu", "gpu_memory_gib": "GPU_MEMORY_GIB", "nproc": "nproc",
+              "parallel": "parallel",
               "step_timing": "step timing"}
 # What two compared runs must share: MATCH_KEYS, and how their steps were timed (schema version 2 changed it).
 COMPARED_KEYS = (*MATCH_KEYS, "step_timing")
@@ -37,7 +38,7 @@ def norm(value: object) -> str:
     if isinstance(value, float):
         if np.isnan(value):
             return ""
-        return str(int(value)) if value.is_integer() else repr(value)
+        return str(int(value)) if value.is_integer() else repr(float(value))   # numpy's repr names its type
     return str(value).strip()
 
 

@@ -179,5 +179,6 @@ def is_peer(name: str) -> bool:
     return str(name).startswith(PEER_PREFIX)
 
 # Two runs are compared (a speedup) only when these run columns are equal: the same work on the same kind
-# of device, spread over the same processes in the same way. A scaling figure compares across nproc.
-MATCH_KEYS = ("batch_size", "seq_len", "model", "data", "device", "gpu_name", "nproc", "parallel")
+# of device with the same memory, spread over the same processes in the same way. A scaling figure compares
+# across nproc.
+MATCH_KEYS = ("batch_size", "seq_len", "model", "data", "device", "gpu_name", "gpu_memory_gib", "nproc", "parallel")

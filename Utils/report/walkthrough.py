@@ -738,11 +738,11 @@ class Study:
             columns = {}
             for _, name, t in sets:
                 ok = [r in t.index and t.at[r, "status"] == "ok" for r in rungs]
-                label = name   # the folder: two sets of one cap stay two columns
-                columns[f"{label}: micro-batch"] = [
+                # named by the folder: two sets of one cap stay two columns
+                columns[f"{name}: micro-batch"] = [
                     f"{t.at[r, 'micro_batch']:.0f} × {t.at[r, 'accumulation_steps']:.0f}" if good
                     else (t.at[r, "status"] if r in t.index else "-") for r, good in zip(rungs, ok)]
-                columns[f"{label}: ms"] = [round(float(t.at[r, "median_step_ms"]), 1) if good else None
+                columns[f"{name}: ms"] = [round(float(t.at[r, "median_step_ms"]), 1) if good else None
                                            for r, good in zip(rungs, ok)]
             folders = ", ".join(rel(os.path.join(path, name)) for _, name, _ in sets)
             items += [Verbatim(f"batch {batch} × {seq_len} tokens a step ({folders}):"),

@@ -1,5 +1,8 @@
 """How a run's exceptions are named in runs.csv and on the terminal: out of memory (status oom), torch.compile's
 own failures (skipped at the first step), and the one line a message keeps of any exception."""
+import re
+from collections.abc import Iterator
+
 import torch
 
 
@@ -9,18 +12,32 @@ OUT_OF_MEMORY_TEXTS = ("can't allocate memory", "CUDA error: out of memory", "CU
                        "[CUDA]: out of memory")
 
 
+def causes(e: BaseException | None) -> Iterator[BaseException]:
+    """e, then what it wraps: torch.compile's wrappers keep the real error as inner_exception, others as
+    __cause__. Each once, so that a cycle ends."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = getattr(e, "inner_exception", None) or e.__cause__
+
+
 def out_of_memory(e: BaseException) -> bool:
     """Out of device memory, or of host memory (OUT_OF_MEMORY_TEXTS: errors that are no OutOfMemoryError), also where
     torch.compile wraps it: Inductor runs the graph it is compiling, and an OOM there reaches the caller as a
     BackendCompilerFailed whose cause is the OOM."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (isinstance(e, RuntimeError) and any(
-                text in str(e) for text in OUT_OF_MEMORY_TEXTS)):
-            return True
-        seen.add(id(e))
-        e = getattr(e, "inner_exception", None) or e.__cause__
-    return False
+    return any(isinstance(c, (torch.OutOfMemoryError, MemoryError))
+               or (isinstance(c, RuntimeError) and any(text in str(c) for text in OUT_OF_MEMORY_TEXTS))
+               for c in causes(e))
+
+
+def allocation(e: BaseException) -> str:
+    """' (tried to allocate 6.14 GiB)' from CUDA's out-of-memory message, wrapped or not; '' where none says."""
+    for c in causes(e):
+        found = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(c))
+        if found:
+            return f" (tried to allocate {found.group(1)})"
+    return ""
 
 
 def compile_failure(e: BaseException) -> bool:

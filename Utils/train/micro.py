@@ -10,7 +10,6 @@ Inductor's cache (compile_cache says warm; COLD=1 gives the run an empty cache o
 """
 import gc
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from Utils.train.cli import divisors
+from Utils.train.failures import allocation
 
 # Three steps: the optimizer's states appear in the first, and a CUDA graph is recorded in the second and
 # replayed from the third, each holding memory of its own.
@@ -81,7 +81,7 @@ def attempt(what: str, try_fn: Callable[[], None], is_oom: Callable[[BaseExcepti
     except Exception as e:   # noqa: BLE001 - anything but running out of memory is raised again
         if not is_oom(e):
             raise
-        fitted, why = False, _allocation(e)
+        fitted, why = False, allocation(e)
     peak = (f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocated, "
             f"{torch.cuda.max_memory_reserved(device) / 2**30:.2f} reserved") if cuda else ""
     free(device)   # outside the handler: the exception's frames no longer hold the try's tensors
@@ -118,13 +118,3 @@ def search(batch: int, try_step: Callable[[int], None], is_oom: Callable[[BaseEx
         raise NothingFits(f"not even MICRO_BATCH=1 fits (tried {', '.join(map(str, sorted(too_large, reverse=True)))})")
     return Fit(candidates[best], tuple(sorted(too_large, reverse=True)), time.perf_counter() - start)
 
-
-def _allocation(e: BaseException | None) -> str:
-    """' (tried to allocate 6.14 GiB)' from CUDA's out-of-memory message, looking through torch.compile's
-    wrappers; '' where no message says."""
-    while e is not None:
-        found = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(e))
-        if found:
-            return f" (tried to allocate {found.group(1)})"
-        e = getattr(e, "inner_exception", None) or e.__cause__
-    return ""

@@ -220,11 +220,9 @@ def choose_micro_batch(additions: tuple, cfg: RunConfig, device: torch.device, t
         micro = cfg.batch_size
     elif micro is None:
         seen = {}
-        if dist.main:
-            print(f"micro-batch search (MICRO_BATCH=auto): the largest divisor of BATCH_SIZE={cfg.batch_size} whose "
-                  f"step fits" + (f" in GPU_MEMORY_GIB={cfg.gpu_memory_gib:g}" if cfg.gpu_memory_gib else ""),
-                  flush=True)
         say = lambda line: dist.main and print(line, flush=True)   # noqa: E731
+        say(f"micro-batch search (MICRO_BATCH=auto): the largest divisor of BATCH_SIZE={cfg.batch_size} whose step "
+            f"fits" + (f" in GPU_MEMORY_GIB={cfg.gpu_memory_gib:g}" if cfg.gpu_memory_gib else ""))
         try:
             fit = search(cfg.batch_size, lambda m: _probe(additions, cfg, m, device, tokens, dist, peer, seen),
                          out_of_memory, device, say)
@@ -241,8 +239,7 @@ def choose_micro_batch(additions: tuple, cfg: RunConfig, device: torch.device, t
             left = f"; {', '.join(map(str, fit.too_large))} did not fit" if fit.too_large else ""
             print(f"micro-batch: {micro} rows, {cfg.batch_size // micro} a step (auto{left}; the search took "
                   f"{fit.probe_s:.1f} s, outside the measured steps)", flush=True)
-    run.update(micro_batch=micro, accumulation_steps=cfg.batch_size // micro, gpu_memory_gib=cfg.gpu_memory_gib,
-               micro_auto=cfg.micro_batch is None)
+    run.update(micro_batch=micro, accumulation_steps=cfg.batch_size // micro, gpu_memory_gib=cfg.gpu_memory_gib)
     return replace(cfg, micro_batch=micro)
 
 
@@ -303,12 +300,12 @@ def _nothing_fits(additions: tuple, cfg: RunConfig, device: torch.device, seen: 
     if "8bit" not in additions and fixed - 1.5 * weights < ROOM * cap:
         return start + (f"; the 8bit rung's optimizer states take a quarter of AdamW's, {fixed - 1.5 * weights:.2f} GiB "
                         f"in all: try it (make 8bit)")
-    params = _parameters(cfg.model)
-    smaller = [m for m in PRESETS if _parameters(m) < params and fixed * _parameters(m) / params < ROOM * cap]
+    sizes = {m: _parameters(m) for m in PRESETS}
+    smaller = [m for m in PRESETS if sizes[m] < sizes[cfg.model] and fixed * sizes[m] / sizes[cfg.model] < ROOM * cap]
     if smaller:
-        best = max(smaller, key=_parameters)
-        return start + (f"; MODEL={best} ({_parameters(best) / 1e6:.0f}M parameters) would take about "
-                        f"{fixed * _parameters(best) / params:.2f} GiB before any activation: try it")
+        best = max(smaller, key=sizes.get)
+        return start + (f"; MODEL={best} ({sizes[best] / 1e6:.0f}M parameters) would take about "
+                        f"{fixed * sizes[best] / sizes[cfg.model]:.2f} GiB before any activation: try it")
     return start + "; no MODEL preset leaves room on this card"
 
 
@@ -356,6 +353,7 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
 
     rows, held = [], {}
     status, message, code = "ok", "", 0
+    auto = cfg.micro_batch is None   # MICRO_BATCH=auto, before choose_micro_batch settles it
     reset_peak_memory(device)
     trace, counts_before = None, compile_counts()
     with Interrupts() as interrupts, cold_caches(cfg.cold) as renew_cold_caches, \
@@ -395,7 +393,7 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
                 smaller = [d for d in divisors(cfg.batch_size) if d < micro]
                 message = (f"out of memory at MICRO_BATCH={micro} (BATCH_SIZE={cfg.batch_size}) after {len(rows)} steps"
                            + (f" (peak {peak:.1f} GiB allocated)" if peak is not None else "")
-                           + (f": try MICRO_BATCH={smaller[0]}" + ("" if run.get("micro_auto") else
+                           + (f": try MICRO_BATCH={smaller[0]}" + ("" if auto else
                                                                         ", or MICRO_BATCH=auto, which finds the largest that fits")
                               if smaller else f": one row does not fit; try SEQ_LEN={max(1, cfg.seq_len // 2)}, a "
                                               f"smaller MODEL, or a rung that saves memory (flash, 8bit)"))

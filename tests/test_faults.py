@@ -203,7 +203,9 @@ def test_running_out_of_host_memory_is_oom(tmp_path, monkeypatch):
     monkeypatch.setattr(model_module.GPT, "forward", forward)
     assert run_in_process("baseline", tmp_path) == EXIT_OOM
     run = read_csv(tmp_path / "runs.csv")[-1]
-    assert run["status"] == "oom" and run["message"].startswith("out of memory at MICRO_BATCH=2 (BATCH_SIZE=2) after 0 steps: try MICRO_BATCH=1")
+    # auto took the whole batch (2 rows), ran out, and started again at 1, which ran out too
+    assert run["status"] == "oom" and run["message"].startswith(
+        "out of memory at MICRO_BATCH=1 (BATCH_SIZE=2) after 0 steps: one row does not fit; try SEQ_LEN=")
 
 
 @pytest.mark.parametrize("target", ["clean", "reset"])

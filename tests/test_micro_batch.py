@@ -354,3 +354,46 @@ def test_the_hint_counts_gradients_kept_between_steps_once_and_counts_weights_th
     weights = 4 * _parameters("gpt2") / 2**30
     assert f"the weights ({weights:.2f} GiB)" in message and f"take {4 * weights:.2f} GiB (estimated" in message
     assert "MODEL=tiny" in message
+
+
+def test_a_run_that_auto_chose_and_still_runs_out_of_memory_starts_again_at_the_next_divisor(tmp_path, monkeypatch):
+    # On a CPU auto takes the whole batch, 8 rows; the model fits 2: the run starts again at 4, then at 2, from
+    # the same weights and data, so it ends where a run given MICRO_BATCH=2 ends.
+    given = tmp_path / "given"
+    assert main("baseline", ["--steps", "3", "--batch-size", "8", "--prefix", str(given), "--micro-batch", "2"]
+                + ARGS) == 0
+    _fake_memory(monkeypatch, 2)
+    auto = tmp_path / "auto"
+    assert main("baseline", ["--steps", "3", "--batch-size", "8", "--prefix", str(auto)] + ARGS) == 0
+    (run,) = read_csv(auto / "runs.csv")
+    assert (run["status"], run["micro_batch"], run["accumulation_steps"]) == ("ok", "2", "4")
+    assert "MICRO_BATCH=8, 4, which auto chose first, ran out of memory in the run; measured at 2" in run["notes"]
+    assert [r["step"] for r in read_csv(auto / "results.csv")] == ["0", "1", "2"]
+    (reference,) = read_csv(given / "runs.csv")
+    assert float(run["final_loss"]) == float(reference["final_loss"])
+
+
+def test_a_micro_batch_given_outright_that_runs_out_of_memory_ends_oom_naming_a_smaller_one(tmp_path, monkeypatch):
+    _fake_memory(monkeypatch, 2)
+    assert main("baseline", ["--steps", "3", "--batch-size", "8", "--prefix", str(tmp_path), "--micro-batch", "4"]
+                + ARGS) == 3
+    (run,) = read_csv(tmp_path / "runs.csv")
+    assert run["status"] == "oom" and run["message"].startswith(
+        "out of memory at MICRO_BATCH=4 (BATCH_SIZE=8) after 0 steps: try MICRO_BATCH=2, or MICRO_BATCH=auto")
+
+
+def test_a_run_where_nothing_fits_records_its_memory_cap_so_the_report_shows_its_hint(tmp_path, monkeypatch):
+    # Without GPU_MEMORY_GIB in its row, the report took such a run for one of another configuration and left
+    # out its hint ("GPU_MEMORY_GIB (blank) != 3.5").
+    import dataclasses
+    import Utils.train.run as run_module
+
+    def nothing_fits(*args):
+        raise NothingFits("out of memory at MICRO_BATCH=1: run with SEQ_LEN=512")
+    monkeypatch.setattr(run_module, "choose_micro_batch", nothing_fits)
+    cfg = dataclasses.replace(parse_args(["--steps", "2", "--batch-size", "4", "--prefix", str(tmp_path)] + ARGS),
+                              gpu_memory_gib=3.5)   # refused on a CPU by the command line, not by the run
+    assert run_module.run((), cfg, "no_optimization.py") == 3
+    (run,) = read_csv(tmp_path / "runs.csv")
+    assert (run["status"], run["gpu_memory_gib"], run["message"]) == (
+        "oom", "3.5", "out of memory at MICRO_BATCH=1: run with SEQ_LEN=512")

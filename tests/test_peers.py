@@ -226,8 +226,32 @@ def test_command_trains_from_random_weights_with_gelu_fused_and_no_recompute():
     assert args[0] == "/x/train_gpt2cu"
     options = dict(zip(args[1::2], args[2::2]))   # every option takes one value
     assert len(args) % 2 == 1
-    assert {k: options[k] for k in ("-e", "-r", "-ge", "-b", "-t", "-x", "-i")} == {
-        "-e": "d12", "-r": "0", "-ge": "2", "-b": "16", "-t": "1024", "-x": "30", "-i": "/w/tokens.bin"}
+    assert {k: options[k] for k in ("-e", "-r", "-ge", "-b", "-d", "-t", "-x", "-i")} == {
+        "-e": "d12", "-r": "0", "-ge": "2", "-b": "16", "-d": "16384", "-t": "1024", "-x": "30", "-i": "/w/tokens.bin"}
+
+
+def test_llmc_takes_a_micro_batch_as_its_b_and_the_whole_steps_tokens_as_its_d():
+    # llm.c accumulates -d / (-b × -t) micro-batches a step: 16 rows of 1,024 tokens in micro-batches of 4
+    args = llmc.command("/x/train_gpt2cu", "/w/tokens.bin", llmc.DESCRIPTORS["gpt2"], 16, 1024, 30, 4)
+    options = dict(zip(args[1::2], args[2::2]))
+    assert (options["-b"], options["-d"], options["-t"]) == ("4", "16384", "1024")
+
+
+def test_a_peer_in_a_program_of_its_own_is_skipped_under_a_memory_cap_and_records_its_micro_batch(tmp_path,
+                                                                                                   monkeypatch):
+    import dataclasses
+    from Utils.peers import record as record_module
+    parse = record_module.parse_args
+    # GPU_MEMORY_GIB is refused on a CPU by the command line: the cap is set on the parsed config
+    monkeypatch.setattr(record_module, "parse_args", lambda argv, prog: dataclasses.replace(parse(argv, prog=prog),
+                                                                                              gpu_memory_gib=3.5))
+    trained = []
+    args = ["--steps", "3", "--batch-size", "4", "--micro-batch", "2", "--seq-len", "16", "--data", "synthetic",
+            "--device", "cpu", "--prefix", str(tmp_path)]
+    assert record_module.run_external("peer-llmc", args, "make peers", lambda *a: trained.append(a)) == 4
+    (run,) = read_csv(tmp_path / "runs.csv")
+    assert not trained and run["status"] == "skipped" and "outside PyTorch's allocator" in run["message"]
+    assert (run["micro_batch"], run["accumulation_steps"], run["gpu_memory_gib"]) == ("2", "2", "3.5")
 
 
 def _tar_gz(path, files, top="llm.c-0123abc", **kw):

@@ -219,12 +219,17 @@ def write_tokens(tokens: np.ndarray, path: str) -> None:
         f.write(np.asarray(tokens, dtype=np.uint16).tobytes())
 
 
-def command(binary: str, data: str, descriptor: str, batch: int, seq_len: int, steps: int) -> list[str]:
+def command(binary: str, data: str, descriptor: str, batch: int, seq_len: int, steps: int,
+            micro_batch: int | None = None) -> list[str]:
     """train_gpt2cu's arguments: from random weights, GELU and its derivative fused into cuBLASLt's epilogues (-ge 2:
     this commit's default is off), no recompute, no sampling, no checkpoints; validation
     (one batch, which its loop runs before the first step and the last, outside the timed work); the suite's
-    learning rate and weight decay (the work per step does not depend on them)."""
-    return [binary, "-i", data, "-j", data, "-e", descriptor, "-b", str(batch), "-t", str(seq_len),
+    learning rate and weight decay (the work per step does not depend on them). `batch` rows a step in
+    micro-batches of `micro_batch` (the whole batch by default): llm.c's -b is the micro-batch, -d the step's
+    tokens, and it accumulates -d / (-b × -t) micro-batches."""
+    micro = micro_batch or batch
+    return [binary, "-i", data, "-j", data, "-e", descriptor, "-b", str(micro), "-d", str(batch * seq_len),
+            "-t", str(seq_len),
             "-x", str(steps), "-v", str(steps + 1), "-m", "1", "-s", "0", "-n", "0", "-r", "0", "-z", "0",
             "-ge", "2", "-l", "0.0006", "-c", "0.1"]
 
@@ -274,7 +279,7 @@ def train(cfg: RunConfig, tokens: np.ndarray, run: dict, log: str, start_samplin
             raise RuntimeError(f"{e} (the whole output: {log})") from None
         data = os.path.join(work, "tokens.bin")
         write_tokens(tokens, data)
-        args = command(binary, data, DESCRIPTORS[cfg.model], cfg.batch_size, cfg.seq_len, cfg.steps)
+        args = command(binary, data, DESCRIPTORS[cfg.model], cfg.batch_size, cfg.seq_len, cfg.steps, cfg.micro_batch)
         shown = " ".join(["train_gpt2cu"] + [a if a != data else "tokens.bin" for a in args[1:]])
         run["attention_kernel"] = "cudnn"   # built with USE_CUDNN: its attention is cuDNN's, with no choice at run time
         run["notes"] = (f"{what}, built with {nvcc}; {shown}; step times are llm.c's own "

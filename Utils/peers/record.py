@@ -42,7 +42,11 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
     run = {"run_id": run_id, "optimization": name, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "steps": cfg.steps, "warmup_steps": cfg.warmup, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
            "model": cfg.model, "data": data_name, "command": command, "nproc": 1, "parallel": "",
-           "config": json.dumps({"run": cfg.as_dict(), "peer": name}, sort_keys=True)}
+           "config": json.dumps({"run": cfg.as_dict(), "peer": name}, sort_keys=True),
+           # MICRO_BATCH=auto searches in PyTorch's allocator, which a program of its own does not use: the whole batch
+           "micro_batch": cfg.micro_batch or cfg.batch_size,
+           "accumulation_steps": cfg.batch_size // (cfg.micro_batch or cfg.batch_size),
+           "gpu_memory_gib": cfg.gpu_memory_gib}
     print(f"{name} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {data_name} | {cfg.device} | "
           f"steps {cfg.steps} (warm-up {cfg.warmup})", flush=True)
     device = torch.device(cfg.device)
@@ -52,6 +56,9 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
     steps, status, message, code, memory = [], "ok", "", 0, None
     log = os.path.join(cfg.prefix, f"{run_id}.log")
     try:
+        if cfg.gpu_memory_gib:
+            raise Unavailable(f"{name} allocates its GPU memory itself, outside PyTorch's allocator, which "
+                              f"GPU_MEMORY_GIB caps: run it without GPU_MEMORY_GIB")
         steps, memory = train(cfg, tokens, run, log, sampler.start if sampler else lambda: None)
     except Unavailable as e:
         status, message, code = "skipped", str(e), EXIT_SKIPPED

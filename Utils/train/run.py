@@ -32,7 +32,7 @@ from Utils.train.failures import compile_failure, first_line, out_of_memory
 from Utils.train.interrupts import EXIT_INTERRUPTED, Interrupts
 from Utils.train import distributed
 from Utils.train.loop import StepClock, make_step, train
-from Utils.train.micro import PROBE_STEPS, NothingFits, allocator_settings, attempt, cap_memory, search
+from Utils.train.micro import PROBE_STEPS, NothingFits, allocator_settings, attempt, cap_memory, free, search
 from Utils.train.provenance import environment
 from Utils.train.usage import fail
 
@@ -239,7 +239,7 @@ def choose_micro_batch(additions: tuple, cfg: RunConfig, device: torch.device, t
             left = f"; {', '.join(map(str, fit.too_large))} did not fit" if fit.too_large else ""
             print(f"micro-batch: {micro} rows, {cfg.batch_size // micro} a step (auto{left}; the search took "
                   f"{fit.probe_s:.1f} s, outside the measured steps)", flush=True)
-    run.update(micro_batch=micro, accumulation_steps=cfg.batch_size // micro, gpu_memory_gib=cfg.gpu_memory_gib)
+    run.update(micro_batch=micro, accumulation_steps=cfg.batch_size // micro)
     return replace(cfg, micro_batch=micro)
 
 
@@ -316,6 +316,35 @@ def _parameters(model: str) -> int:
         return sum(p.numel() for p in GPT(PRESETS[model]).parameters())
 
 
+def _build_and_train(additions: tuple, cfg: RunConfig, device: torch.device, tokens, dist, peer: Peer | None,
+                     run: dict, rows: list, held: dict, config: dict) -> str | None:
+    """Build the run as cfg says (held["build"]), note what the build says in `run`, and train; train's return."""
+    loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda",
+                         rank=dist.rank, world=dist.world_size)
+    held["build"] = build(additions, device, PRESETS[cfg.model], cfg.seed, loader, cfg.parallel,
+                          **({"make_model": peer.make_model} if peer else {}))
+    distributed.barrier()   # every rank built: the first step's collectives wait for no set-up
+    run["n_params"] = held["build"].model.num_params(exclude_position_embedding=False)
+    run["notes"] = "; ".join(([peer.about()] if peer else []) + held["build"].notes)
+    run["config"] = json.dumps({**config, "fell_back": held["build"].fell_back}, sort_keys=True)
+    for note in held["build"].notes if dist.main else ():
+        print(f"note: {note}")
+    return train(held["build"], cfg, run, rows)
+
+
+def _smaller_micro_batch(error: BaseException, cfg: RunConfig, auto: bool, dist) -> int | None:
+    """The divisor below cfg's micro-batch that a run chosen by MICRO_BATCH=auto starts again at when it runs out
+    of memory after all, else None. The search's steps leave the allocator in another state than the run's
+    (measured: torch_compile's 8 rows of 256 at SEQ_LEN=256 fitted the search in 3.42 of 3.5 GiB and ran out in
+    the run's second step; BENCHMARKS.md, "Small cards"), so the run itself is the last try, as accelerate's
+    find_executable_batch_size makes it the only one. Not under several processes: the other ranks are inside a
+    collective, and one rank cannot start again alone."""
+    if not auto or dist.active or not out_of_memory(error):
+        return None
+    smaller = [d for d in divisors(cfg.batch_size) if d < cfg.micro_batch]
+    return smaller[0] if smaller else None
+
+
 def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None) -> int:
     """Run and record `additions`; a peer trains its own model under the same additions and loop. Returns the
     exit status."""
@@ -341,7 +370,7 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
            "optimization": name, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "steps": cfg.steps, "warmup_steps": cfg.warmup, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
            "model": cfg.model, "data": data_name, "command": command, "nproc": world, "parallel": cfg.parallel,
-           "rank": dist.rank,
+           "rank": dist.rank, "gpu_memory_gib": cfg.gpu_memory_gib,   # a run where nothing fits is compared too
            "config": json.dumps(config, sort_keys=True),
            **environment(device)}
     changes = " ".join(additions) or "none"
@@ -363,20 +392,32 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
                 interrupts.arm()
                 cap_memory(device, cfg.gpu_memory_gib)
                 cfg = choose_micro_batch(additions, cfg, device, tokens, dist, peer, run)
-                renew_cold_caches()   # what the search compiled is not the run's compilation, nor its cache
-                counts_before = compile_counts()
-                reset_peak_memory(device)
-                loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda",
-                                     rank=dist.rank, world=world)
-                held["build"] = build(additions, device, PRESETS[cfg.model], cfg.seed, loader, cfg.parallel,
-                                      **({"make_model": peer.make_model} if peer else {}))
-                distributed.barrier()   # every rank built: the first step's collectives wait for no set-up
-                run["n_params"] = held["build"].model.num_params(exclude_position_embedding=False)
-                run["notes"] = "; ".join(([peer.about()] if peer else []) + held["build"].notes)
-                run["config"] = json.dumps({**config, "fell_back": held["build"].fell_back}, sort_keys=True)
-                for note in held["build"].notes if dist.main else ():
-                    print(f"note: {note}")
-                trace = train(held["build"], cfg, run, rows)
+                too_large = []
+                while True:
+                    renew_cold_caches()   # what the search compiled is not the run's compilation, nor its cache
+                    counts_before = compile_counts()
+                    reset_peak_memory(device)
+                    try:
+                        trace = _build_and_train(additions, cfg, device, tokens, dist, peer, run, rows, held, config)
+                        break
+                    except Exception as e:   # noqa: BLE001 - raised again unless a smaller micro-batch is left
+                        smaller = _smaller_micro_batch(e, cfg, auto, dist)
+                        if smaller is None:
+                            raise
+                    # outside the handler: the exception's frames no longer hold the run's tensors
+                    if dist.main:
+                        print(f"micro-batch: {cfg.micro_batch} rows, which MICRO_BATCH=auto chose, ran out of memory "
+                              f"in the run's step {len(rows) + 1}: the run starts again at {smaller}", flush=True)
+                    too_large.append(cfg.micro_batch)
+                    rows.clear()
+                    held.clear()
+                    free(device)
+                    cfg = replace(cfg, micro_batch=smaller)
+                    run.update(micro_batch=smaller, accumulation_steps=cfg.batch_size // smaller)
+                if too_large:
+                    run["notes"] = "; ".join(filter(None, [run.get("notes"), (
+                        f"MICRO_BATCH={', '.join(map(str, too_large))}, which auto chose first, ran out of memory in "
+                        f"the run; measured at {cfg.micro_batch}")]))
             finally:
                 interrupts.disarm()
         except Unavailable as e:

@@ -205,7 +205,8 @@ def test_running_out_of_host_memory_is_oom(tmp_path, monkeypatch):
     run = read_csv(tmp_path / "runs.csv")[-1]
     # auto took the whole batch (2 rows), ran out, and started again at 1, which ran out too
     assert run["status"] == "oom" and run["message"].startswith(
-        "out of memory at MICRO_BATCH=1 (BATCH_SIZE=2) after 0 steps: one row does not fit; try SEQ_LEN=")
+        "out of memory at MICRO_BATCH=1 (BATCH_SIZE=2) after 0 steps, the run having run out at 2 before "
+        "(MICRO_BATCH=auto chose 2): one row does not fit; try SEQ_LEN=")
 
 
 @pytest.mark.parametrize("target", ["clean", "reset"])

@@ -357,20 +357,56 @@ def test_the_hint_counts_gradients_kept_between_steps_once_and_counts_weights_th
 
 
 def test_a_run_that_auto_chose_and_still_runs_out_of_memory_starts_again_at_the_next_divisor(tmp_path, monkeypatch):
-    # On a CPU auto takes the whole batch, 8 rows; the model fits 2: the run starts again at 4, then at 2, from
-    # the same weights and data, so it ends where a run given MICRO_BATCH=2 ends.
+    # On a CPU auto takes the whole batch, 8 rows. A micro-batch of more than 2 rows runs out of memory from its
+    # second forward on: the run at 8 records a step, runs out in its second, starts again at 4 (out at once), then
+    # at 2, from the same weights and data, so it ends where a run given MICRO_BATCH=2 ends, with only its steps.
+    from Utils.model import GPT
     given = tmp_path / "given"
     assert main("baseline", ["--steps", "3", "--batch-size", "8", "--prefix", str(given), "--micro-batch", "2"]
                 + ARGS) == 0
-    _fake_memory(monkeypatch, 2)
+    forward, large = GPT.forward, []
+
+    def limited(self, idx, targets=None):
+        if idx.shape[0] > 2:
+            large.append(idx.shape[0])
+            if len(large) > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return forward(self, idx, targets)
+    monkeypatch.setattr(GPT, "forward", limited)
     auto = tmp_path / "auto"
     assert main("baseline", ["--steps", "3", "--batch-size", "8", "--prefix", str(auto)] + ARGS) == 0
+    assert large == [8, 8, 4]
     (run,) = read_csv(auto / "runs.csv")
     assert (run["status"], run["micro_batch"], run["accumulation_steps"]) == ("ok", "2", "4")
-    assert "MICRO_BATCH=8, 4, which auto chose first, ran out of memory in the run; measured at 2" in run["notes"]
+    assert "MICRO_BATCH=auto chose 8; the run ran out of memory at 8, 4 and was measured at 2" in run["notes"]
     assert [r["step"] for r in read_csv(auto / "results.csv")] == ["0", "1", "2"]
     (reference,) = read_csv(given / "runs.csv")
     assert float(run["final_loss"]) == float(reference["final_loss"])
+
+
+def test_a_run_starts_again_at_most_twice_and_then_ends_oom_saying_where_it_ran_out(tmp_path, monkeypatch):
+    _fake_memory(monkeypatch, 1)
+    assert main("baseline", ["--steps", "3", "--batch-size", "8", "--prefix", str(tmp_path)] + ARGS) == 3
+    (run,) = read_csv(tmp_path / "runs.csv")
+    assert run["status"] == "oom" and run["message"].startswith(
+        "out of memory at MICRO_BATCH=2 (BATCH_SIZE=8) after 0 steps, the run having run out at 8, 4 before "
+        "(MICRO_BATCH=auto chose 8): try MICRO_BATCH=1")
+
+
+@pytest.mark.parametrize("auto, active, restarts, error, smaller", [
+    (True, False, 0, torch.OutOfMemoryError("CUDA out of memory."), 4),
+    (True, False, 2, torch.OutOfMemoryError("CUDA out of memory."), None),     # started again twice already
+    (True, True, 0, torch.OutOfMemoryError("CUDA out of memory."), None),      # several processes: none alone
+    (False, False, 0, torch.OutOfMemoryError("CUDA out of memory."), None),    # MICRO_BATCH given: kept
+    (True, False, 0, RuntimeError("an illegal memory access was encountered"), None),
+])
+def test_only_a_single_process_run_auto_chose_starts_again_and_only_on_out_of_memory(auto, active, restarts, error,
+                                                                                     smaller):
+    from dataclasses import replace
+    from types import SimpleNamespace
+    from Utils.train.run import _smaller_micro_batch
+    cfg = replace(_config(), batch_size=12, micro_batch=6)
+    assert _smaller_micro_batch(error, cfg, auto, SimpleNamespace(active=active), restarts) == smaller
 
 
 def test_a_micro_batch_given_outright_that_runs_out_of_memory_ends_oom_naming_a_smaller_one(tmp_path, monkeypatch):

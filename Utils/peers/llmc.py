@@ -223,7 +223,7 @@ def command(binary: str, data: str, descriptor: str, batch: int, seq_len: int, s
             micro_batch: int | None = None) -> list[str]:
     """train_gpt2cu's arguments: from random weights, GELU and its derivative fused into cuBLASLt's epilogues (-ge 2:
     this commit's default is off), no recompute, no sampling, no checkpoints; validation
-    (one batch, which its loop runs before the first step and the last, outside the timed work); the suite's
+    (one micro-batch, which its loop runs before the first step and the last, outside the timed work); the suite's
     learning rate and weight decay (the work per step does not depend on them). `batch` rows a step in
     micro-batches of `micro_batch` (the whole batch by default): llm.c's -b is the micro-batch, -d the step's
     tokens, and it accumulates -d / (-b × -t) micro-batches."""

@@ -332,14 +332,21 @@ def _build_and_train(additions: tuple, cfg: RunConfig, device: torch.device, tok
     return train(held["build"], cfg, run, rows)
 
 
-def _smaller_micro_batch(error: BaseException, cfg: RunConfig, auto: bool, dist) -> int | None:
-    """The divisor below cfg's micro-batch that a run chosen by MICRO_BATCH=auto starts again at when it runs out
-    of memory after all, else None. The search's steps leave the allocator in another state than the run's
-    (measured: torch_compile's 8 rows of 256 at SEQ_LEN=256 fitted the search in 3.42 of 3.5 GiB and ran out in
-    the run's second step; BENCHMARKS.md, "Small cards"), so the run itself is the last try, as accelerate's
-    find_executable_batch_size makes it the only one. Not under several processes: the other ranks are inside a
+# How many times a run starts again smaller. One step down covers a search whose fit had no margin left; an
+# out-of-memory that fewer rows do not cure (memory that grows step by step) ends the run instead of costing a
+# rebuild and a compile at every divisor.
+MAX_RESTARTS = 2
+
+
+def _smaller_micro_batch(error: BaseException, cfg: RunConfig, auto: bool, dist, restarts: int) -> int | None:
+    """The next divisor below cfg's micro-batch, at which a run whose micro-batch MICRO_BATCH=auto chose starts
+    again when it runs out of memory after all (at most MAX_RESTARTS times), else None. The search's steps leave
+    the allocator in another state than the run's (measured: torch_compile's 8 rows of 256 at SEQ_LEN=256 fitted
+    the search in 3.42 of 3.5 GiB and ran out in the run's second step; BENCHMARKS.md, "Small cards"), so the run
+    itself is the last try, as it is the only one for accelerate's find_executable_batch_size. On a CPU, where
+    auto takes the whole batch untried, the same. Not under several processes: the other ranks are inside a
     collective, and one rank cannot start again alone."""
-    if not auto or dist.active or not out_of_memory(error):
+    if not auto or dist.active or restarts >= MAX_RESTARTS or not out_of_memory(error):
         return None
     smaller = [d for d in divisors(cfg.batch_size) if d < cfg.micro_batch]
     return smaller[0] if smaller else None
@@ -381,6 +388,7 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
               f"| seed {cfg.seed}{spread}", flush=True)
 
     rows, held = [], {}
+    restarts = []   # the micro-batches the run itself ran out of memory at, MICRO_BATCH=auto's choice first
     status, message, code = "ok", "", 0
     auto = cfg.micro_batch is None   # MICRO_BATCH=auto, before choose_micro_batch settles it
     reset_peak_memory(device)
@@ -392,32 +400,34 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
                 interrupts.arm()
                 cap_memory(device, cfg.gpu_memory_gib)
                 cfg = choose_micro_batch(additions, cfg, device, tokens, dist, peer, run)
-                too_large = []
                 while True:
+                    if interrupts.requested:   # a signal whose exception a finalizer swallowed while freeing
+                        raise KeyboardInterrupt
                     renew_cold_caches()   # what the search compiled is not the run's compilation, nor its cache
                     counts_before = compile_counts()
                     reset_peak_memory(device)
                     try:
                         trace = _build_and_train(additions, cfg, device, tokens, dist, peer, run, rows, held, config)
                         break
-                    except Exception as e:   # noqa: BLE001 - raised again unless a smaller micro-batch is left
-                        smaller = _smaller_micro_batch(e, cfg, auto, dist)
+                    except Exception as e:   # noqa: BLE001 - raised again unless the run may start again smaller
+                        smaller = _smaller_micro_batch(e, cfg, auto, dist, len(restarts))
                         if smaller is None:
                             raise
                     # outside the handler: the exception's frames no longer hold the run's tensors
                     if dist.main:
-                        print(f"micro-batch: {cfg.micro_batch} rows, which MICRO_BATCH=auto chose, ran out of memory "
-                              f"in the run's step {len(rows) + 1}: the run starts again at {smaller}", flush=True)
-                    too_large.append(cfg.micro_batch)
+                        chose = " too" if restarts else ", which MICRO_BATCH=auto chose,"
+                        print(f"micro-batch: {cfg.micro_batch} rows{chose} ran out of memory in the run's step "
+                              f"{len(rows) + 1}: the run starts again at {smaller}", flush=True)
+                    restarts.append(cfg.micro_batch)
                     rows.clear()
                     held.clear()
                     free(device)
                     cfg = replace(cfg, micro_batch=smaller)
                     run.update(micro_batch=smaller, accumulation_steps=cfg.batch_size // smaller)
-                if too_large:
+                if restarts:
                     run["notes"] = "; ".join(filter(None, [run.get("notes"), (
-                        f"MICRO_BATCH={', '.join(map(str, too_large))}, which auto chose first, ran out of memory in "
-                        f"the run; measured at {cfg.micro_batch}")]))
+                        f"MICRO_BATCH=auto chose {restarts[0]}; the run ran out of memory at "
+                        f"{', '.join(map(str, restarts))} and was measured at {cfg.micro_batch}")]))
             finally:
                 interrupts.disarm()
         except Unavailable as e:
@@ -434,6 +444,8 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
                 smaller = [d for d in divisors(cfg.batch_size) if d < micro]
                 message = (f"out of memory at MICRO_BATCH={micro} (BATCH_SIZE={cfg.batch_size}) after {len(rows)} steps"
                            + (f" (peak {peak:.1f} GiB allocated)" if peak is not None else "")
+                           + (f", the run having run out at {', '.join(map(str, restarts))} before (MICRO_BATCH=auto "
+                              f"chose {restarts[0]})" if restarts else "")
                            + (f": try MICRO_BATCH={smaller[0]}" + ("" if auto else
                                                                         ", or MICRO_BATCH=auto, which finds the largest that fits")
                               if smaller else f": one row does not fit; try SEQ_LEN={max(1, cfg.seq_len // 2)}, a "

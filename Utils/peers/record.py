@@ -39,14 +39,13 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
     except (UsageError, ResultsError, DataError) as e:
         return fail(str(e))
     run_id = f"{datetime.now():%Y%m%d-%H%M%S}-{name}-{uuid.uuid4().hex[:6]}"
+    # MICRO_BATCH=auto searches in PyTorch's allocator, which a program of its own does not use: the whole batch
+    micro = cfg.micro_batch or cfg.batch_size
     run = {"run_id": run_id, "optimization": name, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "steps": cfg.steps, "warmup_steps": cfg.warmup, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
            "model": cfg.model, "data": data_name, "command": command, "nproc": 1, "parallel": "",
            "config": json.dumps({"run": cfg.as_dict(), "peer": name}, sort_keys=True),
-           # MICRO_BATCH=auto searches in PyTorch's allocator, which a program of its own does not use: the whole batch
-           "micro_batch": cfg.micro_batch or cfg.batch_size,
-           "accumulation_steps": cfg.batch_size // (cfg.micro_batch or cfg.batch_size),
-           "gpu_memory_gib": cfg.gpu_memory_gib}
+           "micro_batch": micro, "accumulation_steps": cfg.batch_size // micro, "gpu_memory_gib": cfg.gpu_memory_gib}
     print(f"{name} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {data_name} | {cfg.device} | "
           f"steps {cfg.steps} (warm-up {cfg.warmup})", flush=True)
     device = torch.device(cfg.device)

@@ -117,4 +117,3 @@ def search(batch: int, try_step: Callable[[int], None], is_oom: Callable[[BaseEx
     if best is None:
         raise NothingFits(f"not even MICRO_BATCH=1 fits (tried {', '.join(map(str, sorted(too_large, reverse=True)))})")
     return Fit(candidates[best], tuple(sorted(too_large, reverse=True)), time.perf_counter() - start)
-

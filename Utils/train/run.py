@@ -348,8 +348,12 @@ def _smaller_micro_batch(error: BaseException, cfg: RunConfig, auto: bool, dist,
     collective, and one rank cannot start again alone."""
     if not auto or dist.active or restarts >= MAX_RESTARTS or not out_of_memory(error):
         return None
-    smaller = [d for d in divisors(cfg.batch_size) if d < cfg.micro_batch]
-    return smaller[0] if smaller else None
+    return _next_divisor_below(cfg.batch_size, cfg.micro_batch)
+
+
+def _next_divisor_below(batch: int, micro: int) -> int | None:
+    """The largest divisor of `batch` under `micro`: where a run that ran out of memory goes next; None at 1."""
+    return next((d for d in divisors(batch) if d < micro), None)
 
 
 def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None) -> int:
@@ -441,12 +445,12 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
                 peak = peak_memory_gib(device)[0]
                 status, code = "oom", EXIT_OOM
                 micro = cfg.micro_batch or cfg.batch_size
-                smaller = [d for d in divisors(cfg.batch_size) if d < micro]
+                smaller = _next_divisor_below(cfg.batch_size, micro)
                 message = (f"out of memory at MICRO_BATCH={micro} (BATCH_SIZE={cfg.batch_size}) after {len(rows)} steps"
                            + (f" (peak {peak:.1f} GiB allocated)" if peak is not None else "")
                            + (f", the run having run out at {', '.join(map(str, restarts))} before (MICRO_BATCH=auto "
                               f"chose {restarts[0]})" if restarts else "")
-                           + (f": try MICRO_BATCH={smaller[0]}" + ("" if auto else
+                           + (f": try MICRO_BATCH={smaller}" + ("" if auto else
                                                                         ", or MICRO_BATCH=auto, which finds the largest that fits")
                               if smaller else f": one row does not fit; try SEQ_LEN={max(1, cfg.seq_len // 2)}, a "
                                               f"smaller MODEL, or a rung that saves memory (flash, 8bit)"))

@@ -490,17 +490,20 @@ CELLS = [
     """),
     md(r"""
     Read down a column at batch 64 × 1,024 tokens, the same 65,536 tokens a step in every set: the smaller the
-    card, the fewer rows a micro-batch, and the slower the same step. `fused` takes 137.6 ms in one micro-batch
-    of 64 rows on the whole card, 139.3 in two of 32 (24 GB), 162.0 in eight of 8 (8 GB) and 428.8 in 32 of 2
-    (4 GB). The whole batch's step does about 4.3 ms of work per 2,048 tokens; in micro-batches of 2 rows each
-    one took 13.4 ms, since the host's share (Python, the compiled graph's guards, every kernel's launch) is paid
-    32 times a step, and each kernel is too short to hide it. On the 4 GB card the order of the ladder changes:
-    8-bit AdamW's states leave room for 4 rows where `fused` fits 2, and its step (212.5 ms) is twice as fast as
-    `fused`'s and within 3% of `max`'s, whose own 2 rows leave its kernels as short. The three eager rungs fit not
-    one row of 1,024 tokens beside the 1.9 GiB of fp32 weights, gradients and AdamW's states; the run says so and
-    names `SEQ_LEN=512`, which it tried (the table shows them `excluded`: at fe94fcb such a run was recorded
-    without its cap, since fixed). These sets are from commit fe94fcb on one H100 (the uncapped one from an
-    earlier tree, on another H100); BENCHMARKS.md, "Small cards", has the predictions written before each call.
+    card, the fewer rows a micro-batch, and the slower the same step. `fused` takes 141.4 ms in one micro-batch
+    of 64 rows on the whole card, 139.3 in two of 32 (24 GB), 162.7 in eight of 8 (8 GB) and 436.6 in 32 of 2
+    (4 GB). The whole batch's step does about 4.4 ms of work per 2,048 tokens; in micro-batches of 2 rows each
+    one took 13.6 ms, since the host's share (Python, the compiled graph's guards, every kernel's launch) is paid
+    32 times a step, and each kernel is too short to hide it. On the 4 GB card a memory saving is worth one step
+    of micro-batch, at the margin: 8-bit AdamW's states are 0.7 GiB smaller than AdamW's, and at fe94fcb they let
+    it fit 4 rows where `fused` fits 2, for a step (212.5 ms) twice as fast as `fused`'s. Measured again at
+    2f16ee4, its 4-row try ran out of memory by about one micro-batch's logits, and it ran at 2 rows and
+    `fused`'s speed: BENCHMARKS.md, "Small cards", has both calls. The three eager rungs fit not one row of
+    1,024 tokens beside the 1.9 GiB of fp32 weights, gradients and AdamW's states; the run says so and names
+    `SEQ_LEN=512`, which it tried, and which ran when followed. At 256 × 256 tokens, `torch_compile`'s search
+    chose 8 rows that then ran out of memory in the run's second step: the run started again at 4, as its note
+    says. The sets are from commit 2f16ee4 on one H100, the 24 GB one from fe94fcb on another; BENCHMARKS.md has
+    the predictions written before each call.
     """),
     md(r"""
     ## The charts

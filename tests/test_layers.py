@@ -27,8 +27,11 @@ ALLOWED = {
     "results": {"results"},
     "report": {"report", "results", "ladder.registry", "model_config"},
     "install": {"install"},   # runs before anything is installed: the standard library only
+    # the driver make calls: it starts every run as a process and reads only the registry, the peers' names and
+    # the usage errors, so that it holds no CUDA context while a rung measures
+    "suite": {"suite", "ladder", "peers", "train"},
 }
-NO_TORCH = ("results", "report", "model_config", "install")
+NO_TORCH = ("results", "report", "model_config", "install", "suite")
 TORCH = ("torch", "triton", "numpy.testing")
 
 

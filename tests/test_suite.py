@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from Utils.ladder.registry import LADDER
+from Utils.ladder.registry import LADDER, RUNGS
 
 from conftest import REPO_ROOT as REPO, clean_env, make, read_csv
 SCRIPTS = {"baseline": "no_optimization.py", "tf32": "tensorFloat32.py", "bf16": "brainFloat16.py",
@@ -200,8 +200,8 @@ def test_make_n_all_changes_nothing_and_still_refuses_bad_arguments(tmp_path, su
     r = make(["-n", "all", "STEPS=2", "BATCH_SIZE=1", f"PREFIX={prefix}"], env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "WARNING" not in r.stderr and not prefix.exists() and not (tmp_path / "no-data").exists()
-    commands = [line for line in r.stdout.splitlines() if line.startswith("run=0;")]   # each rung's run loop
-    assert len(commands) == len(LADDER)
+    scripts = [f" {RUNGS[name].script} --steps=2" for name in LADDER]   # each rung's command, printed, in order
+    assert [s for line in r.stdout.splitlines() for s in scripts if s in line] == scripts
     assert f"plot_results.py --prefix={prefix}" in r.stdout   # the charts, echoed
     bad = make(["-n", "all", "STEPS=two", "BATCH_SIZE=1", f"PREFIX={prefix}"], env, timeout=120)
     assert bad.returncode != 0 and "STEPS" in bad.stderr and not prefix.exists()

@@ -12,9 +12,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from Utils.model_config import PRESETS
-from Utils.train.usage import Parser, UsageError, fail
+from Utils.train.usage import EXAMPLE, Parser, UsageError, fail
 
-EXAMPLE = "e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out"
 DEFAULT_WARMUP = 5
 PROFILE_STEPS = 3
 

@@ -5,6 +5,8 @@ import sys
 from typing import NoReturn
 
 EXIT_USAGE = 2
+# The example a refusal of a run's arguments ends with.
+EXAMPLE = "e.g. make fused STEPS=50 BATCH_SIZE=16 PREFIX=./out"
 
 
 class UsageError(Exception):

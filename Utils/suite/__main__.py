@@ -1,0 +1,57 @@
+"""python -m Utils.suite COMMAND [RUNG] [NAME=value ...] [--dry-run]
+
+Commands: run RUNG, all, custom, scaling, ablation, peers, profile (train); plots, compare, init_results, peak,
+clean, reset (a results folder); additions, help. NAME=value words are make's variables (make help lists them;
+PYTHON= names the interpreter of the runs); the environment fills in the ones not given. --dry-run checks the
+values and prints the commands without running them. Exit status: 0 ok, 2 bad input, a single run's own status,
+1 where a loop had a run that was not ok, 128+n after signal n."""
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from Utils.ladder.__main__ import table
+from Utils.ladder.registry import RUNGS
+from Utils.suite import folders, targets
+from Utils.suite.given import Given, parse
+from Utils.suite.process import Runner
+from Utils.suite.text import help_text, unknown_target
+from Utils.train.usage import UsageError, fail
+
+COMMANDS: dict[str, Callable[[Given, Runner], int]] = {
+    "all": targets.all_rungs, "custom": targets.custom, "scaling": targets.scaling, "ablation": targets.ablation,
+    "peers": targets.peers, "profile": targets.profile, "plots": folders.plots, "compare": folders.compare,
+    "init_results": folders.init_results, "peak": folders.peak, "clean": folders.clean, "reset": folders.reset,
+}
+
+
+def main(argv: Sequence[str]) -> int:
+    sys.stdout.reconfigure(line_buffering=True)   # its lines between the children's, in order, through a pipe
+    command, rest = (argv[0], list(argv[1:])) if argv else ("help", [])
+    if command in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    if command == "help":
+        print(help_text())
+        return 0
+    if command == "additions":
+        print(table())
+        return 0
+    if command == "unknown" or (command == "run" and (not rest or rest[0] not in RUNGS)):
+        return fail(unknown_target(rest[0] if rest else ""))
+    if command not in COMMANDS and command != "run":
+        return fail(f"python -m Utils.suite: no command {command!r} (python -m Utils.suite --help)")
+    name = rest.pop(0) if command == "run" else None
+    try:
+        g = parse(rest, os.environ)
+        runner = Runner(g.dry_run)
+        previous = runner.handle_signals()
+        try:
+            return targets.rung(g, runner, name) if name else COMMANDS[command](g, runner)
+        finally:
+            runner.restore_signals(previous)
+    except UsageError as e:
+        return fail(str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,86 @@
+"""The checks a target makes before anything runs, each a one-line refusal (UsageError), in the order the
+targets have always made them, so that of several bad values the same one is named first. A command checks only
+the variables it reads. Checks that need torch (the runs' own parser, the GPU count) run as processes."""
+import re
+
+from Utils.ladder.registry import RUNGS
+from Utils.peers import PEERS
+from Utils.suite import commands
+from Utils.suite.given import Given
+from Utils.suite.process import Runner
+from Utils.train.usage import EXAMPLE, UsageError
+
+SWITCHES = ("", "0", "1", "yes", "no", "true", "false")
+REPEAT_EXAMPLE = "e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3"
+EMPTY = {"NPROC": "use NPROC=1 (one process) or more, or leave it out",
+         "PARALLEL": "use PARALLEL=ddp or fsdp, or leave it out (ddp)",
+         "FROM": "use FROM=fused or FROM=max, or leave it out (fused)",
+         "ADDITIONS": "name the additions to try (make additions lists them), or leave ADDITIONS out to try every one"}
+
+
+def require(g: Given, *names: str) -> None:
+    for name in names:
+        if not g.stripped(name):
+            raise UsageError(f"{name} is required ({EXAMPLE})")
+
+
+def run_basics(g: Given) -> None:
+    """What every training target needs: steps, batch and folder, and switches that say yes or no."""
+    require(g, "STEPS", "BATCH_SIZE", "PREFIX")
+    if g.text("COLD") not in SWITCHES:
+        raise UsageError(f"COLD must be 1 (compile with an empty cache) or 0, not '{g.text('COLD')}'")
+    if g.text("PROFILE") not in SWITCHES:
+        raise UsageError(f"PROFILE must be 1 (profile the run too) or 0, not '{g.text('PROFILE')}'")
+
+
+def repeat(g: Given) -> int:
+    value = g.text("REPEAT", "1")
+    if not re.fullmatch(r"[1-9][0-9]?", value):
+        raise UsageError(f"REPEAT must be a number of runs from 1 to 99, not '{value}' ({REPEAT_EXAMPLE})")
+    return int(value)
+
+
+def not_empty(g: Given, *names: str) -> None:
+    """A variable given but set to nothing is refused, not read as its default (FROM= would run every try)."""
+    for name in names:
+        if g.is_set(name) and not g.stripped(name):
+            raise UsageError(f"{name} is empty: {EMPTY[name]}")
+
+
+def one_rung(g: Given, how: str) -> str:
+    if len(g.words("RUNG")) != 1 or g.stripped("RUNG") not in RUNGS:
+        raise UsageError(f"RUNG must name one rung ({' '.join(RUNGS)}){how}")
+    return g.stripped("RUNG")
+
+
+def peers(g: Given) -> list[str]:
+    """The peers to run: PEERS's words (default all), each known and named once, alone with no NPROC or PROFILE."""
+    names = g.words("PEERS", " ".join(PEERS))
+    if not names:
+        raise UsageError(f"PEERS is empty: name some of {' '.join(PEERS)}")
+    if g.text("NPROC", "1").strip() != "1" or g.stripped("PARALLEL") or g.on("PROFILE"):
+        raise UsageError("make peers runs each peer as one process, unprofiled: leave out NPROC, PARALLEL and PROFILE")
+    for i, name in enumerate(names):
+        if name not in PEERS:
+            raise UsageError(f"PEERS names {name}: use some of {' '.join(PEERS)}")
+        if name in names[:i]:
+            raise UsageError(f"PEERS names {name} twice: name each peer once (REPEAT=n runs rounds)")
+    return names
+
+
+def parallel(g: Given, runner: Runner, additions: list[str]) -> int:
+    """NPROC and PARALLEL, and under several processes the additions against PARALLEL and every run argument, before
+    torchrun starts any process. Returns the checks' exit status."""
+    not_empty(g, "NPROC", "PARALLEL")
+    if not g.distributed():
+        return 0
+    rc = runner.capture(commands.check_distributed(g, g.text("NPROC", "1"), additions))[0]
+    return rc or runner.capture(commands.check_arguments(g))[0]
+
+
+def arguments(g: Given, runner: Runner) -> tuple[int, str]:
+    """Every run argument checked once, by the runs' own parser, before the first run: the folder made, and
+    DATA=auto resolved (downloaded, or its fallback warned about) once for every run. Returns the exit status and
+    the data the runs take ("" where DATA was given)."""
+    rc, out = runner.capture(commands.check_arguments(g))
+    return rc, out.strip()

@@ -1,0 +1,53 @@
+"""The command lines the driver starts, built from what was given: no shell ever reads a value, so a PREFIX with
+spaces, quotes or a $ reaches its run as one word."""
+from Utils.ladder.registry import RUNGS
+from Utils.suite.given import Given
+
+# Optional run arguments, passed where given (even empty, so that the run refuses WARMUP= instead of dropping it),
+# in this order: a run records its command line, so the order is part of its record.
+OPTIONAL = (("MODEL", "--model"), ("SEQ_LEN", "--seq-len"), ("DEVICE", "--device"), ("DATA", "--data"),
+            ("WARMUP", "--warmup"), ("SEED", "--seed"), ("DATA_DIR", "--data-dir"),
+            ("SDPA_BACKEND", "--sdpa-backend"), ("MICRO_BATCH", "--micro-batch"),
+            ("GPU_MEMORY_GIB", "--gpu-memory-gib"))
+
+
+def run_args(g: Given) -> list[str]:
+    """The arguments every run takes: steps, batch and folder, then the optional ones given, then the switches."""
+    args = [f"--steps={g.text('STEPS')}", f"--batch-size={g.text('BATCH_SIZE')}", f"--prefix={g.text('PREFIX')}"]
+    args += [f"{flag}={g.text(name)}" for name, flag in OPTIONAL if g.is_set(name)]
+    return args + ["--profile"] * g.on("PROFILE") + ["--cold"] * g.on("COLD")
+
+
+def launch(g: Given, target: list[str]) -> list[str]:
+    """The command that starts `target` (a script, or -m and a module): NPROC processes through torchrun where the
+    run is distributed (--parallel follows the target, as the run's parser reads it), else one."""
+    if not g.distributed():
+        return [*g.python, *target]
+    return [*g.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", g.text("NPROC", "1"),
+            *target, "--parallel", g.parallel()]
+
+
+def rung(g: Given, name: str) -> list[str]:
+    return launch(g, [RUNGS[name].script]) + run_args(g)
+
+
+def custom(g: Given) -> list[str]:
+    return launch(g, ["-m", "Utils.train"]) + ["--with", g.text("WITH")] + run_args(g)
+
+
+def check_arguments(g: Given) -> list[str]:
+    """Every run argument checked by the runs' own parser (torch's checks included); DATA=auto resolved once."""
+    return [*g.python, "-m", "Utils.train.cli", *(["--dry-run"] if g.dry_run else []), *run_args(g)]
+
+
+def check_distributed(g: Given, nproc: str, additions: list[str]) -> list[str]:
+    return [*g.python, "-m", "Utils.train.distributed", "check", nproc, g.parallel(), g.stripped("DEVICE") or "auto",
+            *additions]
+
+
+def plot(g: Given) -> list[str]:
+    return [*g.python, "plot_results.py", f"--prefix={g.text('PREFIX')}"]
+
+
+def breakdown(g: Given) -> list[str]:
+    return [*g.python, "-m", "Utils.report.breakdown", f"--prefix={g.text('PREFIX')}"]

@@ -1,0 +1,60 @@
+"""The driver's children: each run, chart and check a process of its own, never through a shell. A SIGTERM or
+SIGINT to the driver is passed on to the child as SIGTERM and the child is waited for, so that a run stopped by
+make, by Ctrl-C or by a job scheduler still writes its record before the driver returns; then nothing more
+starts."""
+import shlex
+import signal
+import subprocess
+import sys
+
+
+class Runner:
+    """Starts children one at a time; `interrupted` holds the signal that stopped the driver, if one did."""
+
+    def __init__(self, dry_run: bool = False):
+        self.dry_run = dry_run
+        self.interrupted: int | None = None
+        self._child: subprocess.Popen | None = None
+
+    def handle_signals(self) -> dict:
+        """Take SIGINT and SIGTERM (SIGINT too where the driver was started with it ignored); returns the handlers
+        it replaced, for restore_signals."""
+        return {signum: signal.signal(signum, self._on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    @staticmethod
+    def restore_signals(previous: dict) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        # Never raise here: an exception would end the driver while its child is still writing its record.
+        self.interrupted = self.interrupted or signum
+        if self._child is not None and self._child.poll() is None:
+            self._child.send_signal(signal.SIGTERM)
+
+    def stopped(self) -> int | None:
+        """The exit status to end with where a signal stopped the driver (128 + its number), else None."""
+        return None if self.interrupted is None else 128 + self.interrupted
+
+    def run(self, argv: list[str], show: bool = False, cwd: str | None = None) -> int:
+        """argv's exit status (128 + n where signal n killed it); under dry_run printed, not run, and 0."""
+        if show or self.dry_run:
+            print(shlex.join(argv), flush=True)
+        if self.dry_run:
+            return 0
+        return self._wait(subprocess.Popen(argv, cwd=cwd))
+
+    def capture(self, argv: list[str]) -> tuple[int, str]:
+        """argv's exit status and stdout (stderr passes through); run under dry_run too: a check, not a run."""
+        return self._wait(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True), capture=True)
+
+    def _wait(self, child: subprocess.Popen, capture: bool = False) -> tuple[int, str] | int:
+        self._child = child
+        if self.interrupted is not None:   # a signal came while the child was being started
+            child.send_signal(signal.SIGTERM)
+        out = child.communicate()[0] if capture else None
+        child.wait()
+        self._child = None
+        sys.stdout.flush()
+        rc = child.returncode if child.returncode >= 0 else 128 - child.returncode
+        return (rc, out or "") if capture else rc

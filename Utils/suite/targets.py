@@ -1,0 +1,173 @@
+"""The targets that train: one rung or custom REPEAT times in a row, and the loops over rungs, process counts,
+ablation tries and peers. Each loop checks every run argument once, then goes on past a run that is not ok, and
+ends naming what was not ok; a signal ends it at once with the interrupted run's status."""
+import os
+import shlex
+from collections.abc import Callable
+
+from Utils.ladder.__main__ import check_ablation
+from Utils.ladder.registry import ABLATION_TRIES, RUNGS
+from Utils.suite import checks, commands
+from Utils.suite.given import Given
+from Utils.suite.process import Runner
+from Utils.train.usage import UsageError, fail
+
+Step = Callable[[str, str], int]   # (item, the data every run takes, "" for as given) -> exit status
+
+
+def rung(g: Given, runner: Runner, name: str, drawn: bool = False) -> int:
+    """make <rung>: the rung REPEAT times in a row; its summary drawn again where PREFIX has one (drawn: the
+    caller draws once at its end)."""
+    checks.run_basics(g)
+    rc = checks.parallel(g, runner, [name])
+    return rc or _repeat(g, runner, name, commands.rung(g, name), checks.repeat(g), drawn)
+
+
+def custom(g: Given, runner: Runner) -> int:
+    """make custom: exactly the additions in WITH, REPEAT times in a row."""
+    checks.run_basics(g)
+    if not g.stripped("WITH"):
+        raise UsageError('WITH is required: the additions to run, e.g. make custom WITH="bf16 torch_compile flash" '
+                         "STEPS=50 BATCH_SIZE=16 PREFIX=./out (make additions lists them)")
+    rc = checks.parallel(g, runner, [g.text("WITH")])
+    return rc or _repeat(g, runner, "custom", commands.custom(g), checks.repeat(g), drawn=False)
+
+
+def _repeat(g: Given, runner: Runner, name: str, argv: list[str], times: int, drawn: bool) -> int:
+    """argv `times` times, stopping at the first run that is not ok (its status is the result): on a GPU whose
+    clock moves one run's median by a few percent, summary.md then reports the median of the medians."""
+    print(shlex.join(argv), flush=True)
+    if runner.dry_run:
+        return 0
+    for k in range(1, times + 1):
+        if times > 1:
+            print(f"=== {name}, run {k} of {times} ===", flush=True)
+        rc = runner.run(argv)
+        if not rc and g.on("PROFILE"):   # the run wrote its trace; the report splits it
+            rc = runner.run(commands.breakdown(g))
+        if rc or runner.interrupted:
+            return rc or runner.stopped()
+    # A summary left as it was would leave out the runs just appended.
+    if not drawn and not g.on("PROFILE") and os.path.isfile(os.path.join(g.text("PREFIX"), "summary.md")):
+        return runner.run(commands.plot(g))
+    return 0
+
+
+def each(g: Given, runner: Runner, name: str, items: list[str], step: Step,
+         after: Callable[[], list[str]] = lambda: [], first: str | None = None, rounds: int = 1) -> int:
+    """step for every item, going on past failures, then after (what it names was not ok too); 1 naming what was
+    not ok. `first` begins each of `rounds` rounds, headed as such where there are several."""
+    rc, data = checks.arguments(g, runner)
+    if rc:
+        return rc
+    failed, round_ = [], 0
+    for item in items:
+        print(f"=== {name} {item} ===", flush=True)
+        if item == first:
+            round_ += 1
+            if rounds > 1:
+                print(f"--- round {round_} of {rounds} ---", flush=True)
+        try:
+            rc = step(item, data)
+        except UsageError as e:   # a check of this item alone (PARALLEL=fsdp and max)
+            rc = fail(str(e))
+        if runner.interrupted:
+            return rc or runner.stopped()
+        if rc:
+            failed.append(item)
+    failed = list(dict.fromkeys(failed + after()))
+    if failed:
+        return fail(f"make {name}: not ok: {' '.join(failed)} (see {g.text('PREFIX')})", 1)
+    return 0
+
+
+def charts(g: Given, runner: Runner) -> list[str]:
+    """The charts after several runs (["plots"] where they failed); with PROFILE=1 none, since profiled runs are
+    recorded in breakdown.md only."""
+    if g.on("PROFILE"):
+        print("PROFILE=1: no charts (the profiled runs are in breakdown.md only)", flush=True)
+        return []
+    return ["plots"] if runner.run(commands.plot(g)) else []
+
+
+def _data(data: str) -> dict:
+    return {"DATA": data} if data else {}
+
+
+def all_rungs(g: Given, runner: Runner) -> int:
+    """make all: every rung in ladder order, then the charts."""
+    checks.run_basics(g)
+    checks.repeat(g)
+    rc = checks.parallel(g, runner, [])
+    return rc or each(g, runner, "all", list(RUNGS),
+                      lambda x, data: rung(g.with_values(**_data(data)), runner, x, drawn=True),
+                      lambda: charts(g, runner))
+
+
+def profile(g: Given, runner: Runner) -> int:
+    """make profile: every rung again with --profile, split into the breakdown files; results.csv left alone."""
+    checks.run_basics(g)
+    checks.repeat(g)
+    rc = checks.parallel(g, runner, [])
+    return rc or each(g, runner, "profile", list(RUNGS),
+                      lambda x, data: rung(g.with_values(PROFILE="1", **_data(data)), runner, x, drawn=True))
+
+
+def scaling(g: Given, runner: Runner) -> int:
+    """make scaling: RUNG at each process count in NPROC, through torchrun, then the charts (scaling.png)."""
+    checks.run_basics(g)
+    checks.repeat(g)
+    name = checks.one_rung(g, ', e.g. make scaling RUNG=max NPROC="1 2" STEPS=60 BATCH_SIZE=16 PREFIX=./out')
+    counts = g.words("NPROC", "1")
+    if not counts:
+        raise UsageError('NPROC is required: the GPU counts to run, e.g. NPROC="1 2 4 8"')
+    for count in counts:
+        rc = runner.capture(commands.check_distributed(g, count, [name]))[0]
+        if rc:
+            return rc
+    return each(g, runner, "scaling", counts,
+                lambda x, data: rung(g.with_values(NPROC=x, PARALLEL=g.parallel(), **_data(data)), runner, name,
+                                     drawn=True),
+                lambda: charts(g, runner))
+
+
+def ablation(g: Given, runner: Runner) -> int:
+    """make ablation: the FROM rung (fused), then each addition tried alone on it (FROM=max: max without each of
+    its additions in turn), REPEAT rounds alternated, so that every pair divides runs of one stretch of the GPU's
+    clock; then the charts."""
+    checks.run_basics(g)
+    times = checks.repeat(g)
+    checks.not_empty(g, "FROM", "ADDITIONS")
+    base, items = g.stripped("FROM") or "fused", g.words("ADDITIONS")
+    if check_ablation(base, items):   # it names the problem
+        return 2
+    rc = checks.parallel(g, runner, [base])
+    if rc:
+        return rc
+    verb = "--drop" if base == "max" else "--add"
+
+    def step(x: str, data: str) -> int:
+        target = [RUNGS[base].script] if x == base else ["ablation.py", verb, x]
+        return runner.run(commands.launch(g, target) + commands.run_args(g) + [f"--data={data}"] * bool(data))
+
+    def after() -> list[str]:
+        split = g.on("PROFILE") and runner.run(commands.breakdown(g))
+        return ["profile"] * bool(split) + charts(g, runner)
+    return each(g, runner, "ablation", [base, *(items or ABLATION_TRIES[base])] * times, step, after, base, times)
+
+
+def peers(g: Given, runner: Runner) -> int:
+    """make peers: the peers (and RUNG first, where named), REPEAT rounds alternated; then the charts."""
+    checks.run_basics(g)
+    times = checks.repeat(g)
+    names = checks.peers(g)
+    name = g.stripped("RUNG")
+    if name:
+        checks.one_rung(g, " to run beside the peers, e.g. make peers RUNG=max REPEAT=3 STEPS=30 BATCH_SIZE=64 "
+                           "PREFIX=./out")
+
+    def step(x: str, data: str) -> int:
+        target = [RUNGS[name].script] if x == name else ["-m", "Utils.peers", x]
+        return runner.run([*g.python, *target] + commands.run_args(g) + [f"--data={data}"] * bool(data))
+    round_ = ([name] if name else []) + names
+    return each(g, runner, "peers", round_ * times, step, lambda: charts(g, runner), round_[0], times)

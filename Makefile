@@ -16,7 +16,7 @@ USER_VARIABLES := STEPS BATCH_SIZE PREFIX MODEL SEQ_LEN DEVICE DATA WARMUP SEED 
 	GPU_MEMORY_GIB UPGRADE PROFILE COLD REPEAT WITH \
 	ADDITIONS FROM PEERS RUNG NPROC PARALLEL PREFIXES OUT RESULTS MATMUL_N COPY_GIB
 sq = '$(subst ','\'',$(1))'
-given = $(strip $(foreach v,$(USER_VARIABLES),$(if $(filter command environment,$(firstword $(origin $(v)))),$(call sq,$(v)=$(value $(v))))))
+given = $(foreach v,$(USER_VARIABLES),$(if $(filter command environment,$(firstword $(origin $(v)))),$(call sq,$(v)=$(value $(v)))))
 # A line break in a value would end the recipe line that holds it before the driver could see it: refused here.
 define newline
 

@@ -2,7 +2,7 @@
 T = 1,024, causal), q, k and v read in place from the packed [B, T, 3C] tensor as the `max` rung reads them
 (Utils.kernels.packed_attention); and asks cuDNN's frontend whether it builds the FP8 backward at this head size.
 
-Attention is about 17 ms of `max`'s 92 ms step at batch 64 (results/h200-fold-norm-profile), running at 230-300
+Attention is about 17 ms of `max`'s 92 ms step at batch 64 (BENCHMARKS.md, "fold_norm"), running at 230-300
 TFLOP/s: the largest kernel family left in bf16. Hopper's FP8 rate is twice bf16's, but the frontend's FP8
 attention backward takes a head size of 128 only on Hopper (sdpa_fp8_bwd.h), so for GPT-2 only the forward could
 move, and this says what that would be worth before any of it is built. Both forwards run the plan cuDNN's

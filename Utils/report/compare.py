@@ -89,7 +89,7 @@ class Comparison:
 
 def folder_labels(prefixes: Sequence[str]) -> list[str]:
     """The shortest ends of the folders' paths that tell them apart (after-b16 and before-b16 rather than
-    results/h200-redesign-ab/after-b16 ...), so that table headers and legends stay short."""
+    runs/redesign/after-b16 ...), so that table headers and legends stay short."""
     parts = [os.path.normpath(os.path.abspath(p)).split(os.sep) for p in prefixes]
     for depth in range(1, max(len(p) for p in parts) + 1):
         labels = ["/".join(p[-depth:]) for p in parts]

@@ -10,7 +10,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from conftest import clean_env, make, rewrite_as_version_1, sticks_out
-from Utils.report.compare import COMPARE_MD, COMPARE_PNG, compare, folder_labels, main, plot_compare
+from Utils.report.compare import COMPARE_MD, COMPARE_PNG, compare_folders, folder_labels, main, plot_compare
 from Utils.results.read import load
 from Utils.results.schema import RUN_SCHEMA, STEP_SCHEMA, headers
 from Utils.results.store import append_run
@@ -79,7 +79,7 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def comparison(folders):
-    return compare(folders)
+    return compare_folders(folders)
 
 
 def test_a_folder_twice_as_fast_gives_a_ratio_of_two_with_an_interval_around_it(comparison):
@@ -165,7 +165,7 @@ def _drop_new_columns(loaded):
 def test_frames_without_the_version_2_columns_still_compare(tmp_path, monkeypatch):
     a, b = two_folders(str(tmp_path))
     monkeypatch.setattr("Utils.report.compare.load", lambda prefix: _drop_new_columns(load(prefix)))
-    c = compare([a, b])
+    c = compare_folders([a, b])
     assert c.cell("tf32", "h100")["ratio"] == pytest.approx(2.0, rel=1e-3)
     for p in c.provenance:
         for key in ("gpu_uuid", "driver_version", "cudnn_version", "sm_clock_mhz_median", "power_w_median"):
@@ -248,7 +248,7 @@ def test_the_chart_carries_every_folders_provenance_whole(tmp_path):
     a, b = two_folders(root)
     c_path = os.path.join(root, "machines", "b200-with-another-driver")
     add_run(c_path, "baseline", BASE_MS / 1.5, gpu_name="NVIDIA B200", driver_version="580.1")
-    c = compare([a, b, c_path])
+    c = compare_folders([a, b, c_path])
     fig = plot_compare(c)
     foot = fig.get_supxlabel().replace("\n", " ")
     for label, prefix in zip(c.labels, c.prefixes):

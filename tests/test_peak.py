@@ -9,8 +9,8 @@ from conftest import clean_env, make
 from Utils.results.read import load_peak, measured_peak
 from Utils.results.schema import PEAK_COLUMNS, PEAK_FILE, SCHEMA_VERSION
 from Utils.results.store import append_rows
-from Utils.train import peak
-from Utils.train.peak import DEFAULTS, main
+from Utils import peak
+from Utils.peak import DEFAULTS, main
 
 TINY = ["--device", "cpu", "--matmul-n", "32", "--copy-gib", str(64 / 2**20)]   # 64 KiB
 

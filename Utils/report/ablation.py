@@ -6,7 +6,7 @@ runs from the same commit on the same GPU (Utils.report.comparison). summary.md 
 import pandas as pd
 
 from Utils.ladder.registry import ABLATION_SEPARATOR, ADDITIONS, MAX_ADDITIONS
-from Utils.report.comparison import Comparison, compare
+from Utils.report.comparison import Comparison, compare_runs
 from Utils.report.stats import Report, build_report
 
 
@@ -25,9 +25,9 @@ def ablation_names(report: Report, base: str) -> list[str]:
 
 
 def ablation(report: Report, steps: pd.DataFrame, runs: pd.DataFrame, base: str) -> Comparison:
-    """compare() of the runs named after `base`; with base "fused", a column "in max": whether the run's
+    """compare_runs() of the runs named after `base`; with base "fused", a column "in max": whether the run's
     additions are all the max rung's."""
-    found = compare(report, steps, runs, base, ablation_names(report, base))
+    found = compare_runs(report, steps, runs, base, ablation_names(report, base))
     if base == "fused":
         found.table["in max"] = [None if name == base else all(a in MAX_ADDITIONS for a in parts(name, base))
                                  for name in found.table.index]
@@ -37,7 +37,7 @@ def ablation(report: Report, steps: pd.DataFrame, runs: pd.DataFrame, base: str)
 def ablation_table(steps: pd.DataFrame, runs: pd.DataFrame, base: str = "fused") -> pd.DataFrame:
     """The base, then each run <base><separator><addition> in the registry's order, of the runs the summary
     compares: base "fused" (`make ablation`), with a column "in max" (whether the addition is one of the max
-    rung's); base "max" (`make ablation FROM=max`). The columns are compare()'s; runs without a base run of
+    rung's); base "max" (`make ablation FROM=max`). The columns are compare_runs()'s; runs without a base run of
     their commit are left out; empty where no run is compared."""
     return ablation(build_report(steps, runs), steps, runs, base).table
 

@@ -68,8 +68,8 @@ class CompareError(Exception):
 
 
 @dataclass
-class Comparison:
-    """Everything compare.md and compare.png show; build it with compare(prefixes)."""
+class FolderComparison:
+    """Everything compare.md and compare.png show; build it with compare_folders(prefixes)."""
     prefixes: list[str]              # the folders, as given; the first is the reference of every ratio
     labels: list[str]                # a short name for each folder (the end of its path), in the same order
     rungs: list[str]                 # every rung of any folder, in ladder order
@@ -199,7 +199,7 @@ def _row(report: Report, rung: str, ms: "np.ndarray | None", ref_ms: "np.ndarray
 
 
 def _table(reports: Sequence[Report], labels: Sequence[str], rungs: Sequence[str]) -> pd.DataFrame:
-    """Comparison.table: a row per rung per folder, the folders of a rung together, in ladder order."""
+    """FolderComparison.table: a row per rung per folder, the folders of a rung together, in ladder order."""
     by_runs = [steps_by_run(r.steps) for r in reports]
     rows, index = [], []
     for rung in rungs:
@@ -236,7 +236,7 @@ def _context(reports: Sequence[Report], labels: Sequence[str]) -> str:
     return "; ".join(f"{label}: {r.context or UNKNOWN}" for label, r in zip(labels, reports))
 
 
-def compare(prefixes: Sequence[str]) -> Comparison:
+def compare_folders(prefixes: Sequence[str]) -> FolderComparison:
     """Read every folder as make plots does and compare them rung by rung (see the module's docstring).
     Raises CompareError for fewer than two folders or one named twice, ResultsError for a folder whose
     results are missing, foreign or damaged."""
@@ -247,7 +247,7 @@ def compare(prefixes: Sequence[str]) -> Comparison:
     rungs = rung_order({r for report in reports for r in report.table.index})
     provenance = [folder_provenance(r) for r in reports]
     differs, same = differences(provenance)
-    return Comparison(prefixes=prefixes, labels=labels, rungs=rungs, table=_table(reports, labels, rungs),
+    return FolderComparison(prefixes=prefixes, labels=labels, rungs=rungs, table=_table(reports, labels, rungs),
                       provenance=provenance, differs=differs, same=same,
                       warnings=work_warnings(labels, provenance), notes=_notes(reports, labels, prefixes),
                       context=_context(reports, labels), reports=reports)
@@ -263,7 +263,7 @@ def _ratio_cell(r: pd.Series) -> str:
     return f"{r['ratio']:.2f}x [{r['ratio_lo']:.2f}, {r['ratio_hi']:.2f}]"
 
 
-def table_rows(c: Comparison) -> list[list[str]]:
+def table_rows(c: FolderComparison) -> list[list[str]]:
     """The comparison as compare.md's table, header first: per folder its median and speedup (its status
     where it has no ok run of the rung), and for every folder after the first the ratio to the first."""
     ref = c.labels[0]
@@ -281,11 +281,11 @@ def table_rows(c: Comparison) -> list[list[str]]:
     return rows
 
 
-def _provenance_rows(c: Comparison, keys: Sequence[str]) -> list[list[str]]:
+def _provenance_rows(c: FolderComparison, keys: Sequence[str]) -> list[list[str]]:
     return [["key", *c.labels]] + [[k, *(p[k] for p in c.provenance)] for k in keys]
 
 
-def render_compare(c: Comparison) -> str:
+def render_compare(c: FolderComparison) -> str:
     """compare.md's text: the folders, any warning, the table, how its numbers were made, what differs
     between the folders and what does not, the notes."""
     ref = c.labels[0]
@@ -343,7 +343,7 @@ def _rung_axis(ax, rungs: Sequence[str]) -> None:
     ax.set_axisbelow(True)
 
 
-def _plot_ms(ax, c: Comparison, colors: Sequence[str]) -> None:
+def _plot_ms(ax, c: FolderComparison, colors: Sequence[str]) -> None:
     offsets, h = _offsets(len(c.labels))
     top = np.nanmax(c.table["median_step_ms"].to_numpy()) if c.table["median_step_ms"].notna().any() else 1.0
     for y, rung in enumerate(c.rungs):
@@ -359,13 +359,13 @@ def _plot_ms(ax, c: Comparison, colors: Sequence[str]) -> None:
     ax.set_xlabel("median step time (ms), measured steps only (lower is better)", fontsize=9)
 
 
-def _no_ratio(c: Comparison, rung: str, label: str) -> str:
+def _no_ratio(c: FolderComparison, rung: str, label: str) -> str:
     own = c.cell(rung, label)["status"]
     ref = c.cell(rung, c.labels[0])["status"]
     return f"{label}: {own}" if own != "ok" else f"{label}: no ratio ({c.labels[0]}: {ref})"
 
 
-def _plot_ratio(ax, c: Comparison, colors: Sequence[str]) -> None:
+def _plot_ratio(ax, c: FolderComparison, colors: Sequence[str]) -> None:
     others = list(zip(c.labels[1:], colors[1:]))
     offsets, h = _offsets(len(others))
     x_max = 1.0
@@ -401,7 +401,7 @@ def _footnote_height(fig: Figure, paragraphs: Sequence[str]) -> float:
     return lines * FOOTNOTE_SIZE * 1.4 / 72 + 0.1
 
 
-def plot_compare(c: Comparison) -> Figure:
+def plot_compare(c: FolderComparison) -> Figure:
     """Two panels sharing the rungs: each folder's median step time, and each later folder's ratio to the
     first with its bootstrap whiskers; the folders' provenance at the foot."""
     title = f"Across folders: {' vs '.join(c.labels)}"
@@ -428,7 +428,7 @@ def plot_compare(c: Comparison) -> Figure:
 # Writing, and the command line
 
 
-def write_compare(comparison: Comparison, out_dir: str | os.PathLike) -> str:
+def write_compare(comparison: FolderComparison, out_dir: str | os.PathLike) -> str:
     """Write compare.png and compare.md into out_dir (made if absent), each through a temporary file so that
     neither is ever half-written; the chart first, so that a chart that cannot be drawn or written leaves
     both files as they were. Returns compare.md's text.
@@ -460,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not out.strip():
             raise CompareError(f"OUT is empty: name the folder to write compare.md into, or leave OUT out to "
                                f"write into the first folder ({EXAMPLE})")
-        comparison = compare(args.prefixes)
+        comparison = compare_folders(args.prefixes)
         text = write_compare(comparison, out)
     except (CompareError, ResultsError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -54,7 +54,7 @@ def cards(runs: pd.DataFrame) -> pd.Series:
     return column.map(norm)
 
 
-def compare(report: Report, steps: pd.DataFrame, runs: pd.DataFrame, base: str, names: list[str]) -> Comparison:
+def compare_runs(report: Report, steps: pd.DataFrame, runs: pd.DataFrame, base: str, names: list[str]) -> Comparison:
     """The runs `names`, in that order, among those `report` (build_report of these frames) compares, each
     against the median of the median steps of the compared ok runs of `base` from its commit on its GPU (a rung
     run several times from one commit is summarized the same way; a row's commit and GPU are its latest run's).

@@ -4,13 +4,13 @@ on the same GPU (Utils.report.comparison), so that summary.md states the ratio t
 import pandas as pd
 
 from Utils.ladder.registry import RUNGS
-from Utils.report.comparison import Comparison, compare
+from Utils.report.comparison import Comparison, compare_runs
 from Utils.report.stats import Report
 from Utils.results.schema import is_peer
 
 
 def peer_comparison(report: Report, steps: pd.DataFrame, runs: pd.DataFrame) -> Comparison | None:
-    """compare() of every peer against the rung with the shortest median step among the rungs compared; None
+    """compare_runs() of every peer against the rung with the shortest median step among the rungs compared; None
     where the runs compared have no peer or no rung."""
     timed = report.rungs_with_steps()
     peers = sorted(r for r in timed if is_peer(r))
@@ -18,4 +18,4 @@ def peer_comparison(report: Report, steps: pd.DataFrame, runs: pd.DataFrame) -> 
     if not peers or not rungs:
         return None
     fastest = min(rungs, key=lambda r: report.table.at[r, "median_step_ms"])
-    return compare(report, steps, runs, fastest, peers)
+    return compare_runs(report, steps, runs, fastest, peers)

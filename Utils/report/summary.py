@@ -95,7 +95,7 @@ CLOCK_WORDS = ("SM MHz: the median SM clock over each run's measured steps (NVML
 
 
 def comparison_cells(run: str, r: pd.Series) -> list[str]:
-    """The first cells of a comparison's row (comparison.compare's frame), as COMPARISON_HEADER names them."""
+    """The first cells of a comparison's row (comparison.compare_runs's frame), as COMPARISON_HEADER names them."""
     low, high = r[CLOCK_LOW], r[CLOCK_HIGH]
     clock = "-" if pd.isna(low) else f"{low:,.0f}" if low == high else f"{low:,.0f}–{high:,.0f}"
     return [run, r["commit"], markdown.cell(r["runs"], ".0f"), markdown.cell(r["median ms"], ".1f"),

@@ -41,7 +41,7 @@ def peak(g: Given, runner: Runner) -> int:
     checks.require(g, "PREFIX")
     given = [f"{flag}={g.text(name)}" for name, flag in
              (("DEVICE", "--device"), ("MATMUL_N", "--matmul-n"), ("COPY_GIB", "--copy-gib")) if g.is_set(name)]
-    return runner.run([*g.python, "-m", "Utils.train.peak", f"--prefix={g.text('PREFIX')}", *given], show=True)
+    return runner.run([*g.python, "-m", "Utils.peak", f"--prefix={g.text('PREFIX')}", *given], show=True)
 
 
 def clean(g: Given, runner: Runner) -> int:

@@ -7,7 +7,7 @@ the friendliest work there is; a step's MFU against them says how far the model 
 own ceiling, not from a figure printed in a datasheet. Each measurement is appended as one row to
 PREFIX/peak.csv (Utils.results.schema.PEAK_SCHEMA), so that a later one on another driver or card adds to it.
 
-    python -m Utils.train.peak --prefix DIR [--device auto|cuda|cpu] [--matmul-n N] [--copy-gib G]
+    python -m Utils.peak --prefix DIR [--device auto|cuda|cpu] [--matmul-n N] [--copy-gib G]
     (make peak PREFIX=dir [DEVICE=...] [MATMUL_N=n] [COPY_GIB=g])
 """
 import argparse
@@ -102,7 +102,7 @@ def _copy_gib(value: str) -> float:
 
 def parse_args(argv: Sequence[str] | None = None, prog: str | None = None) -> argparse.Namespace:
     """Parse and validate, sizes defaulted by device; raises UsageError with a one-line message."""
-    a = build_parser(prog or "python -m Utils.train.peak").parse_args(argv)
+    a = build_parser(prog or "python -m Utils.peak").parse_args(argv)
     if not a.prefix.strip():
         raise UsageError(f"PREFIX is empty: name the results folder, {EXAMPLE}")
     a.device = _device(a.device)
@@ -182,7 +182,7 @@ def summary_line(row: dict, path: str) -> str:
             f"{_share(gb_s, spec.bandwidth / 1e9 if spec and spec.bandwidth else None)} -> {path}")
 
 
-def record(device: torch.device, rates: dict) -> dict:
+def peak_row(device: torch.device, rates: dict) -> dict:
     """peak.csv's row for `rates` measured on `device` (the store fills schema_version)."""
     cuda = device.type == "cuda"
     return {"measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         return fail(f"out of memory measuring MATMUL_N={args.matmul_n} COPY_GIB={args.copy_gib:g} on "
                     f"{device.type}: pass smaller sizes")
-    row = record(device, rates)
+    row = peak_row(device, rates)
     path = os.path.join(args.prefix, PEAK_FILE)
     try:
         append_rows(args.prefix, PEAK_FILE, PEAK_COLUMNS, [row])

@@ -5,7 +5,7 @@ the row with its gradient, softmax minus one-hot, in place (`cross_entropy_grad`
 mathematics in PyTorch operations, out of place).
 
 On a GPU of compute capability 8.0 or newer it is loss_kernel.cu, compiled at first use by NVRTC
-(Utils.kernels.nvrtc), which reads the logits once and writes them once. Its twin in the same source
+(Utils.kernels.native), which reads the logits once and writes them once. Its twin in the same source
 (`grad_e5m2`, Ada or Hopper) writes the gradient scaled, in FP8, into a buffer of its own: the FP8 loss's
 pass (Utils.kernels.fp8_loss). The Triton kernel below is the fallback (no NVRTC, or a row that the CUDA kernel
 cannot take) and what the tests run on a CPU, through Triton's interpreter (TRITON_INTERPRET=1, set before this
@@ -18,7 +18,7 @@ import os
 import torch
 from torch import Tensor
 
-from Utils.kernels import nvrtc
+from Utils.kernels import native
 
 try:
     import triton
@@ -35,8 +35,8 @@ CUDA_THREADS = 256
 USE_CUDA = True      # False: the Triton kernels on a GPU too (the FP8 loss's two passes among them), to compare
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "loss_kernel.cu"), encoding="utf-8") as _file:
     _source = _file.read()
-_CUDA = nvrtc.Kernel(_source, "cross_entropy_grad_rows")
-_CUDA_E5M2 = nvrtc.Kernel(_source, "cross_entropy_grad_rows_e5m2")   # the FP8 loss's pass (Utils.kernels.fp8_loss)
+_CUDA = native.Kernel(_source, "cross_entropy_grad_rows")
+_CUDA_E5M2 = native.Kernel(_source, "cross_entropy_grad_rows_e5m2")   # the FP8 loss's pass (Utils.kernels.fp8_loss)
 
 # Read once, as @triton.jit reads it when the kernel is defined below.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -60,7 +60,7 @@ _cuda_failure = None
 
 def _cuda_usable(device: torch.device) -> bool:
     # cp.async and the bf16x2 conversion need compute capability 8.0 (Ampere) or newer.
-    return (USE_CUDA and _cuda_failure is None and device.type == "cuda" and nvrtc.unavailable(device) is None
+    return (USE_CUDA and _cuda_failure is None and device.type == "cuda" and native.nvrtc_unavailable(device) is None
             and torch.cuda.get_device_capability(device) >= (8, 0))
 
 

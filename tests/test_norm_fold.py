@@ -44,6 +44,15 @@ def test_the_fold_and_its_gradients_are_the_chain_rule_of_the_plain_layer():
         torch.testing.assert_close(mine, autograd.grad, rtol=1e-12, atol=1e-12)
 
 
+def test_the_reference_is_the_affine_then_the_layer_and_runs_anywhere():
+    g = torch.Generator().manual_seed(3)
+    norm, layer = _norm(12, torch.float64, g), nn.Linear(12, 7).double()
+    xhat = torch.randn(30, 12, generator=g, dtype=torch.float64)
+    w, b = norm_fold.folded(layer.weight, layer.bias, norm.weight, norm.bias)
+    torch.testing.assert_close(norm_fold.reference(xhat, layer, norm), F.linear(xhat, w, b), rtol=1e-12, atol=1e-12)
+    assert norm_fold.unavailable(CPU) is None
+
+
 def _plain_and_folded(dtype, width=24, out=16):
     """(x, norm, layer) drawn in float64 and rounded to dtype, so that float64 can give the exact answer."""
     torch.manual_seed(1)   # nn.Linear draws its initial weights from the global generator
@@ -187,8 +196,8 @@ def test_the_fp8_forward_with_the_fold_reads_the_folded_weights_and_bounds_xhat_
             layer.zero_grad()
         xi = xhat.clone().requires_grad_()
         options = dict(norm=norm if fp8 else None, fold=norm)
-        out = (gelu_epilogue.gelu_mlp(xi, *layers, ones=True, **options) if mlp
-               else gemm_bias_grad.linear(xi, layers[0], **options))
+        out = (linear.gelu_mlp(xi, *layers, ones=True, **options) if mlp
+               else linear.linear(xi, layers[0], **options))
         out.backward(grad)
         runs.append((out.detach().float(), [xi.grad, norm.weight.grad, norm.bias.grad,
                                             *(p.grad for layer in layers for p in layer.parameters())]))

@@ -1,7 +1,6 @@
-"""The linear layers that combine several kernels' features: a bias gradient from the weight-gradient GEMM
-(Utils.kernels.gemm_bias_grad), the GELU in GEMM epilogues (gelu_epilogue), the forward GEMM in FP8
-(fp8_linear) and a LayerNorm folded into its reader (norm_fold). Each kernel module holds one feature; here
-they are composed into one autograd Function per layer, which is why this lives above the kernels.
+"""The linear layers that combine several kernel modules' features (gemm_bias_grad, gelu_epilogue, fp8_linear,
+norm_fold) in one autograd Function each: composed here, above Utils.kernels, so that each kernel module keeps
+only its own op.
 """
 import torch
 import torch.nn as nn

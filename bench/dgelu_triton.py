@@ -28,7 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gelu_epilogue import bench  # noqa: E402
 from Utils.kernels import cublaslt as L  # noqa: E402
-from Utils.kernels.fp8_loss import to_e4m3, to_fp8  # noqa: E402
+from Utils.kernels.fp8 import to_e4m3, to_fp8  # noqa: E402
 
 K, N = 768, 3072
 

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.dgelu_triton import _tile  # noqa: E402   (row tiles walked in groups, GROUP_M at a time)
 from bench.gelu_epilogue import bench  # noqa: E402
 from Utils.kernels import cublaslt as L  # noqa: E402
-from Utils.kernels.fp8_loss import to_e4m3  # noqa: E402
+from Utils.kernels.fp8 import to_e4m3  # noqa: E402
 
 ROWS, WIDTH, VOCAB = 4096, 768, 50304
 

@@ -16,7 +16,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from Utils.kernels import chunked_loss, fp8_loss, loss_kernel  # noqa: E402
+from Utils.kernels import chunked_loss, fp8, fp8_loss, loss_kernel  # noqa: E402
 
 VOCAB, PADDED, WIDTH, ROWS = 50257, 50304, 768, chunked_loss.CHUNK_ROWS
 TOKENS = 16 * 1024   # batch 16: the buffer of transposed gradients spans every token
@@ -62,8 +62,8 @@ def main() -> None:
         failed |= not same
         line(f"{b:5d}, {w:2d} warps{'' if same else ' DIFFERS'}", us(lambda: run_lse(lse, loss, b, w)), 2 * n)
 
-    grad = torch.empty(ROWS, PADDED, dtype=fp8_loss.E5M2, device="cuda")
-    grad_t = torch.empty(PADDED, TOKENS, dtype=fp8_loss.E5M2, device="cuda")
+    grad = torch.empty(ROWS, PADDED, dtype=fp8.E5M2, device="cuda")
+    grad_t = torch.empty(PADDED, TOKENS, dtype=fp8.E5M2, device="cuda")
     ref = torch.empty_like(grad)
 
     def run_grad(out, tr, tc, w):
@@ -116,8 +116,8 @@ def main() -> None:
     print("batch 16's FP8 GEMMs and casts")
     h = torch.randn(TOKENS, WIDTH, device="cuda", generator=g).bfloat16()
     w = torch.randn(PADDED, WIDTH, device="cuda", generator=g) * 0.1
-    h8, h_inv = fp8_loss.to_e4m3(h)
-    w8, w_inv = fp8_loss.to_e4m3(w)
+    h8, h_inv = fp8.to_e4m3(h)
+    w8, w_inv = fp8.to_e4m3(w)
     w8_t, h8_t, wb = w8.t().contiguous(), h8.t().contiguous(), w.bfloat16()
     inv = torch.ones((), device="cuda")
     flop = 2 * TOKENS * PADDED * WIDTH
@@ -135,9 +135,9 @@ def main() -> None:
         t = us(f)
         print(f"  {name:40s} {t:8.1f} us  {flop / t / 1e6:5.0f} TFLOP/s")
     for name, f in {
-        "weight to e4m3": lambda: fp8_loss.to_e4m3(w),
+        "weight to e4m3": lambda: fp8.to_e4m3(w),
         "weight to e4m3, transposed copy": lambda: w8.t().contiguous(),
-        "h to e4m3": lambda: fp8_loss.to_e4m3(h),
+        "h to e4m3": lambda: fp8.to_e4m3(h),
     }.items():
         print(f"  {name:40s} {us(f):8.1f} us")
     sys.exit(1 if failed else 0)

@@ -77,7 +77,7 @@ def run_batches(with_bf16: bool) -> bool:
     for batch in (16, 64):
         h, w, y = inputs(batch)
         ref_h, ref_w = h.float().requires_grad_(), w.clone().requires_grad_()
-        ref = chunked_loss.reference(ref_h, ref_w, y, VOCAB)
+        ref = fp8_loss.reference(ref_h, ref_w, y, VOCAB)
         ref.backward()
         print(f"batch {batch}: reference loss {ref.item():.4f}")
         for name, f in ways.items():

@@ -15,8 +15,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gelu_epilogue import bench, candidates  # noqa: E402
 from Utils.kernels import cublaslt as L  # noqa: E402
-from Utils.kernels import fp8_linear, gemm_bias_grad  # noqa: E402
-from Utils.kernels.fp8_loss import to_e4m3  # noqa: E402
+from Utils.kernels import fp8, fp8_linear, gemm_bias_grad  # noqa: E402
+from Utils.kernels.fp8 import to_e4m3  # noqa: E402
 
 C = 768
 
@@ -36,8 +36,8 @@ def main() -> None:
     for M in (16384, 65536):
         y = norm(torch.randn(M, C, device="cuda") * 2 + 0.5).detach().bfloat16()
         y_ones = gemm_bias_grad.with_ones(y)
-        x8, x_inv = fp8_linear.normed_to_e4m3(y, norm.weight, norm.bias)
-        print(f"\ntokens {M}: |y| max {y.abs().max().item():.2f}, bound {fp8_linear.norm_bound(norm.weight, norm.bias).item():.2f}")
+        x8, x_inv = fp8.normed_to_e4m3(y, norm.weight, norm.bias)
+        print(f"\ntokens {M}: |y| max {y.abs().max().item():.2f}, bound {fp8.norm_bound(norm.weight, norm.bias).item():.2f}")
         for name, n in (("c_attn", 3 * C), ("c_fc", 4 * C)):
             w = (torch.randn(n, C, device="cuda") * 0.02).bfloat16()
             b = (torch.randn(n, device="cuda") * 0.1).bfloat16()
@@ -57,7 +57,7 @@ def main() -> None:
                 errors = rel(h, fp8_linear.reference(x8, x_inv, w8, w_inv, b)), 0.0, rel(h, exact)
                 fp8 = bench(lambda: fp8_linear.linear(x8, x_inv, w8, w_inv, b))
                 bf16 = bench(lambda: torch.addmm(b, y_ones[:, :C], w.t()))
-            cast_x = bench(lambda: fp8_linear.normed_to_e4m3(y, norm.weight, norm.bias))
+            cast_x = bench(lambda: fp8.normed_to_e4m3(y, norm.weight, norm.bias))
             cast_w = bench(lambda: to_e4m3(w))
             good = errors[0] < 1e-2 and errors[1] < 1e-2 and errors[2] < 0.1
             ok &= good

@@ -80,7 +80,7 @@ def test_softmax_grad_is_the_summed_cross_entropy_and_its_gradient_over_the_voca
 
 @pytest.mark.parametrize("rows, width", [(97, 128), (128, 128), (50257, 50304), (50304, 50304)])
 def test_the_kernels_logits_are_a_multiple_of_128_wide(rows, width):
-    assert chunked_loss.kernel_logits_width(rows) == width
+    assert loss_kernel.kernel_logits_width(rows) == width
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,13 +1,14 @@
 """Utils.kernels.fp8_linear: the forward GEMMs that read a LayerNorm's output, in FP8 with a scale the
-LayerNorm's weights bound; and their use in gemm_bias_grad's linear and gelu_epilogue's MLP."""
+LayerNorm's weights bound (Utils.kernels.fp8); and their use in the linear layer and the MLP of
+Utils.ladder.linear."""
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from Utils.kernels import cublaslt, fp8_linear, gelu_epilogue, gemm_bias_grad
-from Utils.kernels.fp8_loss import E4M3, E4M3_MAX, to_e4m3
-from Utils.ladder import modules
+from Utils.kernels import cublaslt, fp8_linear, gemm_bias_grad
+from Utils.kernels.fp8 import E4M3, E4M3_MAX, fits, norm_bound, normed_to_e4m3, to_e4m3
+from Utils.ladder import linear, modules
 
 C = 64
 
@@ -24,7 +25,7 @@ def norm_with_weights(seed: int) -> nn.LayerNorm:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_no_layernorm_output_exceeds_the_bound_and_a_spike_nearly_reaches_it(seed):
     norm = norm_with_weights(seed)
-    bound = fp8_linear.norm_bound(norm.weight, norm.bias).item()
+    bound = norm_bound(norm.weight, norm.bias).item()
     # Random rows, and rows that are one spike among equal entries: x̂ = sqrt(C - 1) at the spike.
     spikes = torch.zeros(C, C).fill_diagonal_(1000.0)
     y = norm(torch.cat([torch.randn(256, C) * 5 + 2, spikes])).detach()
@@ -39,7 +40,7 @@ def test_the_cast_keeps_e4m3s_precision_and_never_overflows(dtype):
     norm = norm_with_weights(3)
     spikes = torch.zeros(C, C).fill_diagonal_(1000.0)
     y = norm(torch.cat([torch.randn(128, C), spikes])).detach().to(dtype)
-    y8, inv = fp8_linear.normed_to_e4m3(y, norm.weight, norm.bias)
+    y8, inv = normed_to_e4m3(y, norm.weight, norm.bias)
     assert y8.dtype == E4M3 and inv.dtype == torch.float32 and inv.dim() == 0
     back = y8.float() * inv
     assert torch.isfinite(back).all() and y8.float().abs().max().item() <= E4M3_MAX
@@ -59,7 +60,7 @@ def operands(m=48, n=96, seed=4):
 
 def test_the_linear_and_gelu_ops_compute_their_references_on_the_fp8_operands():
     norm, y, w, b = operands()
-    y8, y_inv = fp8_linear.normed_to_e4m3(y, norm.weight, norm.bias)
+    y8, y_inv = normed_to_e4m3(y, norm.weight, norm.bias)
     w8, w_inv = to_e4m3(w)
     out = fp8_linear.linear(y8, y_inv, w8, w_inv, b)
     assert out.dtype == torch.bfloat16
@@ -91,7 +92,7 @@ def test_the_fp8_linear_changes_the_forward_only(ones):
     for with_norm in (None, norm):
         x = y.clone().requires_grad_()
         layer.zero_grad()
-        out = gemm_bias_grad.linear(x, layer, with_norm, ones=ones)
+        out = linear.linear(x, layer, with_norm, ones=ones)
         out.backward(grad)
         results.append((out.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()))
     (bf16, *grads_bf16), (fp8, *grads_fp8) = results
@@ -111,7 +112,7 @@ def test_the_fp8_mlp_changes_the_forward_only_and_tokens_not_a_multiple_of_16_ru
     for with_norm in (None, norm):
         x = y.clone().requires_grad_()
         fc.zero_grad(), proj.zero_grad()
-        out = gelu_epilogue.gelu_mlp(x, fc, proj, ones=True, norm=with_norm)
+        out = linear.gelu_mlp(x, fc, proj, ones=True, norm=with_norm)
         out.backward(grad)
         results.append((out.detach(), x.grad))
     (bf16, gx_bf16), (fp8, gx_fp8) = results
@@ -120,9 +121,9 @@ def test_the_fp8_mlp_changes_the_forward_only_and_tokens_not_a_multiple_of_16_ru
     assert torch.isfinite(gx_fp8).all() and gx_fp8.shape == gx_bf16.shape
     # 40 tokens: FP8 GEMMs need multiples of 16, so the MLP runs its bf16 GEMMs, output for output.
     odd = y[:40]
-    assert not fp8_linear.fits(odd)
-    assert torch.equal(gelu_epilogue.gelu_mlp(odd, fc, proj, ones=True, norm=norm),
-                       gelu_epilogue.gelu_mlp(odd, fc, proj, ones=True))
+    assert not fits(odd)
+    assert torch.equal(linear.gelu_mlp(odd, fc, proj, ones=True, norm=norm),
+                       linear.gelu_mlp(odd, fc, proj, ones=True))
 
 
 def test_read_normed_keeps_the_models_parameters_and_state_dict():
@@ -155,7 +156,7 @@ def test_cublaslts_fp8_gelu_epilogue_matches_its_reference_on_the_gpu():
         pytest.skip(why)
     norm, y, w, b = operands(m=4096, n=3072)
     norm, y, w, b = norm.cuda(), y.cuda(), w.cuda(), b.cuda()
-    y8, y_inv = fp8_linear.normed_to_e4m3(y, norm.weight, norm.bias)
+    y8, y_inv = normed_to_e4m3(y, norm.weight, norm.bias)
     w8, w_inv = to_e4m3(w)
     a, h = fp8_linear.linear_gelu(y8, y_inv, w8, w_inv, b)
     a_ref, h_ref = fp8_linear.reference_gelu(y8, y_inv, w8, w_inv, b)
@@ -178,8 +179,8 @@ def test_the_compiled_step_keeps_the_input_beside_its_ones_for_the_backward(mlp)
     def step(x):
         h = block["ln"](x)
         if mlp:
-            return gelu_epilogue.gelu_mlp(h, block["fc"], block["proj"], ones=True, norm=block["ln"])
-        return gemm_bias_grad.linear(h, block["fc"], block["ln"])
+            return linear.gelu_mlp(h, block["fc"], block["proj"], ones=True, norm=block["ln"])
+        return linear.linear(h, block["fc"], block["ln"])
 
     torch._dynamo.reset()
     saved = []

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import run_interpreted
-from Utils.kernels import chunked_loss, fp8_loss
+from Utils.kernels import chunked_loss, fp8, fp8_loss
 
 V, ROWS, C, N = 90, 112, 32, 96   # vocabulary, rows (padded to 128 inside), width, tokens: chunks of 40
 
@@ -39,7 +39,7 @@ def _grads(f, h, w, y, dtype, autocast, vocab=V):
                          ids=["fp32", "bf16-autocast", "bf16"])
 def test_loss_and_gradients_are_the_reference_within_fp8_rounding(small_chunks, dtype, autocast):
     h, w, y = _inputs()
-    want, want_h, want_w = _grads(chunked_loss.reference, h, w, y, torch.float64, False)
+    want, want_h, want_w = _grads(fp8_loss.reference, h, w, y, torch.float64, False)
     loss, grad_h, grad_w = _grads(fp8_loss.fp8_cross_entropy, h, w, y, dtype, autocast)
     assert loss.dtype == torch.float32 and grad_h.dtype == grad_w.dtype == dtype
     # e4m3 is off by at most 1/16 of a value, e5m2 by 1/8; summed over many terms the errors partly cancel.
@@ -83,8 +83,8 @@ def test_tokens_and_width_must_be_multiples_of_16_and_targets_one_per_token():
         fp8_loss.fp8_cross_entropy(h.float(), w.float(), y, 113)
     with pytest.raises(ValueError, match=r"tokens per step \(95\) to be a multiple of 16"):
         fp8_loss.fp8_cross_entropy(h[:95].float(), w.float(), y[:95], V)
-    assert fp8_loss.width_problem(768) is None
-    assert "width (24)" in fp8_loss.width_problem(24)
+    assert fp8.width_problem(768) is None
+    assert "width (24)" in fp8.width_problem(24)
 
 
 def test_it_needs_an_ada_or_hopper_gpu(monkeypatch):
@@ -106,7 +106,7 @@ KERNEL_CHECKS = """
     import torch
     import triton
     import triton.language as tl
-    from Utils.kernels import fp8_loss, loss_kernel
+    from Utils.kernels import fp8, fp8_loss, loss_kernel
 
     @triton.jit
     def cast(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
@@ -119,14 +119,14 @@ KERNEL_CHECKS = """
     rows, cols, vocab, before = 150, 200, 190, 7       # neither a multiple of a tile's 32, 64 or 128
     logits = (torch.randn(rows, cols, generator=g) * 3).bfloat16()
     targets = torch.randint(0, vocab, (rows,), generator=g)
-    grad = torch.zeros(rows, cols, dtype=fp8_loss.E5M2)
+    grad = torch.zeros(rows, cols, dtype=fp8.E5M2)
     # the transposed gradient lands in columns [before, before + rows) of a wider buffer, as a chunk's does
-    wide = torch.full((cols, before + rows + 5), 1.0).to(fp8_loss.E5M2)
+    wide = torch.full((cols, before + rows + 5), 1.0).to(fp8.E5M2)
     row_loss, lse = torch.empty(rows), torch.empty(rows)
     fp8_loss._softmax_grad_fp8(logits, targets, vocab, row_loss, lse, grad, wide[:, before:before + rows])
     want_loss, want = loss_kernel.reference(logits.double(), targets, vocab, torch.float64)
     scaled = (want * fp8_loss.GRAD_SCALE).float().contiguous()
-    expected = torch.empty(rows, cols, dtype=fp8_loss.E5M2)
+    expected = torch.empty(rows, cols, dtype=fp8.E5M2)
     cast[(triton.cdiv(scaled.numel(), 1024),)](scaled, expected, scaled.numel(), BLOCK=1024)
     step = (grad.float() - expected.float()).abs() / expected.float().abs().clamp(min=2.0 ** -16)
     print(json.dumps(dict(
@@ -158,13 +158,13 @@ def test_the_triton_kernels_write_the_scaled_gradient_in_both_layouts(repo_root,
 TRANSPOSE_CHECK = """
     import json
     import torch
-    from Utils.kernels import fp8_loss
+    from Utils.kernels import fp8, fp8_loss
 
     fp8_loss.T_ROWS, fp8_loss.T_COLS = SHAPE
     g = torch.Generator().manual_seed(0)
     rows, cols, before = 150, 200, 7                      # neither a multiple of any tile tried
-    src = (torch.randn(rows, cols, generator=g) * 100).to(fp8_loss.E5M2)
-    wide = torch.full((cols, before + rows + 5), 1.0).to(fp8_loss.E5M2)   # the chunk's columns of the buffer
+    src = (torch.randn(rows, cols, generator=g) * 100).to(fp8.E5M2)
+    wide = torch.full((cols, before + rows + 5), 1.0).to(fp8.E5M2)   # the chunk's columns of the buffer
     fp8_loss.transpose(src, wide[:, before:before + rows])
     print(json.dumps(dict(
         transposed=torch.equal(wide[:, before:before + rows].view(torch.uint8), src.t().view(torch.uint8)),
@@ -191,7 +191,7 @@ def test_on_a_gpu_it_is_the_reference_within_fp8_rounding(monkeypatch):
     h = torch.nn.functional.layer_norm(torch.randn(1024, 256, device="cuda", generator=g), (256,))
     w = torch.randn(1000, 256, device="cuda", generator=g) * 0.1
     y = torch.randint(0, 990, (1024,), device="cuda", generator=g)
-    want, want_h, want_w = _grads(chunked_loss.reference, h.cpu().double(), w.cpu().double(), y.cpu(),
+    want, want_h, want_w = _grads(fp8_loss.reference, h.cpu().double(), w.cpu().double(), y.cpu(),
                                   torch.float64, False, vocab=990)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -217,8 +217,8 @@ def test_on_a_gpu_the_cuda_pass_writes_what_the_triton_kernels_write(monkeypatch
 
     def run():
         loss, lse = torch.empty(rows, device="cuda"), torch.empty(rows, device="cuda")
-        grad = torch.empty(rows, cols, dtype=fp8_loss.E5M2, device="cuda")
-        wide = torch.full((cols, before + rows + 16), 1.0, device="cuda").to(fp8_loss.E5M2)
+        grad = torch.empty(rows, cols, dtype=fp8.E5M2, device="cuda")
+        wide = torch.full((cols, before + rows + 16), 1.0, device="cuda").to(fp8.E5M2)
         fp8_loss._softmax_grad_fp8(logits, targets, vocab, loss, lse, grad, wide[:, before:before + rows])
         return loss, grad, wide
 

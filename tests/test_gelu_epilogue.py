@@ -1,4 +1,4 @@
-"""Utils.kernels.gelu_epilogue: the MLP with c_fc's bias and GELU, and GELU's derivative, in GEMM
+"""Utils.kernels.gelu_epilogue, in the MLP of Utils.ladder.linear.gelu_mlp: the MLP with c_fc's bias and GELU, and GELU's derivative, in GEMM
 epilogues, against its reference, the plain MLP. On the CPU its two operators run their PyTorch
 definitions (cuBLASLt's references): the same outputs, gradients and compiled graph, over float64,
 float32 and bf16, and under bf16 autocast. On a GPU (the gpu tests) the cuBLASLt GEMMs against the same
@@ -9,7 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from Utils.kernels import cublaslt, gelu_epilogue
-from Utils.kernels.gelu_epilogue import gelu_mlp, linear_dgelu, linear_gelu
+from Utils.kernels.gelu_epilogue import linear_dgelu, linear_gelu
+from Utils.ladder.linear import gelu_mlp
 
 CPU = torch.device("cpu")
 TOLERANCES = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-4, atol=1e-5),

@@ -1,4 +1,4 @@
-"""Utils.kernels.gemm_bias_grad: a linear layer whose bias gradient comes out of its weight-gradient GEMM,
+"""Utils.kernels.gemm_bias_grad, in its layer Utils.ladder.linear.linear: a linear layer whose bias gradient comes out of its weight-gradient GEMM,
 against its reference, the plain linear layer (autograd's bias gradient is a sum over the tokens): over
 float64, float32 and bf16, under bf16 autocast, and compiled, where the kernel that makes the input
 writes it straight into the buffer beside its columns of ones."""
@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from Utils.kernels import cublaslt, gemm_bias_grad
+from Utils.ladder import linear
 
 TOLERANCES = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-4, atol=1e-5),
               torch.bfloat16: dict(rtol=2 ** -7, atol=2e-2)}
@@ -34,7 +35,7 @@ def _layer_and_input(dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_output_and_gradients_are_the_plain_layers(dtype):
     grads = []
-    for op in (gemm_bias_grad.linear, gemm_bias_grad.reference):
+    for op in (linear.linear, gemm_bias_grad.reference):
         layer, x = _layer_and_input(dtype)
         y = op(x, layer)
         y.backward(torch.linspace(-1, 1, y.numel(), dtype=dtype).view_as(y))
@@ -49,16 +50,16 @@ def test_gradcheck_in_float64():
     x, weight, bias = (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
                        for shape in ((2, 3, 5), (4, 5), (4,)))
 
-    def linear(x, weight, bias):
+    def of_tensors(x, weight, bias):
         layer = nn.Module()   # gradcheck differentiates the layer's tensors as inputs
         layer.weight, layer.bias = weight, bias
-        return gemm_bias_grad.linear(x, layer)
-    assert torch.autograd.gradcheck(linear, (x, weight, bias))
+        return linear.linear(x, layer)
+    assert torch.autograd.gradcheck(of_tensors, (x, weight, bias))
 
 
 def test_under_bf16_autocast_it_computes_in_bf16_and_gives_fp32_gradients():
     grads = []
-    for op in (gemm_bias_grad.linear, gemm_bias_grad.reference):
+    for op in (linear.linear, gemm_bias_grad.reference):
         layer, x = _layer_and_input(torch.float32)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = op(x, layer)
@@ -78,7 +79,7 @@ class _NormThenLinear(nn.Module):
         self.ln, self.fc = nn.LayerNorm(32), nn.Linear(32, 48)
 
     def forward(self, x):
-        return gemm_bias_grad.linear(self.ln(x), self.fc)
+        return linear.linear(self.ln(x), self.fc)
 
 
 def test_compiled_the_layernorm_writes_beside_its_ones_and_equals_eager():
@@ -147,7 +148,7 @@ def test_on_a_gpu_the_epilogue_gemm_reads_x_beside_its_ones_as_it_reads_x_alone(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_on_a_gpu_output_and_gradients_are_the_plain_layers(dtype):
     grads = []
-    for op in (gemm_bias_grad.linear, gemm_bias_grad.reference):
+    for op in (linear.linear, gemm_bias_grad.reference):
         torch.manual_seed(0)
         layer = nn.Linear(768, 2304, device="cuda", dtype=dtype)
         x = torch.randn(4, 256, 768, device="cuda", dtype=dtype, requires_grad=True)

@@ -671,7 +671,7 @@ def test_where_the_loss_kernel_runs_the_loss_is_the_chunked_loss_with_it(kernels
     assert b.notes == [] and type(b.model.loss) is modules.ChunkedLoss and b.model.loss.kernel
     assert b.model.loss.vocab_size == 1000
     # Prepared for the width the kernel will get: the (padded) output layer's rows, a multiple of 128.
-    assert kernels_available == [("loss_kernel", chunked_loss.kernel_logits_width(b.config.padded_vocab_size))]
+    assert kernels_available == [("loss_kernel", loss_kernel.kernel_logits_width(b.config.padded_vocab_size))]
     monkeypatch.setattr(loss_kernel, "prepare", lambda device, n_cols: "the CUDA kernel could not be built")
     assert make(additions, config).notes == ["the CUDA kernel could not be built"]
 
@@ -683,14 +683,14 @@ def test_where_fp8_runs_fp8_head_is_the_fp8_loss_and_bf16_for_tokens_it_cannot_t
     assert b.notes == [] and type(b.model.loss) is modules.ChunkedLoss and b.model.loss.fp8
     # The loss kernel is there for the steps FP8 cannot take, prepared as apply_loss_kernel prepares it.
     assert b.model.loss.kernel
-    assert kernels_available == [("loss_kernel", chunked_loss.kernel_logits_width(b.config.padded_vocab_size))]
+    assert kernels_available == [("loss_kernel", loss_kernel.kernel_logits_width(b.config.padded_vocab_size))]
     b.model.loss.kernel = False   # its kernel needs a GPU: the chunked loss's own operations on this CPU
     g = torch.Generator().manual_seed(0)
     w = b.model.lm_head.weight.detach()
     for tokens in (32, 18):   # a multiple of 16: FP8's rounding; 18: the chunked loss in fp32, exact
         h = torch.randn(tokens, SMALL.n_embd, generator=g)
         y = torch.randint(0, SMALL.vocab_size, (tokens,), generator=g)
-        got, want = b.model.loss(h, w, y), chunked_loss.reference(h, w, y, SMALL.vocab_size)
+        got, want = b.model.loss(h, w, y), fp8_loss.reference(h, w, y, SMALL.vocab_size)
         if tokens % 16:
             assert torch.allclose(got, want, rtol=1e-5)
         else:   # e4m3 keeps 3 mantissa bits: close, and measurably not exact
@@ -719,7 +719,7 @@ def test_where_fp8_cannot_run_fp8_head_is_the_loss_kernel_in_bf16(kernels_availa
     b = make(("bf16", "fp8_head"))
     assert b.notes == ["no FP8 here: the output layer in bf16 instead, through the loss kernel"]
     assert type(b.model.loss) is modules.ChunkedLoss and b.model.loss.kernel and not b.model.loss.fp8
-    assert kernels_available == [("loss_kernel", chunked_loss.kernel_logits_width(b.config.padded_vocab_size))]
+    assert kernels_available == [("loss_kernel", loss_kernel.kernel_logits_width(b.config.padded_vocab_size))]
     # Neither FP8 nor the loss kernel: the plain chunked loss, and both reasons.
     monkeypatch.setattr(loss_kernel, "unavailable", lambda device: "no kernel compiler")
     b = make(("bf16", "fp8_head"))

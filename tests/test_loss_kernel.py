@@ -159,7 +159,7 @@ def test_without_a_gpu_there_is_no_cuda_kernel_and_nothing_to_prepare():
 
 
 def _pretend_gpu(monkeypatch, capability):
-    monkeypatch.setattr(loss_kernel.nvrtc, "unavailable", lambda device: None)
+    monkeypatch.setattr(loss_kernel.native, "nvrtc_unavailable", lambda device: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(loss_kernel, "_shared_fits", lambda device, n_cols: True)
     monkeypatch.setattr(loss_kernel, "_cuda_failure", None)

@@ -1,7 +1,7 @@
 """Utils.kernels.norm_fold and the `fold_norm` addition: a LayerNorm's γ and β applied by the linear layer that
-reads its output, against the plain LayerNorm then linear layer: gemm_bias_grad's layer in float64 (the same
-function and gradients, to rounding), float32 and bf16; gelu_epilogue's MLP in float64 and float32; both with
-their forward GEMM in FP8; and the built model."""
+reads its output, against the plain LayerNorm then linear layer: Utils.ladder.linear's layer in float64 (the
+same function and gradients, to rounding), float32 and bf16; its MLP in float64 and float32; both with their
+forward GEMM in FP8; and the built model."""
 from dataclasses import replace
 
 import pytest
@@ -9,8 +9,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from Utils.kernels import fp8_linear, gelu_epilogue, gemm_bias_grad, norm_fold
-from Utils.ladder import modules
+from Utils.kernels import norm_fold
+from Utils.kernels.fp8 import normed_to_e4m3
+from Utils.ladder import linear, modules
 from Utils.ladder.apply import build
 from Utils.ladder.registry import RegistryError, resolve
 from Utils.model_config import PRESETS
@@ -43,6 +44,15 @@ def test_the_fold_and_its_gradients_are_the_chain_rule_of_the_plain_layer():
         torch.testing.assert_close(mine, autograd.grad, rtol=1e-12, atol=1e-12)
 
 
+def test_the_reference_is_the_affine_then_the_layer_and_runs_anywhere():
+    g = torch.Generator().manual_seed(3)
+    norm, layer = _norm(12, torch.float64, g), nn.Linear(12, 7).double()
+    xhat = torch.randn(30, 12, generator=g, dtype=torch.float64)
+    w, b = norm_fold.folded(layer.weight, layer.bias, norm.weight, norm.bias)
+    torch.testing.assert_close(norm_fold.reference(xhat, layer, norm), F.linear(xhat, w, b), rtol=1e-12, atol=1e-12)
+    assert norm_fold.unavailable(CPU) is None
+
+
 def _plain_and_folded(dtype, width=24, out=16):
     """(x, norm, layer) drawn in float64 and rounded to dtype, so that float64 can give the exact answer."""
     torch.manual_seed(1)   # nn.Linear draws its initial weights from the global generator
@@ -66,9 +76,9 @@ def test_folded_linear_is_layernorm_then_linear(dtype, ones):
         x = x.to(run_dtype).requires_grad_()
         norm, layer = norm.to(run_dtype), layer.to(run_dtype)
         if folded:
-            y = gemm_bias_grad.linear(F.layer_norm(x, (24,)), layer, ones=ones, fold=norm)
+            y = linear.linear(F.layer_norm(x, (24,)), layer, ones=ones, fold=norm)
         else:
-            y = gemm_bias_grad.linear(norm(x), layer, ones=ones)
+            y = linear.linear(norm(x), layer, ones=ones)
         y.backward(torch.linspace(-1, 1, y.numel(), dtype=run_dtype).view_as(y))
         results.append((y, x.grad, layer.weight.grad, layer.bias.grad, norm.weight.grad, norm.bias.grad))
     for got, want in zip(*results):
@@ -86,7 +96,7 @@ def test_folded_linear_gradcheck_in_float64():
     def folded_linear(x, weight, bias, gamma, beta):
         layer, norm = nn.Module(), nn.Module()   # gradcheck differentiates their tensors as inputs
         layer.weight, layer.bias, norm.weight, norm.bias = weight, bias, gamma, beta
-        return gemm_bias_grad.linear(x, layer, fold=norm)
+        return linear.linear(x, layer, fold=norm)
     assert torch.autograd.gradcheck(folded_linear, (x, weight, bias, gamma, beta))
 
 
@@ -99,9 +109,9 @@ def test_folded_gelu_mlp_is_layernorm_then_mlp(dtype):
         norm, fc, proj = _norm(16, dtype, g), nn.Linear(16, 64).to(dtype), nn.Linear(64, 16).to(dtype)
         x = torch.randn(2, 8, 16, generator=g, dtype=dtype, requires_grad=True)
         if folded:
-            y = gelu_epilogue.gelu_mlp(F.layer_norm(x, (16,)), fc, proj, ones=True, fold=norm)
+            y = linear.gelu_mlp(F.layer_norm(x, (16,)), fc, proj, ones=True, fold=norm)
         else:
-            y = gelu_epilogue.gelu_mlp(norm(x), fc, proj, ones=True)
+            y = linear.gelu_mlp(norm(x), fc, proj, ones=True)
         y.backward(torch.linspace(-1, 1, y.numel(), dtype=dtype).view_as(y))
         results.append((y, x.grad, fc.weight.grad, fc.bias.grad, proj.weight.grad, norm.weight.grad, norm.bias.grad))
     for got, want in zip(*results):
@@ -114,7 +124,7 @@ def test_normalized_input_casts_to_e4m3_with_the_bound_of_a_row_alone():
     row[0, 0] = 1000.0   # large against LayerNorm's eps
     xhat = F.layer_norm(row, (768,))
     assert abs(xhat.max().item() - 767 ** 0.5) < 1e-3
-    x8, inv = fp8_linear.normed_to_e4m3(xhat, None, None)
+    x8, inv = normed_to_e4m3(xhat, None, None)
     assert torch.isfinite(x8.float()).all() and x8.float().abs().max().item() <= 448
     torch.testing.assert_close(x8.float() * inv, xhat, rtol=2 ** -3, atol=1e-6)
 
@@ -186,8 +196,8 @@ def test_the_fp8_forward_with_the_fold_reads_the_folded_weights_and_bounds_xhat_
             layer.zero_grad()
         xi = xhat.clone().requires_grad_()
         options = dict(norm=norm if fp8 else None, fold=norm)
-        out = (gelu_epilogue.gelu_mlp(xi, *layers, ones=True, **options) if mlp
-               else gemm_bias_grad.linear(xi, layers[0], **options))
+        out = (linear.gelu_mlp(xi, *layers, ones=True, **options) if mlp
+               else linear.linear(xi, layers[0], **options))
         out.backward(grad)
         runs.append((out.detach().float(), [xi.grad, norm.weight.grad, norm.bias.grad,
                                             *(p.grad for layer in layers for p in layer.parameters())]))

@@ -1,4 +1,4 @@
-"""Utils.kernels.native and Utils.kernels.nvrtc: the one native-library loader, and NVRTC compiling the CUDA
+"""Utils.kernels.native: the one native-library loader, and NVRTC compiling the CUDA
 loss kernel's source. A CPU cannot run the kernel (tests/test_loss_kernel.py's gpu tests and
 bench/loss_kernel.py do, on a GPU), but NVRTC compiles it without one: these tests compile the committed
 source for the GPUs it is meant for, and check how a compile error and a missing GPU are reported."""
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from Utils.kernels import loss_kernel, native, nvrtc
+from Utils.kernels import loss_kernel, native
 
 needs_nvrtc = pytest.mark.skipif(sys.platform != "linux",
                                  reason="NVRTC's wheels (nvidia-cuda-nvrtc) are published for Linux only")
@@ -20,7 +20,7 @@ needs_nvrtc = pytest.mark.skipif(sys.platform != "linux",
                          ids=lambda k: k.name)
 def test_loss_kernel_source_compiles(arch, kernel):
     # cp.async and the bf16x2 conversion need sm_80 or newer; Hopper (sm_90) is what it is tuned for.
-    cubin = nvrtc.compile_cubin(kernel.source, kernel.name, arch, kernel.options)
+    cubin = native.compile_cubin(kernel.source, kernel.name, arch, kernel.options)
     assert cubin[:4] == b"\x7fELF" and kernel.name.encode() in cubin
 
 
@@ -28,11 +28,11 @@ def test_loss_kernel_source_compiles(arch, kernel):
 def test_compile_error_carries_nvrtc_log():
     source = 'extern "C" __global__ void broken(float* x) { x[0] = undeclared_name; }'
     with pytest.raises(RuntimeError, match=r"(?s)could not compile broken.*undeclared_name. is undefined"):
-        nvrtc.compile_cubin(source, "broken", "90")
+        native.compile_cubin(source, "broken", "90")
 
 
 def test_no_gpu_is_one_line_saying_so():
-    why = nvrtc.unavailable(torch.device("cpu"))
+    why = native.nvrtc_unavailable(torch.device("cpu"))
     assert why == "NVRTC kernels need a CUDA GPU"
 
 
@@ -77,11 +77,11 @@ class _RecordingDriver:
 
 def test_a_kernel_is_loaded_once_per_device_and_allowed_the_shared_memory_it_asks_for(monkeypatch):
     driver = _RecordingDriver()
-    monkeypatch.setattr(nvrtc, "_driver", lambda: driver)
-    monkeypatch.setattr(nvrtc, "_contexts", {})
-    monkeypatch.setattr(nvrtc, "compile_cubin", lambda source, name, arch, options: b"cubin for sm_" + arch.encode())
+    monkeypatch.setattr(native, "_driver", lambda: driver)
+    monkeypatch.setattr(native, "_contexts", {})
+    monkeypatch.setattr(native, "compile_cubin", lambda source, name, arch, options: b"cubin for sm_" + arch.encode())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    kernel = nvrtc.Kernel("source", "rows")
+    kernel = native.Kernel("source", "rows")
     kernel.prepare(torch.device("cuda", 1), shared_bytes=100_000)
     kernel.prepare(torch.device("cuda", 1), shared_bytes=50_000)   # less than allowed already: nothing to do
     names = [name for name, _ in driver.calls]

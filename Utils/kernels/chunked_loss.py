@@ -16,17 +16,11 @@ from torch import Tensor
 from Utils.kernels import loss_kernel
 
 CHUNK_ROWS = 4096
-KERNEL_ROW_MULTIPLE = 128   # logits rows this wide keep the GEMMs that write and read them evenly tiled
 
 
 def unavailable(device: torch.device) -> str | None:
     """None: the chunked loss is PyTorch operations and runs on any device."""
     return None
-
-
-def kernel_logits_width(n_rows: int) -> int:
-    """The width of the logits that the loss kernel gets for an output layer of n_rows: a multiple of 128."""
-    return -(-n_rows // KERNEL_ROW_MULTIPLE) * KERNEL_ROW_MULTIPLE
 
 
 # --- Cross-entropy by chunks of rows: fuses the loss's backward into its forward (each chunk's logits are
@@ -44,7 +38,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             # tiled where the vocabulary is not padded (Inductor pads the plain path's GEMM by itself, but
             # not a kernel's input); the extra columns are masked like the padding, their zero gradient
             # rows cut off below.
-            w = F.pad(w, (0, 0, 0, kernel_logits_width(w.size(0)) - w.size(0)))
+            w = F.pad(w, (0, 0, 0, loss_kernel.kernel_logits_width(w.size(0)) - w.size(0)))
         n = h.size(0)
         loss = h.new_zeros((), dtype=acc)
         grad_h = torch.empty_like(h)

@@ -13,7 +13,7 @@ kernel on the plain layers, and runs after it where the input is kept beside its
 normal value, and at C = 768 the bound (27.7 max|γ|) lies some three binades above a typical row's
 largest entry, so only entries below about 2^-9 of the bound lose bits as subnormals.
 
-The weights' scales come from their amax (fp8_loss.to_e4m3): 2.4M elements, a few microseconds a step.
+The weights' scales come from their amax (fp8.to_e4m3): 2.4M elements, a few microseconds a step.
 The backward pass stays in bf16, from the saved bf16 input and weight: its GEMMs would need FP8 copies
 of the gradients in both layouts (Hopper's FP8 GEMMs read both operands along the summed dimension).
 Accumulation is Hopper's fast FP8 mode, as for the output layer's logits: the sums run over 768 features.
@@ -24,50 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from Utils.kernels import cublaslt
-from Utils.kernels.fp8_loss import ALIGN, E4M3, E4M3_MAX, to_e4m3
+from Utils.kernels import cublaslt, fp8
 
 
 def unavailable(device: torch.device) -> str | None:
     """None on an Ada or Hopper GPU with cuBLASLt, else why not."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        return "FP8 GEMMs need an Ada or Hopper GPU (compute capability 8.9 or newer)"
-    return cublaslt.unavailable(device)
-
-
-def fits(x: Tensor) -> bool:
-    """Whether FP8 GEMMs take x [M, K] as their input: M and K multiples of 16. Where they do not (a step's
-    tokens not a multiple of 16), the layers run in bf16."""
-    return x.size(0) % ALIGN == 0 and x.size(1) % ALIGN == 0
-
-
-def norm_bound(norm_weight: Tensor, norm_bias: Tensor | None) -> Tensor:
-    """The largest |y| a LayerNorm with these weights can output over rows of norm_weight.numel() features, as
-    a 0-d fp32 tensor: max|γ| sqrt(C - 1) + max|β|."""
-    bound = norm_weight.detach().float().abs().amax() * (norm_weight.numel() - 1) ** 0.5
-    return bound + norm_bias.detach().float().abs().amax() if norm_bias is not None else bound
-
-
-def normed_to_e4m3(y: Tensor, norm_weight: Tensor | None, norm_bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(y, a LayerNorm's output, scaled by 448 / norm_bound and cast to e4m3; the scale's inverse, 0-d fp32).
-    Without norm_weight, y is the normalized x̂ alone (a LayerNorm folded into its reader, Utils.kernels.norm_fold),
-    bounded by sqrt(C - 1). The clamp keeps rounding at the bound (y rounded to bf16 may exceed it by half a
-    step) from overflowing."""
-    if norm_weight is None:
-        inv = torch.full((), (y.size(-1) - 1) ** 0.5 / E4M3_MAX, dtype=torch.float32, device=y.device)
-    else:
-        inv = norm_bound(norm_weight, norm_bias).clamp(min=1e-12) / E4M3_MAX
-    return (y.detach().float() / inv).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), inv
-
-
-def norm_weights(norm: torch.nn.LayerNorm | None) -> tuple[Tensor | None, Tensor | None]:
-    """(weight, bias) of `norm`, (None, None) without one: the arguments that select the FP8 forward GEMM."""
-    return (None, None) if norm is None else (norm.weight, norm.bias)
+    return fp8.unavailable(device) or cublaslt.unavailable(device)
 
 
 def _operands(x: Tensor, norm_weight: Tensor | None, norm_bias: Tensor | None, weight: Tensor):
     """(x8, x_inv, w8, w_inv): x, a LayerNorm's output, and weight in e4m3 with their inverse scales."""
-    return *normed_to_e4m3(x, norm_weight, norm_bias), *to_e4m3(weight)
+    return *fp8.normed_to_e4m3(x, norm_weight, norm_bias), *fp8.to_e4m3(weight)
 
 
 def linear_normed(x: Tensor, norm_weight: Tensor | None, norm_bias: Tensor | None, weight: Tensor,

@@ -23,14 +23,15 @@ casts around it are Inductor's. On a CPU the gradient is PyTorch operations; und
 (TRITON_INTERPRET=1) the kernels run instead, for their tests only: the interpreter's cast to FP8 rounds
 wrongly where rounding carries into the exponent (1.99 becomes 1.0).
 
-Reference: chunked_loss.reference, which this matches within FP8's rounding (tests/test_fp8_loss.py).
+Reference: `reference`, the plain cross-entropy, which this matches within FP8's rounding (tests/test_fp8_loss.py).
 """
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from Utils.kernels import chunked_loss, loss_kernel
+from Utils.kernels import fp8, loss_kernel
 
 try:
     import triton
@@ -38,10 +39,7 @@ try:
 except Exception:   # absent, or broken: PyTorch operations instead
     triton = None
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-E4M3_MAX = torch.finfo(E4M3).max            # 448
 GRAD_SCALE = 2.0 ** 15                       # |softmax - one-hot| <= 1, and e5m2's largest value is 57,344
-ALIGN = 16                                   # FP8 GEMMs need every dimension a multiple of 16 bytes
 # The launch shapes, timed on an H200 by bench/fp8_kernels.py (BENCHMARKS.md): the log-sum-exp pass's
 # columns per load and warps, the loss kernel's (151 us a 4,096-row chunk, within 5% for every shape tried,
 # 2-4 rows a program among them); the gradient pass's tile (rows, columns) and warps: 32 x 128 with 4 warps
@@ -66,29 +64,7 @@ def unavailable(device: torch.device) -> str | None:
         return "FP8 matmuls are fast on an Ada or Hopper GPU only (a CPU emulates them, slowly)"
     if device.type != "cuda":
         return f"FP8 matmuls run on a CUDA GPU, not {device.type}"
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        return "FP8 matmuls need an Ada or Hopper GPU (compute capability 8.9 or newer)"
-    return None
-
-
-def width_problem(width: int) -> str | None:
-    """None where an output layer of `width` features can run in FP8, else why not."""
-    return None if width % ALIGN == 0 else f"FP8 GEMMs need the model's width ({width}) to be a multiple of {ALIGN}"
-
-
-def to_e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(x scaled by 448 / amax(x) and cast to e4m3, the scale's inverse as a 0-d fp32 tensor): the value
-    that _scaled_mm multiplies the product by."""
-    return to_fp8(x, E4M3)
-
-
-def to_fp8(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """to_e4m3 for either FP8 dtype: x scaled by dtype's largest value over amax(x). The clamp keeps a rounding
-    up at the amax from overflowing."""
-    largest = torch.finfo(dtype).max
-    amax = x.detach().abs().amax().float().clamp(min=1e-12)
-    scale = largest / amax
-    return (x.detach().float() * scale).clamp(-largest, largest).to(dtype), scale.reciprocal()
+    return fp8.unavailable(device)
 
 
 def _define_triton():
@@ -163,7 +139,7 @@ def _softmax_grad_fp8(logits: Tensor, targets: Tensor, vocab_size: int, row_loss
         return
     loss, g = loss_kernel.reference(logits, targets, vocab_size)
     row_loss.copy_(loss)
-    grad.copy_((g.float() * GRAD_SCALE).to(E5M2))
+    grad.copy_((g.float() * GRAD_SCALE).to(fp8.E5M2))
     grad_t.copy_(grad.t())
 
 
@@ -190,8 +166,8 @@ def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Ten
     # One logits buffer for every chunk: a GEMM allocating its own output would hold two chunks' logits (1.6 GB
     # at 16,384 rows) while the next is written and the last not yet freed.
     logits = torch.empty(min(n, chunk_rows), n_cols, dtype=torch.bfloat16, device=h8.device)
-    grad = torch.empty(min(n, chunk_rows), n_cols, dtype=E5M2, device=h8.device)
-    grad_t = torch.empty(n_cols, n, dtype=E5M2, device=h8.device)   # every chunk's gradient, transposed
+    grad = torch.empty(min(n, chunk_rows), n_cols, dtype=fp8.E5M2, device=h8.device)
+    grad_t = torch.empty(n_cols, n, dtype=fp8.E5M2, device=h8.device)   # every chunk's gradient, transposed
     for i in range(0, n, chunk_rows):
         size = min(chunk_rows, n - i)
         rows = slice(i, i + size)
@@ -220,16 +196,16 @@ class _Fp8CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, vocab_size):
         n, width = h.shape
-        if n % ALIGN or width_problem(width):
-            raise ValueError(width_problem(width) or f"FP8 GEMMs need the tokens per step ({n}) to be a multiple "
-                             f"of {ALIGN}: choose BATCH_SIZE x SEQ_LEN accordingly")
+        if n % fp8.ALIGN or fp8.width_problem(width):
+            raise ValueError(fp8.width_problem(width) or f"FP8 GEMMs need the tokens per step ({n}) to be a "
+                             f"multiple of {fp8.ALIGN}: choose BATCH_SIZE x SEQ_LEN accordingly")
         # The GEMMs' dtypes are chosen here; autocast has no rule for FP8 operands.
         with torch.autocast(h.device.type, enabled=False):
             # Padded as the loss kernel's logits are: h's gradient GEMM sums over the vocabulary, which must
             # be a multiple of 16; the padded columns get zero gradient.
-            pad = chunked_loss.kernel_logits_width(weight.size(0)) - weight.size(0)
-            w8, w_inv = to_e4m3(torch.nn.functional.pad(weight, (0, 0, 0, pad)))   # [vocab, width]
-            h8, h_inv = to_e4m3(h)                                                  # [tokens, width]
+            pad = loss_kernel.kernel_logits_width(weight.size(0)) - weight.size(0)
+            w8, w_inv = fp8.to_e4m3(F.pad(weight, (0, 0, 0, pad)))   # [vocab, width]
+            h8, h_inv = fp8.to_e4m3(h)                                # [tokens, width]
             # Each operand in the layout its GEMMs read, transposed where Inductor fuses it into the cast.
             row_loss, grad_h, grad_w = _output_layer(h8, h8.t().contiguous(), h_inv, w8, w8.t().contiguous(),
                                                      w_inv, targets.contiguous(), vocab_size, CHUNK_ROWS)
@@ -254,3 +230,8 @@ def fp8_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, vocab_size: in
                          f"{tuple(weight.shape)}")
     loss_kernel.check_targets(targets, h, "h", vocab_size, weight.size(0), "the weight's rows")
     return _Fp8CrossEntropy.apply(h, weight, targets, vocab_size)
+
+
+def reference(h: Tensor, weight: Tensor, targets: Tensor, vocab_size: int) -> Tensor:
+    """What fp8_cross_entropy computes, in the operands' precision and with the logits made whole."""
+    return F.cross_entropy(h @ weight[:vocab_size].t(), targets)

@@ -5,7 +5,7 @@ the row with its gradient, softmax minus one-hot, in place (`cross_entropy_grad`
 mathematics in PyTorch operations, out of place).
 
 On a GPU of compute capability 8.0 or newer it is loss_kernel.cu, compiled at first use by NVRTC
-(Utils.kernels.nvrtc), which reads the logits once and writes them once. Its twin in the same source
+(Utils.kernels.native), which reads the logits once and writes them once. Its twin in the same source
 (`grad_e5m2`, Ada or Hopper) writes the gradient scaled, in FP8, into a buffer of its own: the FP8 loss's
 pass (Utils.kernels.fp8_loss). The Triton kernel below is the fallback (no NVRTC, or a row that the CUDA kernel
 cannot take) and what the tests run on a CPU, through Triton's interpreter (TRITON_INTERPRET=1, set before this
@@ -18,7 +18,7 @@ import os
 import torch
 from torch import Tensor
 
-from Utils.kernels import nvrtc
+from Utils.kernels import fp8, native
 
 try:
     import triton
@@ -32,14 +32,22 @@ NUM_WARPS = 8
 # Threads per block of the CUDA kernel: whole warps only, at most the 256 of its __launch_bounds__; 256 was
 # the fastest tried (BENCHMARKS.md).
 CUDA_THREADS = 256
+# The kernel's logits rows are a multiple of this wide (kernel_logits_width): the GEMMs that write and read
+# them stay evenly tiled.
+KERNEL_ROW_MULTIPLE = 128
 USE_CUDA = True      # False: the Triton kernels on a GPU too (the FP8 loss's two passes among them), to compare
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "loss_kernel.cu"), encoding="utf-8") as _file:
     _source = _file.read()
-_CUDA = nvrtc.Kernel(_source, "cross_entropy_grad_rows")
-_CUDA_E5M2 = nvrtc.Kernel(_source, "cross_entropy_grad_rows_e5m2")   # the FP8 loss's pass (Utils.kernels.fp8_loss)
+_CUDA = native.Kernel(_source, "cross_entropy_grad_rows")
+_CUDA_E5M2 = native.Kernel(_source, "cross_entropy_grad_rows_e5m2")   # the FP8 loss's pass (Utils.kernels.fp8_loss)
 
 # Read once, as @triton.jit reads it when the kernel is defined below.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kernel_logits_width(n_rows: int) -> int:
+    """The width of the logits that the loss kernel gets for an output layer of n_rows: a multiple of 128."""
+    return -(-n_rows // KERNEL_ROW_MULTIPLE) * KERNEL_ROW_MULTIPLE
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -60,7 +68,7 @@ _cuda_failure = None
 
 def _cuda_usable(device: torch.device) -> bool:
     # cp.async and the bf16x2 conversion need compute capability 8.0 (Ampere) or newer.
-    return (USE_CUDA and _cuda_failure is None and device.type == "cuda" and nvrtc.unavailable(device) is None
+    return (USE_CUDA and _cuda_failure is None and device.type == "cuda" and native.nvrtc_unavailable(device) is None
             and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
@@ -77,7 +85,7 @@ def prepare(device: torch.device, n_cols: int) -> str | None:
         return None
     try:
         _CUDA.prepare(device, shared_bytes=2 * n_cols)
-        if _fp8_capable(device):
+        if fp8.unavailable(device) is None:   # conversions to FP8 need Ada or newer
             _CUDA_E5M2.prepare(device, shared_bytes=2 * n_cols)
     except RuntimeError as e:
         _cuda_failure = str(e).splitlines()[0]
@@ -97,17 +105,13 @@ def _cuda_takes(logits: Tensor, targets: Tensor) -> bool:
             and 0 < rows < 2 ** 31 and _shared_fits(logits.device, cols))
 
 
-def _fp8_capable(device: torch.device) -> bool:
-    # conversions to FP8 need compute capability 8.9 (Ada) or newer
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def grad_e5m2(logits: Tensor, targets: Tensor, vocab_size: int, row_loss: Tensor, grad: Tensor, scale: float) -> bool:
     """Where the CUDA kernel can take these logits on an Ada or Hopper GPU: write each row's loss into row_loss
     and (softmax - one-hot) * scale, in e5m2, into grad (contiguous, the logits' shape), reading the logits
     once, and return True. Else return False, having written nothing."""
-    if not (_cuda_takes(logits, targets) and _fp8_capable(logits.device) and 0 < vocab_size <= logits.size(1)
-            and grad.is_contiguous() and grad.shape == logits.shape and grad.dtype == torch.float8_e5m2
+    if not (_cuda_takes(logits, targets) and fp8.unavailable(logits.device) is None
+            and 0 < vocab_size <= logits.size(1) and grad.is_contiguous() and grad.shape == logits.shape
+            and grad.dtype == torch.float8_e5m2
             and grad.data_ptr() % 8 == 0 and row_loss.is_contiguous() and row_loss.shape == (logits.size(0),)
             and row_loss.dtype == torch.float32):
         return False

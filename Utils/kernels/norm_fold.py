@@ -14,10 +14,18 @@ features (2,304 or 3,072), not over the tokens:
 
     dW = dW' diag(γ) + db' βᵀ,   db = db',   dγ = Σ_k dW'_k ⊙ W_k,   dβ = Wᵀ db',   dx̂ = g W'.
 
-The same mathematics as the unfolded layer; the roundings differ (W' is rounded to bf16 where W was).
+The same mathematics as the unfolded layer (`reference`); the roundings differ (W' is rounded to bf16 where W
+was).
 """
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
+
+
+def unavailable(device: torch.device) -> str | None:
+    """None: these are PyTorch operations and run on any device."""
+    return None
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -40,3 +48,8 @@ def unfolded_grads(grad_w: Tensor, grad_b: Tensor, weight: Tensor, gamma: Tensor
     gw, gb, w = grad_w.to(acc), grad_b.to(acc), weight.to(acc)
     grad_weight = (gw * gamma.to(acc) + gb[:, None] * beta.to(acc)).to(grad_w.dtype)
     return grad_weight, grad_b, (gw * w).sum(0).to(gamma.dtype), (gb[:, None] * w).sum(0).to(beta.dtype)
+
+
+def reference(xhat: Tensor, layer: nn.Linear, norm: nn.LayerNorm) -> Tensor:
+    """What the folded layer computes from x̂: layer(x̂ γ + β), the LayerNorm's affine then the layer."""
+    return F.linear(xhat * norm.weight + norm.bias, layer.weight, layer.bias)

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from Utils.kernels import chunked_loss, cublaslt, fp8_linear, fp8_loss, gelu_epilogue, loss_kernel, packed_attention
+from Utils.kernels import cublaslt, fp8, fp8_linear, fp8_loss, gelu_epilogue, loss_kernel, packed_attention
 from Utils.ladder import modules
 from Utils.ladder.parallel import gradient_sync, wrap
 from Utils.ladder.registry import ADDITIONS, STAGES, check_parallel, resolve
@@ -219,7 +219,7 @@ def apply_loss_kernel(b: Build) -> str | None:
 def _kernel_chunked_loss(b: Build) -> str | None:
     """apply_loss_kernel's swap, which fp8_head makes too."""
     why = loss_kernel.unavailable(b.device)
-    note = None if why else loss_kernel.prepare(b.device, chunked_loss.kernel_logits_width(b.config.padded_vocab_size))
+    note = None if why else loss_kernel.prepare(b.device, loss_kernel.kernel_logits_width(b.config.padded_vocab_size))
     b.model.loss = modules.ChunkedLoss(b.config.vocab_size, kernel=not why)
     return f"{why}: the plain chunked loss instead" if why else note
 
@@ -230,7 +230,7 @@ def apply_fp8_head(b: Build) -> str | None:
     (apply_loss_kernel): the max rung on an older GPU keeps the loss it had before FP8, and a step whose
     tokens are not a multiple of 16 (which FP8 GEMMs need) runs in bf16."""
     note = _kernel_chunked_loss(b)
-    why = fp8_loss.unavailable(b.device) or fp8_loss.width_problem(b.config.n_embd)
+    why = fp8_loss.unavailable(b.device) or fp8.width_problem(b.config.n_embd)
     if why:
         return f"{why}: the output layer in bf16 instead" + (f"; {note}" if note else ", through the loss kernel")
     b.model.loss.fp8 = True
@@ -241,7 +241,7 @@ def apply_fp8_qkv_fc(b: Build) -> str | None:
     """c_attn's and c_fc's forward GEMMs in FP8: the two GEMMs that read a LayerNorm's output, which casts to
     e4m3 in the LayerNorm's own kernel with a scale bounded by its weights (no amax pass). Backward in bf16.
     Into the modules gemm_bias_grad and gelu_epilogue swapped in where they did, else into the plain layers."""
-    why = fp8_linear.unavailable(b.device) or fp8_loss.width_problem(b.config.n_embd)
+    why = fp8_linear.unavailable(b.device) or fp8.width_problem(b.config.n_embd)
     if why:
         return f"{why}: c_attn and c_fc in bf16 instead"
     for block in modules.blocks(b.model):

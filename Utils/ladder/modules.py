@@ -1,4 +1,5 @@
-"""The modules that additions swap into a built model, each over one op of Utils.kernels.
+"""The modules that additions swap into a built model, each over one op of Utils.kernels or a layer of
+Utils.ladder.linear.
 
 gpt-fast's quantize.py swaps its Linear layers the same way: the model is built as nanoGPT writes it,
 then a module is replaced by one that computes the same function faster, keeping the same parameters
@@ -10,7 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from Utils.kernels import chunked_loss, fp8_loss, gelu_epilogue, gemm_bias_grad, packed_attention
+from Utils.kernels import chunked_loss, fp8, fp8_loss, packed_attention
+from Utils.ladder import linear
 from Utils.model import GPT, CausalSelfAttention, OutputLoss
 
 
@@ -22,7 +24,7 @@ class OnesLinear(nn.Linear):
     fold: nn.LayerNorm | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm_bias_grad.linear(x, self, self.norm, fold=self.fold)
+        return linear.linear(x, self, self.norm, fold=self.fold)
 
 
 class NormLinear(nn.Linear):
@@ -33,7 +35,7 @@ class NormLinear(nn.Linear):
     fold: nn.LayerNorm | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm_bias_grad.linear(x, self, self.norm, ones=False, fold=self.fold)
+        return linear.linear(x, self, self.norm, ones=False, fold=self.fold)
 
 
 class EpilogueMLP(nn.Module):
@@ -49,8 +51,8 @@ class EpilogueMLP(nn.Module):
         self.c_fc, self.c_proj = mlp.c_fc, mlp.c_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gelu_epilogue.gelu_mlp(x, self.c_fc, self.c_proj, ones=isinstance(self.c_fc, OnesLinear),
-                                      norm=self.norm, fold=self.fold)
+        return linear.gelu_mlp(x, self.c_fc, self.c_proj, ones=isinstance(self.c_fc, OnesLinear), norm=self.norm,
+                               fold=self.fold)
 
 
 def read_normed(module: OnesLinear | NormLinear | EpilogueMLP, norm: nn.LayerNorm) -> None:
@@ -115,7 +117,7 @@ class ChunkedLoss(OutputLoss):
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
-        if self.fp8 and h.size(0) % fp8_loss.ALIGN == 0:
+        if self.fp8 and h.size(0) % fp8.ALIGN == 0:
             return fp8_loss.fp8_cross_entropy(h, weight, targets, self.vocab_size)
         return chunked_loss.chunked_cross_entropy(h, weight, targets, self.vocab_size, kernel=self.kernel)
 

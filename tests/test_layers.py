@@ -128,5 +128,7 @@ def test_no_import_cycle():
 def test_the_checks_see_real_imports():
     # The rules above are only as good as the import graph they read: it must hold the edges we know.
     assert "Utils.kernels.loss_kernel" in _utils_imports("Utils.kernels.chunked_loss")
+    assert "Utils.kernels.native" in _utils_imports("Utils.kernels.loss_kernel")
+    assert "Utils.kernels.gemm_bias_grad" in _utils_imports("Utils.ladder.linear")
     assert "Utils.ladder.registry" in _reach("Utils.train.run")
     assert any(i.startswith("torch") for i in IMPORTS["Utils.model"])

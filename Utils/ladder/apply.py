@@ -342,7 +342,7 @@ def inductor_has(option: str) -> bool:
 
 def apply_combo_kernels(b: Build) -> str | None:
     """Inductor launches up to eight data-independent generated kernels as one (combo kernels): max's step
-    at batch 64 had 318 Inductor kernels under 10 µs at commit 503fdef (the weights' casts and amaxes), and
+    at batch 64 had 318 Inductor kernels under 10 µs (the weights' casts and amaxes), and
     inside a CUDA graph each launch still leaves the GPU a gap of a microsecond or two (BENCHMARKS.md)."""
     if b.device.type != "cuda":
         return "combo kernels group Triton kernels on a GPU: compiled without them"

@@ -71,20 +71,25 @@ class StepTimes:
         the measured window has just started (every rank together, among several processes)."""
         self.pending.append((i, self.last_end, end, loss))
         self.last_end = end
-        if len(self.pending) < self.sync_every and i not in (self.warmup - 1, self.steps - 1):
+        if len(self.pending) != self.sync_every and i not in (self.warmup - 1, self.steps - 1):
             return False
-        synced_at = self.clock.wait(end)   # the newest pending step's end: every earlier one has ended too
-        for j, start, end_j, loss_j in self.pending:
-            record(j, self.clock.ms(start, end_j), loss_j.item())
-        self.pending.clear()
+        synced_at = self._read_back(record)
         if i == self.steps - 1 and self.window_start is not None:
             self.window_wall_s = synced_at - self.window_start
         if i != self.warmup - 1:
             return False
-        self.window_start = synced_at
-        if distributed.barrier():
+        self.window_start = synced_at   # the device has finished the warm-up
+        if distributed.barrier():   # every rank starts the measured window together
             self.last_end, self.window_start = self.clock.mark(), time.perf_counter()
         return True
+
+    def _read_back(self, record: Callable[[int, float, float], None]) -> float:
+        """Wait for the newest pending step's end, note the host's time, then record every pending step."""
+        synced_at = self.clock.wait(self.pending[-1][2])
+        for i, start, end, loss in self.pending:
+            record(i, self.clock.ms(start, end), loss.item())
+        self.pending.clear()
+        return synced_at
 
     def record_unread(self, record: Callable[[int, float, float], None], recorded: set[int]) -> None:
         """A run that stops early (a signal, out of memory) keeps every step that finished, read back or not:

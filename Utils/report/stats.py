@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from Utils.ladder.registry import ADDITIONS, rung_order
-from Utils.report.selection import BASELINE, Excluded, measured, norm, select, steps_by_run
+from Utils.report.selection import BASELINE, Excluded, Selection, measured, norm, select, steps_by_run
 from Utils.results.gpus import peak_bf16_flops
 from Utils.results.read import recorded_additions
 
@@ -96,87 +96,22 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataF
     `peaks` (read.load_peak's frame) gives the measured peak for the second MFU."""
     sel = select(runs_df, steps_df)
     by_run = steps_by_run(steps_df)
-
-    def steps_of(rung):
-        """The measured step times of the rung's chosen run, or of all its repeated runs, one array each."""
-        runs = sel.repeats.get(rung) or [sel.chosen[rung]]
-        return [measured(by_run[r["run_id"]])["step_ms"].to_numpy() for r in runs]
-
-    base_runs = steps_of(BASELINE) if sel.has_baseline else None
-    base_ms = np.concatenate(base_runs) if base_runs else None
-    base_median = float(np.median([np.median(ms) for ms in base_runs])) if base_runs else None
+    base_runs = _rung_steps(sel, by_run, BASELINE) if sel.has_baseline else None
+    base = (np.concatenate(base_runs), float(np.median([np.median(ms) for ms in base_runs]))) if base_runs else None
     peak = _measured_peak(peaks, sel.reference)
 
     rows, step_frames, notes, measured_ms = {}, [], [], {}
     for rung in rung_order(runs_df["optimization"]):
-        row = dict.fromkeys(SUMMARY_COLUMNS, np.nan)
-        run = sel.chosen.get(rung)
-        if run is not None:
-            run_steps = by_run[run["run_id"]]
-            each = steps_of(rung)
-            ms = measured_ms[rung] = np.concatenate(each)
-            medians = [float(np.median(m)) for m in each]
-            median = float(np.median(medians))
-            q25, q75 = np.percentile(each[-1], [25, 75])
-            row.update(run_id=run["run_id"], status=run["status"], message=run["message"], runs=len(each),
-                       median_step_ms=median, iqr_step_ms=q75 - q25, trimmed_mean_ms=trimmed_mean(ms),
-                       spread=(max(medians) - min(medians)) / median if len(each) > 1 else np.nan,
-                       noisy=float(any(noisy(m) for m in each)), measured_steps=ms.size,
-                       tokens_per_s=nproc_of(run) * run["batch_size"] * run["seq_len"] / (median / 1000.0),
-                       peak_mem_allocated_gib=run["peak_mem_allocated_gib"],
-                       peak_mem_reserved_gib=run["peak_mem_reserved_gib"], compile_s=run["compile_s"],
-                       compile_cache=norm(run.get("compile_cache", "")),
-                       attention_kernel=norm(run.get("attention_kernel", "")),
-                       # before schema version 4 a step was one micro-batch: the whole batch
-                       micro_batch=_number(run.get("micro_batch"), run["batch_size"]),
-                       accumulation_steps=_number(run.get("accumulation_steps"), 1.0),
-                       gpu_memory_gib=_number(run.get("gpu_memory_gib"), np.nan))
-            runs = sel.repeats.get(rung) or [run]
-            all_steps = pd.concat([measured(by_run[r["run_id"]]) for r in runs])
-            row["mfu"], row["mfu_measured"] = _mfus(runs, all_steps, row["tokens_per_s"], peak)
-            losses = run_steps["loss"].dropna()
-            row["final_loss"] = float(losses.iloc[-1]) if len(losses) else run["final_loss"]
-            if base_ms is not None:
-                row["speedup"] = base_median / median
-                row["speedup_lo"], row["speedup_hi"] = bootstrap_speedup(base_ms, ms)
-            step_frames.append(run_steps.assign(optimization=rung))
-            if run["notes"].strip():
-                notes.append(f"{rung}: {one_line(run['notes'])}")
-            notes += [f"{rung}: run {r['run_id']} is noisy: its steps' IQR is {q:.1%} of their median "
-                      f"(over {NOISY_IQR:.0%})" for r, q in _noisy_runs(sel.repeats.get(rung) or [run], each)]
+        if sel.chosen.get(rung) is not None:
+            rows[rung], measured_ms[rung], frame, rung_notes = _measured_row(rung, sel, by_run, base, peak)
+            step_frames.append(frame)
+            notes += rung_notes
         else:
-            shown = sel.status_rows.get(rung)
-            if shown is None:
-                row.update(run_id="", status="excluded",
-                           message="no run with the compared configuration (see excluded runs)")
-            else:
-                left_out = next((e.reason for e in sel.excluded if e.run_id == shown["run_id"]), "")
-                if shown["status"] == "ok":
-                    row.update(run_id=shown["run_id"], status="excluded", message=left_out)
-                else:
-                    message = one_line(shown["message"]) + (f" ({left_out})" if left_out else "")
-                    row.update(run_id=shown["run_id"], status=shown["status"], message=message.strip())
-            notes.append(f"{rung} ({row['status']}): {one_line(row['message']) or 'no message recorded'}")
-        rows[rung] = row
-    for run in sel.newer_not_ok:
-        notes.append(f"{run['optimization']}: a later run, {run['run_id']}, ended {run['status']}"
-                     f"{': ' + one_line(run['message']) if run['message'].strip() else ''}; "
-                     f"the table shows the earlier ok run")
-    superseded = sel.superseded - sum(len(runs) - 1 for runs in sel.repeats.values())   # repeats are shown
-    if superseded:
-        notes.append(f"{superseded} older ok run(s) of the same configuration were superseded "
-                     f"by a later run of their rung")
-    notes += _repeat_notes(sel.repeats, by_run)
-    notes += _fp8_note(sel.chosen)
-    notes += _synthetic_note(sel.reference)
+            rows[rung] = _status_row(rung, sel)
+            notes.append(f"{rung} ({rows[rung]['status']}): {one_line(rows[rung]['message']) or 'no message recorded'}")
+    notes += _selection_notes(sel, by_run)
 
-    table = pd.DataFrame.from_dict(rows, orient="index", columns=SUMMARY_COLUMNS)
-    table.index.name = "optimization"
-    for col in SUMMARY_COLUMNS:
-        if col not in TEXT_COLUMNS:
-            table[col] = table[col].astype(float)
-    for col in ("compile_cache", "attention_kernel"):
-        table[col] = table[col].fillna("").astype(str)
+    table = _table(rows)
     steps = pd.concat(step_frames, ignore_index=True) if step_frames else steps_df.iloc[0:0]
     compared = pd.DataFrame([sel.chosen[r] for r in table.index if r in sel.chosen], columns=runs_df.columns)
     # every run behind a row, a repeated rung's runs included: they may come from several cards
@@ -185,6 +120,95 @@ def build_report(steps_df: pd.DataFrame, runs_df: pd.DataFrame, peaks: "pd.DataF
     return Report(table=table, steps=steps, runs=compared, reference=sel.reference, has_baseline=sel.has_baseline,
                   excluded=sel.excluded, notes=notes, context=context(sel.reference),
                   provenance=provenance(compared), peak=peak, measured_ms=measured_ms)
+
+
+def _rung_steps(sel: Selection, by_run: dict, rung: str) -> list[np.ndarray]:
+    """The measured step times of the rung's chosen run, or of all its repeated runs, one array each."""
+    runs = sel.repeats.get(rung) or [sel.chosen[rung]]
+    return [measured(by_run[r["run_id"]])["step_ms"].to_numpy() for r in runs]
+
+
+def _measured_row(rung: str, sel: Selection, by_run: dict, base: "tuple[np.ndarray, float] | None",
+                  peak: "pd.Series | None") -> tuple[dict, np.ndarray, pd.DataFrame, list[str]]:
+    """(table row, measured step times, step rows, notes) of a rung with a chosen run: its figures over the
+    measured steps of that run or of its repeats, and its speedup over `base` (the baseline's steps and median)."""
+    run = sel.chosen[rung]
+    run_steps = by_run[run["run_id"]]
+    each = _rung_steps(sel, by_run, rung)
+    ms = np.concatenate(each)
+    medians = [float(np.median(m)) for m in each]
+    median = float(np.median(medians))
+    q25, q75 = np.percentile(each[-1], [25, 75])
+    row = dict.fromkeys(SUMMARY_COLUMNS, np.nan)
+    row.update(run_id=run["run_id"], status=run["status"], message=run["message"], runs=len(each),
+               median_step_ms=median, iqr_step_ms=q75 - q25, trimmed_mean_ms=trimmed_mean(ms),
+               spread=(max(medians) - min(medians)) / median if len(each) > 1 else np.nan,
+               noisy=float(any(noisy(m) for m in each)), measured_steps=ms.size,
+               tokens_per_s=nproc_of(run) * run["batch_size"] * run["seq_len"] / (median / 1000.0),
+               peak_mem_allocated_gib=run["peak_mem_allocated_gib"],
+               peak_mem_reserved_gib=run["peak_mem_reserved_gib"], compile_s=run["compile_s"],
+               compile_cache=norm(run.get("compile_cache", "")),
+               attention_kernel=norm(run.get("attention_kernel", "")),
+               # before schema version 4 a step was one micro-batch: the whole batch
+               micro_batch=_number(run.get("micro_batch"), run["batch_size"]),
+               accumulation_steps=_number(run.get("accumulation_steps"), 1.0),
+               gpu_memory_gib=_number(run.get("gpu_memory_gib"), np.nan))
+    runs = sel.repeats.get(rung) or [run]
+    all_steps = pd.concat([measured(by_run[r["run_id"]]) for r in runs])
+    row["mfu"], row["mfu_measured"] = _mfus(runs, all_steps, row["tokens_per_s"], peak)
+    losses = run_steps["loss"].dropna()
+    row["final_loss"] = float(losses.iloc[-1]) if len(losses) else run["final_loss"]
+    if base is not None:
+        row["speedup"] = base[1] / median
+        row["speedup_lo"], row["speedup_hi"] = bootstrap_speedup(base[0], ms)
+    notes = [f"{rung}: {one_line(run['notes'])}"] if run["notes"].strip() else []
+    notes += [f"{rung}: run {r['run_id']} is noisy: its steps' IQR is {q:.1%} of their median "
+              f"(over {NOISY_IQR:.0%})" for r, q in _noisy_runs(runs, each)]
+    return row, ms, run_steps.assign(optimization=rung), notes
+
+
+def _status_row(rung: str, sel: Selection) -> dict:
+    """The table row of a rung without a compared run: the status and message of its latest run, or
+    "excluded" with why its runs were left out."""
+    row = dict.fromkeys(SUMMARY_COLUMNS, np.nan)
+    shown = sel.status_rows.get(rung)
+    if shown is None:
+        row.update(run_id="", status="excluded", message="no run with the compared configuration (see excluded runs)")
+        return row
+    left_out = next((e.reason for e in sel.excluded if e.run_id == shown["run_id"]), "")
+    if shown["status"] == "ok":
+        row.update(run_id=shown["run_id"], status="excluded", message=left_out)
+    else:
+        message = one_line(shown["message"]) + (f" ({left_out})" if left_out else "")
+        row.update(run_id=shown["run_id"], status=shown["status"], message=message.strip())
+    return row
+
+
+def _selection_notes(sel: Selection, by_run: dict) -> list[str]:
+    """The notes on the selection as a whole: later runs that did not end ok, superseded runs, repeated rungs,
+    FP8 GEMMs and synthetic data."""
+    notes = []
+    for run in sel.newer_not_ok:
+        notes.append(f"{run['optimization']}: a later run, {run['run_id']}, ended {run['status']}"
+                     f"{': ' + one_line(run['message']) if run['message'].strip() else ''}; "
+                     f"the table shows the earlier ok run")
+    superseded = sel.superseded - sum(len(runs) - 1 for runs in sel.repeats.values())   # repeats are shown
+    if superseded:
+        notes.append(f"{superseded} older ok run(s) of the same configuration were superseded "
+                     f"by a later run of their rung")
+    return notes + _repeat_notes(sel.repeats, by_run) + _fp8_note(sel.chosen) + _synthetic_note(sel.reference)
+
+
+def _table(rows: dict[str, dict]) -> pd.DataFrame:
+    """The summary table of the rows, one a rung: numbers as floats, the text columns as text."""
+    table = pd.DataFrame.from_dict(rows, orient="index", columns=SUMMARY_COLUMNS)
+    table.index.name = "optimization"
+    for col in SUMMARY_COLUMNS:
+        if col not in TEXT_COLUMNS:
+            table[col] = table[col].astype(float)
+    for col in ("compile_cache", "attention_kernel"):
+        table[col] = table[col].fillna("").astype(str)
+    return table
 
 
 def summarize(steps_df: pd.DataFrame, runs_df: pd.DataFrame) -> pd.DataFrame:

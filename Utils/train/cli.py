@@ -112,71 +112,103 @@ def _text(name, value):
 
 
 def parse_args(argv: Sequence[str] | None = None, prog: str | None = None) -> RunConfig:
-    """Parse and validate; raises UsageError with a one-line message."""
+    """Parse and validate; raises UsageError with a one-line message. Each value is checked in the order the
+    fields are listed, so that the first bad one is the one named."""
     a = build_parser(prog).parse_args(argv)
-    steps = _positive_int("STEPS", a.steps, f"pass the number of steps to time, {EXAMPLE}")
-    batch = _positive_int("BATCH_SIZE", a.batch_size, f"pass sequences per step, {EXAMPLE}")
-    if steps < 2:
-        raise UsageError(f"STEPS={steps} leaves no measured step after the first, which is a warm-up step "
-                         f"(compilation, allocation): use STEPS >= 2, e.g. STEPS=20")
-    if a.warmup is None:
-        warmup = min(DEFAULT_WARMUP, steps - 1)
-    else:
-        warmup = _positive_int("WARMUP", a.warmup, "pass a number of warm-up steps below STEPS, e.g. WARMUP=5")
-        if warmup >= steps:
-            raise UsageError(f"WARMUP={warmup} leaves no measured step of STEPS={steps}: "
-                             f"use WARMUP < STEPS, e.g. STEPS={warmup + 20} WARMUP={warmup}")
+    steps, batch, warmup = _steps_batch_warmup(a.steps, a.batch_size, a.warmup)
     seed = _seed(a.seed)
-    for name, value in (("PREFIX", a.prefix), ("DATA", a.data), ("DATA_DIR", a.data_dir)):
-        if value is not None:
-            _text(name, value)
-    if not a.prefix.strip():
-        raise UsageError(f"PREFIX is empty: name the output folder, {EXAMPLE}")
-    if a.data_dir is not None and not a.data_dir.strip():   # else the default folder would be used unsaid
-        raise UsageError("DATA_DIR is empty: name the folder that holds tiny shakespeare, or leave DATA_DIR out "
-                         "(./data, or the environment's DATA_DIR)")
-
-    if a.device not in ("auto", "cuda", "cpu"):
-        raise UsageError(f"DEVICE={a.device!r} is not one of auto, cuda, cpu")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("DEVICE=cuda but PyTorch sees no CUDA GPU here: use DEVICE=cpu or DEVICE=auto, "
-                         "or install a CUDA build of PyTorch")
-    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-
-    model = a.model if a.model != "auto" else ("gpt2" if device == "cuda" else "tiny")
-    if model not in PRESETS:
-        raise UsageError(f"MODEL={model!r} is not a known model: use auto or one of {', '.join(PRESETS)}")
-    block = PRESETS[model].block_size
-    if a.seq_len is None:
-        seq_len = block
-    else:
-        seq_len = _positive_int("SEQ_LEN", a.seq_len, f"pass tokens per sequence, at most {block} for {model}")
-        if seq_len > block:
-            raise UsageError(f"SEQ_LEN={seq_len} is above {model}'s block size {block}: use SEQ_LEN<={block}")
-
-    data = a.data
-    if data not in ("auto", "shakespeare", "synthetic") and not os.path.isfile(data):
-        raise UsageError(f"DATA={data!r} is not a file: give a text file, or DATA=shakespeare, synthetic or auto")
-
+    _check_paths(a.prefix, a.data, a.data_dir)
+    device = _device(a.device)
+    model, seq_len = _model_seq_len(a.model, a.seq_len, device)
+    data = _data(a.data)
     micro = _micro_batch(a.micro_batch, batch)
     gib = _gpu_memory_gib(a.gpu_memory_gib, device)
-
-    from Utils.train.attention import BACKENDS
-    if a.sdpa_backend not in BACKENDS:
-        raise UsageError(f"SDPA_BACKEND={a.sdpa_backend!r} is not one of {', '.join(BACKENDS)}: e.g. SDPA_BACKEND=flash")
-
-    parallel = a.parallel
-    if parallel:
-        from Utils.train.distributed import launched_by_torchrun, parallel_problem
-        if parallel_problem(parallel):
-            raise UsageError(parallel_problem(parallel))
-        if not launched_by_torchrun():
-            raise UsageError(f"PARALLEL={parallel} runs under torchrun: use make <rung> NPROC=n PARALLEL={parallel} "
-                             f"..., or torchrun --standalone --nproc-per-node n <script> --parallel {parallel} ...")
+    _check_sdpa_backend(a.sdpa_backend)
+    parallel = _parallel(a.parallel)
     return RunConfig(steps=steps, batch_size=batch, prefix=a.prefix, model=model, seq_len=seq_len,
                      device=device, data=data, warmup=warmup, seed=seed, data_dir=a.data_dir,
                      profile=a.profile, cold=a.cold, parallel=parallel, sdpa_backend=a.sdpa_backend,
                      micro_batch=micro, gpu_memory_gib=gib)
+
+
+def _steps_batch_warmup(steps_value: str, batch_value: str, warmup_value: str | None) -> tuple[int, int, int]:
+    """(STEPS, BATCH_SIZE, WARMUP): at least one measured step after the warm-up, which is DEFAULT_WARMUP
+    unless given, and never all of STEPS."""
+    steps = _positive_int("STEPS", steps_value, f"pass the number of steps to time, {EXAMPLE}")
+    batch = _positive_int("BATCH_SIZE", batch_value, f"pass sequences per step, {EXAMPLE}")
+    if steps < 2:
+        raise UsageError(f"STEPS={steps} leaves no measured step after the first, which is a warm-up step "
+                         f"(compilation, allocation): use STEPS >= 2, e.g. STEPS=20")
+    if warmup_value is None:
+        return steps, batch, min(DEFAULT_WARMUP, steps - 1)
+    warmup = _positive_int("WARMUP", warmup_value, "pass a number of warm-up steps below STEPS, e.g. WARMUP=5")
+    if warmup >= steps:
+        raise UsageError(f"WARMUP={warmup} leaves no measured step of STEPS={steps}: "
+                         f"use WARMUP < STEPS, e.g. STEPS={warmup + 20} WARMUP={warmup}")
+    return steps, batch, warmup
+
+
+def _check_paths(prefix: str, data: str, data_dir: str | None) -> None:
+    """PREFIX, DATA and DATA_DIR as text the results can record, and neither folder given empty."""
+    for name, value in (("PREFIX", prefix), ("DATA", data), ("DATA_DIR", data_dir)):
+        if value is not None:
+            _text(name, value)
+    if not prefix.strip():
+        raise UsageError(f"PREFIX is empty: name the output folder, {EXAMPLE}")
+    if data_dir is not None and not data_dir.strip():   # else the default folder would be used unsaid
+        raise UsageError("DATA_DIR is empty: name the folder that holds tiny shakespeare, or leave DATA_DIR out "
+                         "(./data, or the environment's DATA_DIR)")
+
+
+def _device(value: str) -> str:
+    """DEVICE as cuda or cpu: auto takes the GPU where PyTorch sees one; cuda without one is refused."""
+    if value not in ("auto", "cuda", "cpu"):
+        raise UsageError(f"DEVICE={value!r} is not one of auto, cuda, cpu")
+    if value == "cuda" and not torch.cuda.is_available():
+        raise UsageError("DEVICE=cuda but PyTorch sees no CUDA GPU here: use DEVICE=cpu or DEVICE=auto, "
+                         "or install a CUDA build of PyTorch")
+    return value if value != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _model_seq_len(model_value: str, seq_len_value: str | None, device: str) -> tuple[str, int]:
+    """(MODEL, SEQ_LEN): auto is gpt2 on a GPU and tiny on a CPU; SEQ_LEN defaults to, and stays within, the
+    model's block size."""
+    model = model_value if model_value != "auto" else ("gpt2" if device == "cuda" else "tiny")
+    if model not in PRESETS:
+        raise UsageError(f"MODEL={model!r} is not a known model: use auto or one of {', '.join(PRESETS)}")
+    block = PRESETS[model].block_size
+    if seq_len_value is None:
+        return model, block
+    seq_len = _positive_int("SEQ_LEN", seq_len_value, f"pass tokens per sequence, at most {block} for {model}")
+    if seq_len > block:
+        raise UsageError(f"SEQ_LEN={seq_len} is above {model}'s block size {block}: use SEQ_LEN<={block}")
+    return model, seq_len
+
+
+def _data(value: str) -> str:
+    """DATA as one of its names or a text file that exists."""
+    if value not in ("auto", "shakespeare", "synthetic") and not os.path.isfile(value):
+        raise UsageError(f"DATA={value!r} is not a file: give a text file, or DATA=shakespeare, synthetic or auto")
+    return value
+
+
+def _check_sdpa_backend(value: str) -> None:
+    """SDPA_BACKEND as one of the backends Utils.train.attention can hold SDPA to."""
+    from Utils.train.attention import BACKENDS
+    if value not in BACKENDS:
+        raise UsageError(f"SDPA_BACKEND={value!r} is not one of {', '.join(BACKENDS)}: e.g. SDPA_BACKEND=flash")
+
+
+def _parallel(value: str) -> str:
+    """PARALLEL (ddp or fsdp, or empty): one this machine can run, and only in a process torchrun started."""
+    if value:
+        from Utils.train.distributed import launched_by_torchrun, parallel_problem
+        if parallel_problem(value):
+            raise UsageError(parallel_problem(value))
+        if not launched_by_torchrun():
+            raise UsageError(f"PARALLEL={value} runs under torchrun: use make <rung> NPROC=n PARALLEL={value} "
+                             f"..., or torchrun --standalone --nproc-per-node n <script> --parallel {value} ...")
+    return value
 
 
 def divisors(n: int) -> list[int]:

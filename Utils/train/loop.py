@@ -53,6 +53,56 @@ class StepClock:
         return time.perf_counter()
 
 
+class StepTimes:
+    """How a step is timed, in one place. Each step runs from the previous step's end mark to its own
+    (StepClock). The host reads marks and losses back only every `sync_every` steps, so that between read-backs
+    the CPU queues work ahead of the GPU and no step waits for the host, and at the warm-up's and the run's last
+    step: the measured window's wall clock (window_wall_s) runs from the one to the other."""
+
+    def __init__(self, clock: StepClock, sync_every: int, warmup: int, steps: int):
+        self.clock, self.sync_every, self.warmup, self.steps = clock, sync_every, warmup, steps
+        self.pending: list[tuple[int, Mark, Mark, torch.Tensor]] = []   # (step, start, end, loss) not read back
+        self.last_end = clock.mark()
+        self.window_start: float | None = None
+        self.window_wall_s: float | None = None
+
+    def ended(self, i: int, end: Mark, loss: torch.Tensor, record: Callable[[int, float, float], None]) -> bool:
+        """Step i ended at `end`; where a read-back is due, record(step, ms, loss) each pending step. True when
+        the measured window has just started (every rank together, among several processes)."""
+        self.pending.append((i, self.last_end, end, loss))
+        self.last_end = end
+        if len(self.pending) != self.sync_every and i not in (self.warmup - 1, self.steps - 1):
+            return False
+        synced_at = self._read_back(record)
+        if i == self.steps - 1 and self.window_start is not None:
+            self.window_wall_s = synced_at - self.window_start
+        if i != self.warmup - 1:
+            return False
+        self.window_start = synced_at   # the device has finished the warm-up
+        if distributed.barrier():   # every rank starts the measured window together
+            self.last_end, self.window_start = self.clock.mark(), time.perf_counter()
+        return True
+
+    def _read_back(self, record: Callable[[int, float, float], None]) -> float:
+        """Wait for the newest pending step's end, note the host's time, then record every pending step."""
+        synced_at = self.clock.wait(self.pending[-1][2])
+        for i, start, end, loss in self.pending:
+            record(i, self.clock.ms(start, end), loss.item())
+        self.pending.clear()
+        return synced_at
+
+    def record_unread(self, record: Callable[[int, float, float], None], recorded: set[int]) -> None:
+        """A run that stops early (a signal, out of memory) keeps every step that finished, read back or not:
+        each pending step not in `recorded`, until the device itself fails and nothing more can be read."""
+        for i, start, end, loss in self.pending:
+            if i in recorded:
+                continue
+            try:   # this rank's own figures: the others may be gone
+                record(i, self.clock.ms(start, end), loss.item())
+            except Exception:   # the device itself failed: what it holds cannot be read back
+                break
+
+
 def make_step(b: Build, cfg: RunConfig, clock: StepClock) -> Callable[[], tuple[Mark, torch.Tensor]]:
     """One training step of cfg.batch_size rows in micro-batches of cfg.micro_batch rows: returns (the mark of its
     end, its loss tensor) without synchronizing. Each micro-batch's loss is the mean over its rows, scaled by
@@ -104,13 +154,31 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list) -> str | None:
     run["flops_per_token"] = flops_token
     peak = peak_bf16_flops(run["gpu_name"]) if device.type == "cuda" else None
     clock = StepClock(device)
-    world = run.get("nproc") or 1
-    tokens_per_step = world * cfg.batch_size * cfg.seq_len   # the global batch
     main = run.get("rank", 0) == 0
     # Rank 0 records the run, so only its GPU is sampled.
     sampler = nvml.Sampler(run.get("gpu_uuid", "")) if device.type == "cuda" and main else None
-
     step = make_step(b, cfg, clock)
+    record = _step_recorder(cfg, run, rows, flops_token, peak)
+    _timed_steps(b, cfg, run, rows, step, clock, record, sampler)
+    if cfg.profile and not main:   # the other ranks step with rank 0, whose profile is the run's
+        for _ in range(1 + PROFILE_STEPS):
+            clock.wait(step()[0])
+        return None
+    if cfg.profile:
+        measured = [r["step_ms"] for r in rows if not r["warmup"]]
+        return profile_steps(step, clock, cfg, device, run, {
+            "flops_per_step": flops_token * cfg.batch_size * cfg.seq_len, "peak_flops": peak,
+            "median_step_ms": metrics.median_iqr(measured)[0] if measured else None})
+    return None
+
+
+def _step_recorder(cfg: RunConfig, run: dict, rows: list, flops_token: float,
+                   peak: float | None) -> Callable[[int, float, float], None]:
+    """record(i, ms, loss): step i's row in `rows`, with its tokens/s over the global batch and its MFU per
+    GPU, and on the main process its line."""
+    world = run.get("nproc") or 1
+    tokens_per_step = world * cfg.batch_size * cfg.seq_len   # the global batch
+    main = run.get("rank", 0) == 0
 
     def record(i, ms, loss_value):
         tps = tokens_per_step / (ms / 1e3)
@@ -124,24 +192,17 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list) -> str | None:
             print(f"step {i + 1}/{cfg.steps} | loss {loss_value:.4f} | {ms:.1f} ms | {tps:,.0f} tok/s | "
                   f"{mfu_text}{tag}", flush=True)
 
-    # The host reads timings and losses back every sync_every steps, so between read-backs the CPU queues
-    # work ahead of the GPU and no step waits for the host. It reads back at the warm-up's last step too: the
-    # measured window's wall clock starts when the device has finished it. Among several processes a step
-    # takes as long as its slowest rank, and its loss is the mean over the ranks' shares of the batch: one
-    # all-reduce after the last step says so, so that no collective of the harness lands inside a timed step
-    # (the lines printed meanwhile are rank 0's own).
-    pending, window_start = [], None
+    return record
 
-    def read_back():
-        """Wait for the newest pending step, note the time, then record every pending step."""
-        synced_at = clock.wait(pending[-1][2])
-        for i, start, end, loss in pending:
-            record(i, clock.ms(start, end), loss.item())
-        pending.clear()
-        return synced_at
 
-    watch = attention.Watch(device)
-    last_end = clock.mark()
+def _timed_steps(b: Build, cfg: RunConfig, run: dict, rows: list, step: Callable[[], tuple[Mark, torch.Tensor]],
+                 clock: StepClock, record: Callable[[int, float, float], None], sampler: "nvml.Sampler | None") -> None:
+    """The cfg.steps steps, timed by StepTimes, with the GPU's clocks sampled over the measured window and the
+    attention kernel watched on one step. Among several processes a step takes as long as its slowest rank, and
+    its loss is the mean over the ranks' shares of the batch: one all-reduce after the last step says so, so that
+    no collective of the harness lands inside a timed step (the lines printed meanwhile are rank 0's own)."""
+    watch = attention.Watch(b.device)
+    times = StepTimes(clock, b.sync_every, cfg.warmup, cfg.steps)
     try:
         # A warm-up step followed by another says which attention kernel ran: the second step where the warm-up
         # has three (the first holds the compilation, whose time compile_s reports), else the first; under CUDA
@@ -150,43 +211,17 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list) -> str | None:
         for i in range(cfg.steps):
             with watch if i == watched else contextlib.nullcontext():
                 end, loss = step()
-            pending.append((i, last_end, end, loss))
-            last_end = end
-            if len(pending) == b.sync_every or i in (cfg.warmup - 1, cfg.steps - 1):
-                synced_at = read_back()
-                if i == cfg.warmup - 1:
-                    window_start = synced_at
-                    if distributed.barrier():   # every rank starts the measured window together
-                        last_end, window_start = clock.mark(), time.perf_counter()
-                    if sampler:
-                        sampler.start()
-                if i == cfg.steps - 1 and window_start is not None:
-                    run["window_wall_s"] = synced_at - window_start
+            if times.ended(i, end, loss, record) and sampler:
+                sampler.start()
+        if times.window_wall_s is not None:
+            run["window_wall_s"] = times.window_wall_s
         if len(rows) == cfg.steps:
-            _slowest_rank(rows, run, device)
+            _slowest_rank(rows, run, b.device)
     finally:
         if sampler:
             run.update(sampler.stop())
         run["attention_kernel"] = watch.kernel()
-        # A run that stops early (a signal, out of memory) keeps every step that finished, read back or not.
-        recorded = {row["step"] for row in rows}
-        for i, start, end, loss in pending:
-            if i in recorded:
-                continue
-            try:   # this rank's own figures: the others may be gone
-                record(i, clock.ms(start, end), loss.item())
-            except Exception:   # the device itself failed: what it holds cannot be read back
-                break
-    if cfg.profile and not main:   # the other ranks step with rank 0, whose profile is the run's
-        for _ in range(1 + PROFILE_STEPS):
-            clock.wait(step()[0])
-        return None
-    if cfg.profile:
-        measured = [r["step_ms"] for r in rows if not r["warmup"]]
-        return profile_steps(step, clock, cfg, device, run, {
-            "flops_per_step": flops_token * cfg.batch_size * cfg.seq_len, "peak_flops": peak,
-            "median_step_ms": metrics.median_iqr(measured)[0] if measured else None})
-    return None
+        times.record_unread(record, {row["step"] for row in rows})
 
 
 def _slowest_rank(rows, run, device):

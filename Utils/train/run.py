@@ -13,7 +13,7 @@ import tempfile
 import traceback
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Callable, NamedTuple
 
@@ -359,137 +359,211 @@ def _next_divisor_below(batch: int, micro: int) -> int | None:
 def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None) -> int:
     """Run and record `additions`; a peer trains its own model under the same additions and loop. Returns the
     exit status."""
-    name = peer.name if peer else run_name(additions)
-    if pins_sdpa(additions, cfg, peer):
-        name += f"@{cfg.sdpa_backend}"   # another kernel than PyTorch's choice: another row of the report
     dist = distributed.from_env(cfg.parallel)
-    device = torch.device(cfg.device)
     try:
         tokens, data_name = load_tokens(cfg.data, PRESETS[cfg.model].vocab_size, cfg.seed, cfg.data_dir)
         check_enough_tokens(len(tokens), cfg.batch_size, cfg.seq_len, dist.world_size, data_name)
     except DataError as e:
         return fail(str(e))
-    world = dist.world_size
+    device = torch.device(cfg.device)
     if dist.active:
         try:
             device = distributed.init(dist, cfg.device)
         except Exception as e:
             return fail(f"rank {dist.rank} cannot join the other processes: {first_line(e)}")
-    run_id = f"{datetime.now():%Y%m%d-%H%M%S}-{name}-{uuid.uuid4().hex[:6]}"
     config = {"run": cfg.as_dict(), "additions": list(additions)}
-    run = {"run_id": distributed.broadcast_text(run_id, device),
-           "optimization": name, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "steps": cfg.steps, "warmup_steps": cfg.warmup, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-           "model": cfg.model, "data": data_name, "command": command, "nproc": world, "parallel": cfg.parallel,
-           "rank": dist.rank, "gpu_memory_gib": cfg.gpu_memory_gib,   # a run where nothing fits is compared too
-           "config": json.dumps(config, sort_keys=True),
-           **environment(device)}
-    changes = " ".join(additions) or "none"
-    spread = f" | {world} process{'es' if world > 1 else ''}, {cfg.parallel}" if dist.active else ""
+    run = _new_record(_display_name(additions, cfg, peer), cfg, command, dist, device, data_name, config)
     if dist.main:
-        print(f"{name} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {data_name} | "
-              f"{device.type} {run['gpu_name']} | additions: {changes} | steps {cfg.steps} (warm-up {cfg.warmup}) "
-              f"| seed {cfg.seed}{spread}", flush=True)
-
-    rows, held = [], {}
-    restarts = []   # the micro-batches the run itself ran out of memory at, MICRO_BATCH=auto's choice first
-    status, message, code = "ok", "", 0
-    auto = cfg.micro_batch is None   # MICRO_BATCH=auto, before choose_micro_batch settles it
+        print(_start_line(run, additions, cfg, dist, device), flush=True)
+    tries = Tries(cfg, auto=cfg.micro_batch is None)   # MICRO_BATCH=auto, before choose_micro_batch settles it
     reset_peak_memory(device)
-    trace, counts_before = None, compile_counts()
+    tries.counts_before = compile_counts()
     with Interrupts() as interrupts, cold_caches(cfg.cold) as renew_cold_caches, \
             autograd_cache_unless(pins_sdpa(additions, cfg, peer)):
         try:
-            try:   # the only place a signal raises; every handler below runs with it disarmed
-                interrupts.arm()
-                cap_memory(device, cfg.gpu_memory_gib)
-                cfg = choose_micro_batch(additions, cfg, device, tokens, dist, peer, run)
-                while True:
-                    if interrupts.requested:   # a signal whose exception a finalizer swallowed while freeing
-                        raise KeyboardInterrupt
-                    renew_cold_caches()   # what the search compiled is not the run's compilation, nor its cache
-                    counts_before = compile_counts()
-                    reset_peak_memory(device)
-                    try:
-                        trace = _build_and_train(additions, cfg, device, tokens, dist, peer, run, rows, held, config)
-                        break
-                    except Exception as e:   # noqa: BLE001 - raised again unless the run may start again smaller
-                        smaller = _smaller_micro_batch(e, cfg, auto, dist, len(restarts))
-                        if smaller is None:
-                            raise
-                    # outside the handler: the exception's frames no longer hold the run's tensors
-                    if dist.main:
-                        chose = " too" if restarts else ", which MICRO_BATCH=auto chose,"
-                        print(f"micro-batch: {cfg.micro_batch} rows{chose} ran out of memory in the run's step "
-                              f"{len(rows) + 1}: the run starts again at {smaller}", flush=True)
-                    restarts.append(cfg.micro_batch)
-                    rows.clear()
-                    held.clear()
-                    free(device)
-                    cfg = replace(cfg, micro_batch=smaller)
-                    run.update(micro_batch=smaller, accumulation_steps=cfg.batch_size // smaller)
-                if restarts:
-                    run["notes"] = "; ".join(filter(None, [run.get("notes"), (
-                        f"MICRO_BATCH=auto chose {restarts[0]}; the run ran out of memory at "
-                        f"{', '.join(map(str, restarts))} and was measured at {cfg.micro_batch}")]))
-            finally:
-                interrupts.disarm()
-        except Unavailable as e:
-            status, message, code = "skipped", str(e), EXIT_SKIPPED
-        except NothingFits as e:
-            status, message, code = "oom", str(e), EXIT_OOM
+            _train_until_it_fits(additions, tries, device, tokens, dist, peer, run, config, interrupts,
+                                 renew_cold_caches)
+            outcome = ("ok", "", 0)
         except KeyboardInterrupt:
-            pass   # recorded below, with a signal that came after training
+            outcome = ("ok", "", 0)   # recorded below, with a signal that came after training
         except Exception as e:
-            if out_of_memory(e):
-                peak = peak_memory_gib(device)[0]
-                status, code = "oom", EXIT_OOM
-                micro = cfg.micro_batch or cfg.batch_size
-                smaller = _next_divisor_below(cfg.batch_size, micro)
-                message = (f"out of memory at MICRO_BATCH={micro} (BATCH_SIZE={cfg.batch_size}) after {len(rows)} steps"
-                           + (f" (peak {peak:.1f} GiB allocated)" if peak is not None else "")
-                           + (f", the run having run out at {', '.join(map(str, restarts))} before (MICRO_BATCH=auto "
-                              f"chose {restarts[0]})" if restarts else "")
-                           + (f": try MICRO_BATCH={smaller}" + ("" if auto else
-                                                                        ", or MICRO_BATCH=auto, which finds the largest that fits")
-                              if smaller else f": one row does not fit; try SEQ_LEN={max(1, cfg.seq_len // 2)}, a "
-                                              f"smaller MODEL, or a rung that saves memory (flash, 8bit)"))
-            else:
-                log = _write_error_log(cfg.prefix, run["run_id"], dist.rank)
-                where = f" (the whole error: {log})" if log else ""
-                if compile_failure(e) and not rows:
-                    status, code = "skipped", EXIT_SKIPPED
-                    message = f"torch.compile cannot compile here: {first_line(e)}{where}"
-                else:
-                    status, code = "failed", EXIT_FAILED
-                    message = f"{first_line(e)}{where}"
+            outcome = _failure(e, tries, device, run["run_id"], dist.rank)
         interrupts.disarm()
-        run["peak_mem_allocated_gib"], run["peak_mem_reserved_gib"] = peak_memory_gib(device)
-        held.clear()
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        add_run_figures(additions, cfg, run, rows, counts_before)
-        if interrupts.requested:   # at any moment until now, whatever else its arrival made of the run
-            status, code = "interrupted", EXIT_INTERRUPTED
-            message = f"interrupted after {len(rows)} of {cfg.steps} steps; the measured steps are kept"
-        if dist.active and dist.main and status != "ok":
-            # Another rank's failure ends every rank: torchrun stops them, or their collectives break. Its
-            # report names the cause.
-            other = distributed.other_failure(cfg.prefix, run["run_id"], world)
-            if other:
-                status, message = other
-                code = EXIT_OOM if status == "oom" else EXIT_FAILED
+        _release_and_measure(additions, tries, device, run)
+        status, message, code = _final_status(outcome, interrupts.requested, tries, dist, run["run_id"])
         run.update(status=status, message=message)
-        if not dist.main:
-            if status in ("failed", "oom"):
-                distributed.report_failure(cfg.prefix, run["run_id"], dist.rank, status, message)
-                print(f"error: rank {dist.rank}: {run['optimization']} {status}: {message}", file=sys.stderr)
-            distributed.close()
-            return code
-        code = record(cfg, run, rows, code, trace)
+        return _close(tries, dist, run, code)
+
+
+def _display_name(additions: tuple, cfg: RunConfig, peer: Peer | None) -> str:
+    """The run's name in the results: the rung's or the peer's, with the SDPA backend where it is pinned."""
+    name = peer.name if peer else run_name(additions)
+    if pins_sdpa(additions, cfg, peer):
+        name += f"@{cfg.sdpa_backend}"   # another kernel than PyTorch's choice: another row of the report
+    return name
+
+
+def _new_record(name: str, cfg: RunConfig, command: str, dist: distributed.Dist, device: torch.device,
+                data_name: str, config: dict) -> dict:
+    """runs.csv's row of the run as it starts: its id (rank 0's, on every rank), what it runs and on what; the
+    figures and the status are added as the run goes."""
+    run_id = f"{datetime.now():%Y%m%d-%H%M%S}-{name}-{uuid.uuid4().hex[:6]}"
+    return {"run_id": distributed.broadcast_text(run_id, device),
+            "optimization": name, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "steps": cfg.steps, "warmup_steps": cfg.warmup, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
+            "model": cfg.model, "data": data_name, "command": command, "nproc": dist.world_size,
+            "parallel": cfg.parallel, "rank": dist.rank,
+            "gpu_memory_gib": cfg.gpu_memory_gib,   # a run where nothing fits is compared too
+            "config": json.dumps(config, sort_keys=True),
+            **environment(device)}
+
+
+def _start_line(run: dict, additions: tuple, cfg: RunConfig, dist: distributed.Dist, device: torch.device) -> str:
+    """The line a run starts with: what it trains, on what, with which additions, for how many steps."""
+    world = dist.world_size
+    changes = " ".join(additions) or "none"
+    spread = f" | {world} process{'es' if world > 1 else ''}, {cfg.parallel}" if dist.active else ""
+    return (f"{run['optimization']} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {run['data']} | "
+            f"{device.type} {run['gpu_name']} | additions: {changes} | steps {cfg.steps} (warm-up {cfg.warmup}) "
+            f"| seed {cfg.seed}{spread}")
+
+
+@dataclass
+class Tries:
+    """What the run's tries share: the config as settled so far (the micro-batch MICRO_BATCH=auto chose, then
+    each restart's), the step rows and the build of the current try, and what the finished one left."""
+    cfg: RunConfig
+    auto: bool                     # MICRO_BATCH=auto: the run may start again smaller
+    rows: list = field(default_factory=list)
+    held: dict = field(default_factory=dict)   # the build, dropped before the run is measured and recorded
+    restarts: list[int] = field(default_factory=list)   # the micro-batches the run itself ran out of memory at
+    trace: str | None = None       # the profiled steps' trace (PROFILE=1)
+    counts_before: tuple[int, int] = (0, 0)   # compile_counts() as the last try started
+
+
+def _train_until_it_fits(additions: tuple, tries: Tries, device: torch.device, tokens, dist: distributed.Dist,
+                         peer: Peer | None, run: dict, config: dict, interrupts: Interrupts,
+                         renew_cold_caches: Callable[[], None]) -> None:
+    """Settle the micro-batch and train, starting again one divisor smaller where the run itself runs out of
+    memory (_smaller_micro_batch). The only place a signal raises: every handler after it runs disarmed."""
+    try:
+        interrupts.arm()
+        cap_memory(device, tries.cfg.gpu_memory_gib)
+        tries.cfg = choose_micro_batch(additions, tries.cfg, device, tokens, dist, peer, run)
+        while True:
+            if interrupts.requested:   # a signal whose exception a finalizer swallowed while freeing
+                raise KeyboardInterrupt
+            renew_cold_caches()   # what the search compiled is not the run's compilation, nor its cache
+            tries.counts_before = compile_counts()
+            reset_peak_memory(device)
+            try:
+                tries.trace = _build_and_train(additions, tries.cfg, device, tokens, dist, peer, run, tries.rows,
+                                               tries.held, config)
+                break
+            except Exception as e:   # noqa: BLE001 - raised again unless the run may start again smaller
+                smaller = _smaller_micro_batch(e, tries.cfg, tries.auto, dist, len(tries.restarts))
+                if smaller is None:
+                    raise
+            # outside the handler: the exception's frames no longer hold the run's tensors
+            _start_again(tries, smaller, device, dist, run)
+        if tries.restarts:
+            run["notes"] = "; ".join(filter(None, [run.get("notes"), (
+                f"MICRO_BATCH=auto chose {tries.restarts[0]}; the run ran out of memory at "
+                f"{', '.join(map(str, tries.restarts))} and was measured at {tries.cfg.micro_batch}")]))
+    finally:
+        interrupts.disarm()
+
+
+def _start_again(tries: Tries, smaller: int, device: torch.device, dist: distributed.Dist, run: dict) -> None:
+    """Drop the try that ran out of memory, its steps and its build, and set the run to `smaller` rows."""
+    cfg = tries.cfg
+    if dist.main:
+        chose = " too" if tries.restarts else ", which MICRO_BATCH=auto chose,"
+        print(f"micro-batch: {cfg.micro_batch} rows{chose} ran out of memory in the run's step "
+              f"{len(tries.rows) + 1}: the run starts again at {smaller}", flush=True)
+    tries.restarts.append(cfg.micro_batch)
+    tries.rows.clear()
+    tries.held.clear()
+    free(device)
+    tries.cfg = replace(cfg, micro_batch=smaller)
+    run.update(micro_batch=smaller, accumulation_steps=cfg.batch_size // smaller)
+
+
+def _failure(error: Exception, tries: Tries, device: torch.device, run_id: str, rank: int) -> tuple[str, str, int]:
+    """(status, message, exit status) of a run that raised `error`: skipped where the rung cannot run here (or
+    torch.compile cannot compile before any step), oom where it ran out of memory, else failed, with the whole
+    traceback written beside the results."""
+    if isinstance(error, Unavailable):
+        return "skipped", str(error), EXIT_SKIPPED
+    if isinstance(error, NothingFits):
+        return "oom", str(error), EXIT_OOM
+    if out_of_memory(error):
+        return "oom", _oom_message(tries, peak_memory_gib(device)[0]), EXIT_OOM
+    log = _write_error_log(tries.cfg.prefix, run_id, rank)
+    where = f" (the whole error: {log})" if log else ""
+    if compile_failure(error) and not tries.rows:
+        return "skipped", f"torch.compile cannot compile here: {first_line(error)}{where}", EXIT_SKIPPED
+    return "failed", f"{first_line(error)}{where}", EXIT_FAILED
+
+
+def _oom_message(tries: Tries, peak: float | None) -> str:
+    """What ran out of memory after how many steps, at what peak, after which restarts, and what to try next."""
+    cfg, restarts = tries.cfg, tries.restarts
+    micro = cfg.micro_batch or cfg.batch_size
+    smaller = _next_divisor_below(cfg.batch_size, micro)
+    return (f"out of memory at MICRO_BATCH={micro} (BATCH_SIZE={cfg.batch_size}) after {len(tries.rows)} steps"
+            + (f" (peak {peak:.1f} GiB allocated)" if peak is not None else "")
+            + (f", the run having run out at {', '.join(map(str, restarts))} before (MICRO_BATCH=auto "
+               f"chose {restarts[0]})" if restarts else "")
+            + (f": try MICRO_BATCH={smaller}" + ("" if tries.auto else
+                                                  ", or MICRO_BATCH=auto, which finds the largest that fits")
+               if smaller else f": one row does not fit; try SEQ_LEN={max(1, cfg.seq_len // 2)}, a "
+                               f"smaller MODEL, or a rung that saves memory (flash, 8bit)"))
+
+
+def _release_and_measure(additions: tuple, tries: Tries, device: torch.device, run: dict) -> None:
+    """The run's peak memory, then its build released (the memory back to the device), then its figures from
+    the steps it kept."""
+    run["peak_mem_allocated_gib"], run["peak_mem_reserved_gib"] = peak_memory_gib(device)
+    tries.held.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    add_run_figures(additions, tries.cfg, run, tries.rows, tries.counts_before)
+
+
+def _final_status(outcome: tuple[str, str, int], interrupted: bool, tries: Tries, dist: distributed.Dist,
+                  run_id: str) -> tuple[str, str, int]:
+    """(status, message, exit status) the run is recorded with: `outcome`, unless a signal came at any moment
+    until now, whatever else its arrival made of the run, or another rank's failure ended this one."""
+    status, message, code = outcome
+    cfg = tries.cfg
+    if interrupted:
+        status, code = "interrupted", EXIT_INTERRUPTED
+        message = f"interrupted after {len(tries.rows)} of {cfg.steps} steps; the measured steps are kept"
+    if dist.active and dist.main and status != "ok":
+        # Another rank's failure ends every rank: torchrun stops them, or their collectives break. Its
+        # report names the cause.
+        other = distributed.other_failure(cfg.prefix, run_id, dist.world_size)
+        if other:
+            status, message = other
+            code = EXIT_OOM if status == "oom" else EXIT_FAILED
+    return status, message, code
+
+
+def _close(tries: Tries, dist: distributed.Dist, run: dict, code: int) -> int:
+    """Rank 0 records the run; another rank records nothing and reports its own failure for rank 0 to name.
+    Either leaves the process group; the exit status."""
+    if not dist.main:
+        if run["status"] in ("failed", "oom"):
+            distributed.report_failure(tries.cfg.prefix, run["run_id"], dist.rank, run["status"], run["message"])
+            print(f"error: rank {dist.rank}: {run['optimization']} {run['status']}: {run['message']}",
+                  file=sys.stderr)
         distributed.close()
         return code
+    code = record(tries.cfg, run, tries.rows, code, tries.trace)
+    distributed.close()
+    return code
 
 
 def first_non_finite_loss(rows: list) -> str | None:

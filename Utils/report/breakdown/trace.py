@@ -195,90 +195,122 @@ def split(trace: dict, flops_per_step: "float | None" = None, peak_flops: "float
     events) / overhead instead. Raises TraceError when there is no ProfilerStep window.
     """
     events = list(_complete_events(trace))
+    windows = _step_windows(events)
+    gpu_events, gpu_name = _gpu_activities(trace, events, device)
+    gpu = bool(gpu_events)
+    totals = _Totals()
+    per_step = []
+    activities = gpu_events if gpu else [e for e in events if e.get("cat") == "cpu_op"]
+    for (w_start, w_end, name), evs in zip(windows, _by_window(windows, activities)):
+        us = _split_gpu_window(evs, w_start, w_end, totals) if gpu else _split_cpu_window(evs, w_start, w_end)
+        per_step.append({"step": name, "window_ms": (w_end - w_start) / 1e3, **{c: v / 1e3 for c, v in us.items()}})
+    if peak_bandwidth is None:
+        peak_bandwidth = gpu_peak_bandwidth(gpu_name)
+    meta = {key: trace.get(key) for key in ("run_id", "git_commit", "started_at", "torch_version")}
+    return _mean_breakdown(gpu, gpu_name, per_step, totals, flops_per_step=flops_per_step, peak_flops=peak_flops,
+                           peak_bandwidth=peak_bandwidth,
+                           **{key: str(value) if value is not None else None for key, value in meta.items()})
+
+
+def _step_windows(events: list[dict]) -> list[tuple[float, float, str]]:
+    """(start, end, name) of every ProfilerStep#N annotation, in time order: the steps the trace profiled."""
     windows = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                      if e.get("cat") == "user_annotation" and _STEP_NAME.match(str(e.get("name", ""))))
     if not windows:
         raise TraceError("the trace has no ProfilerStep#N annotations: profile with "
                          "torch.profiler.profile(..., schedule=torch.profiler.schedule(wait=0, warmup=1, "
                          "active=K, repeat=1)) and call prof.step() after every step")
+    return windows
 
+
+def _gpu_activities(trace: dict, events: list[dict], device: "int | None") -> tuple[list[dict], str]:
+    """(the GPU activities of `device`, its name): every device's when None and the trace holds one only;
+    ([], "cpu") for a trace without GPU activity."""
     gpu_events = [e for e in events if str(e.get("cat", "")).lower() in (_KERNEL_CAT, *_COPY_CATS)]
     devices = sorted({(e.get("args") or {}).get("device") for e in gpu_events} - {None})
     if device is None and len(devices) > 1:
         raise TraceError(f"the trace holds GPU activity of devices {devices}: pass device= to split one")
     if device is not None:
         gpu_events = [e for e in gpu_events if (e.get("args") or {}).get("device") == device]
-    gpu = bool(gpu_events)
-    gpu_name = trace_gpu_name(trace, device if device is not None else (devices[0] if devices else None)) \
-        if gpu else "cpu"
+    if not gpu_events:
+        return gpu_events, "cpu"
+    return gpu_events, trace_gpu_name(trace, device if device is not None else (devices[0] if devices else None))
 
+
+def _by_window(windows: list[tuple[float, float, str]], events: list[dict]) -> list[list[dict]]:
+    """The events that start inside each window, a list per window: an event belongs to the step it starts in."""
     starts = [w[0] for w in windows]
     by_window = [[] for _ in windows]
-
-    def place(e):
+    for e in events:
         i = bisect.bisect_right(starts, e["ts"]) - 1
         if i >= 0 and e["ts"] < windows[i][1]:
             by_window[i].append(e)
+    return by_window
 
-    for e in (gpu_events if gpu else [e for e in events if e.get("cat") == "cpu_op"]):
-        place(e)
 
-    per_step, kernel_totals, transfer_totals, gap_totals = [], {}, {}, {}
-    for (w_start, w_end, name), evs in zip(windows, by_window):
-        window = w_end - w_start
-        spans = {COMPUTE: [], MEMORY: [], UNKNOWN: [], CPU_OPS: []}
-        named = []   # (start, end, name) of every GPU activity: where the idle stretches sit
-        for e in evs:
-            start, end = e["ts"], min(e["ts"] + e["dur"], w_end)
-            kname = str(e.get("name", ""))
-            if not gpu:
-                spans[CPU_OPS].append((start, end))
-                continue
-            cat = str(e.get("cat")).lower()
-            if cat in _COPY_CATS:
-                cls, label = MEMORY, _COPY_CATS[cat]
-                nbytes = (e.get("args") or {}).get("bytes")
-                if isinstance(nbytes, (int, float)):
-                    t = transfer_totals.setdefault(kname, [0.0, 0.0])
-                    t[0] += nbytes
-                    t[1] += end - start
-            else:
-                cls, label = classify(kname)
-            spans[cls or UNKNOWN].append((start, end))
-            named.append((start, end, kname))
-            k = kernel_totals.setdefault(kname, [cls, label, 0.0, 0])
-            k[2] += end - start
-            k[3] += 1
-        if gpu:
-            c = _union_length(spans[COMPUTE])
-            cm = _union_length(spans[COMPUTE] + spans[MEMORY])
-            busy = _union_length(spans[COMPUTE] + spans[MEMORY] + spans[UNKNOWN])
-            us = {COMPUTE: c, MEMORY: cm - c, UNKNOWN: busy - cm, OVERHEAD: window - busy}
-            for before, after, length in _idle(named, w_start, w_end):
-                g = gap_totals.setdefault((before, after), [0.0, 0])
-                g[0] += length
-                g[1] += 1
+@dataclass
+class _Totals:
+    """Sums over every window, which the Breakdown divides by the number of windows."""
+    kernels: dict = field(default_factory=dict)     # name -> [cls, label, total us, calls]
+    transfers: dict = field(default_factory=dict)   # name -> [bytes, total us]
+    gaps: dict = field(default_factory=dict)        # (before, after) -> [total us, count]
+
+
+def _split_gpu_window(evs: list[dict], w_start: float, w_end: float, totals: _Totals) -> dict[str, float]:
+    """One window's GPU_CLASSES in microseconds, each activity cut off at the window's end and counted once,
+    compute first; its kernels, copies and idle stretches added to `totals`."""
+    spans = {COMPUTE: [], MEMORY: [], UNKNOWN: []}
+    named = []   # (start, end, name) of every GPU activity: where the idle stretches sit
+    for e in evs:
+        start, end = e["ts"], min(e["ts"] + e["dur"], w_end)
+        kname = str(e.get("name", ""))
+        cat = str(e.get("cat")).lower()
+        if cat in _COPY_CATS:
+            cls, label = MEMORY, _COPY_CATS[cat]
+            nbytes = (e.get("args") or {}).get("bytes")
+            if isinstance(nbytes, (int, float)):
+                t = totals.transfers.setdefault(kname, [0.0, 0.0])
+                t[0] += nbytes
+                t[1] += end - start
         else:
-            busy = _union_length(spans[CPU_OPS])
-            us = {CPU_OPS: busy, OVERHEAD: window - busy}
-        per_step.append({"step": name, "window_ms": window / 1e3, **{c: v / 1e3 for c, v in us.items()}})
+            cls, label = classify(kname)
+        spans[cls or UNKNOWN].append((start, end))
+        named.append((start, end, kname))
+        k = totals.kernels.setdefault(kname, [cls, label, 0.0, 0])
+        k[2] += end - start
+        k[3] += 1
+    c = _union_length(spans[COMPUTE])
+    cm = _union_length(spans[COMPUTE] + spans[MEMORY])
+    busy = _union_length(spans[COMPUTE] + spans[MEMORY] + spans[UNKNOWN])
+    for before, after, length in _idle(named, w_start, w_end):
+        g = totals.gaps.setdefault((before, after), [0.0, 0])
+        g[0] += length
+        g[1] += 1
+    return {COMPUTE: c, MEMORY: cm - c, UNKNOWN: busy - cm, OVERHEAD: (w_end - w_start) - busy}
 
-    n = len(windows)
+
+def _split_cpu_window(evs: list[dict], w_start: float, w_end: float) -> dict[str, float]:
+    """One window of a trace without GPU activity in microseconds: the time inside PyTorch operators (cpu_ops),
+    each cut off at the window's end, and the rest (overhead)."""
+    busy = _union_length([(e["ts"], min(e["ts"] + e["dur"], w_end)) for e in evs])
+    return {CPU_OPS: busy, OVERHEAD: (w_end - w_start) - busy}
+
+
+def _mean_breakdown(gpu: bool, gpu_name: str, per_step: list[dict], totals: _Totals, **figures: object) -> Breakdown:
+    """The Breakdown of the windows' mean: class times, kernels, copies and gaps per step, longest first;
+    `figures` (the peaks, FLOPs per step and the trace's metadata) carried as given."""
+    n = len(per_step)
     classes = GPU_CLASSES if gpu else CPU_CLASSES
     ms = {c: sum(s[c] for s in per_step) / n for c in classes}
     kernels = sorted((KernelStat(name, cls, label, total / 1e3 / n, calls / n)
-                      for name, (cls, label, total, calls) in kernel_totals.items()),
+                      for name, (cls, label, total, calls) in totals.kernels.items()),
                      key=lambda k: (-k.ms_per_step, k.name))
-    transfers = sorted((Transfer(name, b / n, t / 1e3 / n) for name, (b, t) in transfer_totals.items()),
+    transfers = sorted((Transfer(name, b / n, t / 1e3 / n) for name, (b, t) in totals.transfers.items()),
                        key=lambda t: (-t.ms_per_step, t.name))
     gaps = sorted((Gap(before, after, total / 1e3 / n, count / n)
-                   for (before, after), (total, count) in gap_totals.items()),
+                   for (before, after), (total, count) in totals.gaps.items()),
                   key=lambda g: (-g.ms_per_step, g.before, g.after))
-    meta = {key: trace.get(key) for key in ("run_id", "git_commit", "started_at", "torch_version")}
-    meta = {key: str(value) if value is not None else None for key, value in meta.items()}
     return Breakdown(gpu=gpu, gpu_name=gpu_name, steps=n, step_ms=sum(s["window_ms"] for s in per_step) / n,
                      ms=ms, per_step=per_step, kernels=kernels,
                      unknown=[k.name for k in kernels if k.cls is None], transfers=transfers, gaps=gaps,
-                     flops_per_step=flops_per_step, peak_flops=peak_flops,
-                     peak_bandwidth=peak_bandwidth if peak_bandwidth is not None else gpu_peak_bandwidth(gpu_name),
-                     **meta)
+                     **figures)

@@ -178,16 +178,10 @@ def _fastest(launch, candidates):
     return min(range(candidates), key=times.__getitem__)
 
 
-def _matmul(epilogue: int, x: Tensor, y: Tensor, out: Tensor, bias: Tensor | None, aux: Tensor | None,
-            x_t: bool = False, y_t: bool = False, algo: int | None = None,
-            scales: tuple[Tensor, Tensor] | None = None) -> None:
-    """out = op(x) @ op(y), op transposing where x_t / y_t, with `epilogue`; `bias` (one entry per column of
-    out) and `aux` (out's shape) as the epilogue uses them. `algo` picks a heuristic candidate; by default,
-    the one found fastest on the shape's first call (the heuristic's first while a CUDA graph is captured).
-    With e4m3 x and y, `scales` are x's and y's inverse scales (0-d fp32 tensors that the product is
-    multiplied by), out, bias and aux are bf16, and y must be transposed (Hopper's FP8 GEMMs read both
-    operands along the summed dimension).
-    """
+def _shape(x: Tensor, y: Tensor, out: Tensor, bias: Tensor | None, aux: Tensor | None, x_t: bool, y_t: bool,
+           scales: tuple[Tensor, Tensor] | None) -> tuple[int, int, int]:
+    """(rows, columns, k) of _matmul's product, after checking what cuBLASLt takes: dtypes, layout, alignment,
+    shapes and device; a ValueError names what does not fit."""
     tensors = [t for t in (x, y, out, bias, aux) if t is not None]
     if x.dtype == torch.float8_e4m3fn:
         if (y.dtype != x.dtype or any(t.dtype != torch.bfloat16 for t in (out, bias, aux) if t is not None)
@@ -221,6 +215,20 @@ def _matmul(epilogue: int, x: Tensor, y: Tensor, out: Tensor, bias: Tensor | Non
     if any(t.device.type != "cuda" or t.device != x.device for t in tensors + list(scales or ())):
         raise ValueError(f"cuBLASLt GEMMs take tensors on one CUDA device, got "
                          f"{', '.join(str(t.device) for t in tensors)}")
+    return rows, columns, k
+
+
+def _matmul(epilogue: int, x: Tensor, y: Tensor, out: Tensor, bias: Tensor | None, aux: Tensor | None,
+            x_t: bool = False, y_t: bool = False, algo: int | None = None,
+            scales: tuple[Tensor, Tensor] | None = None) -> None:
+    """out = op(x) @ op(y), op transposing where x_t / y_t, with `epilogue`; `bias` (one entry per column of
+    out) and `aux` (out's shape) as the epilogue uses them. `algo` picks a heuristic candidate; by default,
+    the one found fastest on the shape's first call (the heuristic's first while a CUDA graph is captured).
+    With e4m3 x and y, `scales` are x's and y's inverse scales (0-d fp32 tensors that the product is
+    multiplied by), out, bias and aux are bf16, and y must be transposed (Hopper's FP8 GEMMs read both
+    operands along the summed dimension).
+    """
+    rows, columns, k = _shape(x, y, out, bias, aux, x_t, y_t, scales)
     if _library() is None:
         raise RuntimeError("cuBLASLt was not found: the GEMM epilogues need a CUDA build of PyTorch on a GPU")
     # Row-major out = op(x) @ op(y) is column-major out.T = op(y).T @ op(x).T: A is y, B is x.

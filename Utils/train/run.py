@@ -341,10 +341,8 @@ MAX_RESTARTS = 2
 def _smaller_micro_batch(error: BaseException, cfg: RunConfig, auto: bool, dist, restarts: int) -> int | None:
     """The next divisor below cfg's micro-batch, at which a run whose micro-batch MICRO_BATCH=auto chose starts
     again when it runs out of memory after all (at most MAX_RESTARTS times), else None. The search's steps leave
-    the allocator in another state than the run's (measured: torch_compile's 8 rows of 256 at SEQ_LEN=256 fitted
-    the search in 3.42 of 3.5 GiB and ran out in the run's second step; BENCHMARKS.md, "Small cards"), so the run
-    itself is the last try, as it is the only one for accelerate's find_executable_batch_size. On a CPU, where
-    auto takes the whole batch untried, the same. Not under several processes: the other ranks are inside a
+    the allocator in another state than the run's, so a fit without margin can still run out (BENCHMARKS.md,
+    "Small cards"): the run itself is the last try. Not under several processes: the other ranks are inside a
     collective, and one rank cannot start again alone."""
     if not auto or dist.active or restarts >= MAX_RESTARTS or not out_of_memory(error):
         return None

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from Utils.train.run import main
 
@@ -209,3 +210,12 @@ def test_the_recorded_commit_names_a_changed_tree_by_its_changes(tmp_path, monke
     assert provenance.git_commit() == sha                     # a run appended to committed results: the same code
     monkeypatch.setenv("GIT_COMMIT", "from-the-environment")
     assert provenance.git_commit() == "from-the-environment"
+
+
+def test_a_runs_provenance_is_runs_csv_environment_columns():
+    from Utils.results.schema import RUN_COLUMNS
+    from Utils.train.provenance import provenance
+    columns = provenance(torch.device("cpu")).columns()
+    assert set(columns) <= set(RUN_COLUMNS)
+    assert columns["device"] == "cpu" and columns["gpu_name"] == "cpu" and columns["gpu_uuid"] == ""
+    assert columns["torch_version"] == torch.__version__ and all(isinstance(v, str) for v in columns.values())

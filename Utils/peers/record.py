@@ -17,7 +17,7 @@ from Utils.results.store import ResultsError, check_prefix
 from Utils.train import nvml
 from Utils.train.cli import UsageError, parse_args
 from Utils.train.data import DataError, check_enough_tokens, load_tokens
-from Utils.train.provenance import environment, gpu_uuid
+from Utils.train.provenance import gpu_uuid, provenance
 from Utils.train.run import EXIT_FAILED, EXIT_SKIPPED, add_run_figures, record
 from Utils.train.usage import fail
 
@@ -66,7 +66,7 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
     finally:
         if sampler:
             run.update(sampler.stop())
-    run.update(environment(device))   # after the peer: no CUDA context of ours beside it while it ran
+    run.update(provenance(device).columns())   # after the peer: no CUDA context of ours beside it while it ran
     n_params, flops = _counts(cfg.model, cfg.seq_len)
     peak = peak_bf16_flops(run["gpu_name"]) if device.type == "cuda" else None
     rows = _rows(name, run_id, cfg, steps, flops, peak)

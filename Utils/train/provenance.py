@@ -7,6 +7,7 @@ installed distributions (importlib.metadata), never by importing a package the r
 import hashlib
 import os
 import subprocess
+from dataclasses import asdict, dataclass
 from importlib import metadata
 
 import torch
@@ -65,18 +66,35 @@ def gpu_uuid(device: torch.device) -> str:
     return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
 
 
-def environment(device: torch.device) -> dict:
-    """runs.csv's environment columns for a run on `device`."""
+@dataclass(frozen=True)
+class Provenance:
+    """Where a run's figures come from: runs.csv's environment columns, one field each."""
+    device: str
+    gpu_name: str
+    gpu_uuid: str
+    torch_version: str
+    cuda_version: str
+    cudnn_version: str
+    driver_version: str
+    git_commit: str
+    triton_version: str
+    bitsandbytes_version: str
+    cudnn_frontend_version: str
+
+    def columns(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def provenance(device: torch.device) -> Provenance:
+    """The provenance of a run on `device`."""
     cuda = device.type == "cuda"
-    env = {
-        "device": device.type,
-        "gpu_name": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "gpu_uuid": gpu_uuid(device),
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda if cuda else "",
-        "cudnn_version": cudnn_version() if cuda else "",
-        "driver_version": nvml.driver_version() if cuda else "",
-        "git_commit": git_commit(),
-    }
-    env.update({column: version_of(name) for column, name in DISTRIBUTIONS.items()})
-    return env
+    return Provenance(
+        device=device.type,
+        gpu_name=torch.cuda.get_device_name(device) if cuda else "cpu",
+        gpu_uuid=gpu_uuid(device),
+        torch_version=torch.__version__,
+        cuda_version=torch.version.cuda if cuda else "",
+        cudnn_version=cudnn_version() if cuda else "",
+        driver_version=nvml.driver_version() if cuda else "",
+        git_commit=git_commit(),
+        **{column: version_of(name) for column, name in DISTRIBUTIONS.items()})

@@ -33,7 +33,7 @@ from Utils.train.interrupts import EXIT_INTERRUPTED, Interrupts
 from Utils.train import distributed
 from Utils.train.loop import StepClock, make_step, train
 from Utils.train.micro import PROBE_STEPS, NothingFits, allocator_settings, attempt, cap_memory, free, search
-from Utils.train.provenance import environment
+from Utils.train.provenance import provenance
 from Utils.train.usage import fail
 
 EXIT_FAILED, EXIT_OOM, EXIT_SKIPPED = 1, 3, 4   # 2: bad input, or results that cannot be written (fail)
@@ -413,7 +413,7 @@ def _new_record(name: str, cfg: RunConfig, command: str, dist: distributed.Dist,
             "parallel": cfg.parallel, "rank": dist.rank,
             "gpu_memory_gib": cfg.gpu_memory_gib,   # a run where nothing fits is compared too
             "config": json.dumps(config, sort_keys=True),
-            **environment(device)}
+            **provenance(device).columns()}
 
 
 def _start_line(run: dict, additions: tuple, cfg: RunConfig, dist: distributed.Dist, device: torch.device) -> str:

@@ -1,8 +1,8 @@
 """The registry: every addition the suite knows, and the rungs as named combinations of them.
 
-An addition is one change to the training loop, applied by `Utils.ladder.apply.apply_<name>`. The
-rung scripts, the Makefile (`make additions`, `make custom WITH=...`), ablation, the README's table and
-the tests all read this file; it imports nothing, so `make help` and `make plots` do not load torch.
+An addition is one change to the training loop, applied by the function registered for it in
+`Utils.ladder.apply.APPLY`. The rung scripts, the Makefile (`make additions`, `make custom WITH=...`), ablation,
+the README's table and the tests all read this file; it imports nothing, so `make help` and `make plots` do not load torch.
 
 Additions apply in STAGES order, and within a stage in the order they are listed here:
   settings   switches read when the model and the step are built (precision, attention, padding)

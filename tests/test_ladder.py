@@ -931,3 +931,16 @@ def test_a_run_name_gives_back_its_additions():
         assert set(additions_of(run_name(names))) == set(names)
     assert additions_of("fused+warp_drive") is None and additions_of("custom") is None
     assert additions_of("fused+loss") == RUNGS["fused"].additions + ("loss",)   # the ablation's recorded names
+
+
+def test_the_max_rung_and_fsdp_s_refusals_come_from_each_addition_s_facts():
+    from Utils.ladder.registry import MAX_ADDITIONS, PARALLEL_EXCLUDES
+    assert MAX_ADDITIONS == tuple(a for a in ADDITIONS if ADDITIONS[a].in_max)
+    assert set(RUNGS["max"].additions) == set(RUNGS["fused"].additions) | {
+        "vocab_multiple", "fp8_head", "prefetch", "sync_every", "cudagraphs", "bf16_residual", "gelu_epilogue",
+        "fold_clip", "packed_attention", "gemm_bias_grad", "fp8_qkv_fc", "combo_kernels", "fold_norm"}
+    assert PARALLEL_EXCLUDES["ddp"] == {}
+    assert PARALLEL_EXCLUDES["fsdp"] == {a: ADDITIONS[a].fsdp for a in ADDITIONS if ADDITIONS[a].fsdp}
+    assert set(PARALLEL_EXCLUDES["fsdp"]) == {"gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel",
+                                              "fp8_head", "fp8_qkv_fc", "fold_clip", "fold_norm", "8bit",
+                                              "cudagraphs", "fp8"}

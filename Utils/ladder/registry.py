@@ -34,20 +34,32 @@ class Addition:
     in_max: bool = False           # the max rung takes it beyond the fused rung's: it measured faster on an H200
                                    # and kept the loss (BENCHMARKS.md gives each one's gain, and why others did not)
     fsdp: str = ""                 # why it cannot run under PARALLEL=fsdp; "" where it can
+    # What the roofline (Utils.report.roofline) counts differently under it; its numbers stay there:
+    matmuls: str = ""              # the format it runs the matmuls in: "tf32" or "bf16" (bf16 also halves activations)
+    scores_on_chip: bool = False   # attention keeps each tile of the T x T scores on the chip: no passes over them
+    compiled: bool = False         # torch.compile of the model: Inductor fuses the elementwise work into few kernels
+    optimizer: str = ""            # the optimizer step it runs: "fused" (one pass of AdamW) or "8bit" (AdamW8bit)
+    clip_folded: bool = False      # the optimizer divides by the clip factor as it reads each gradient
+    fp8_gemms: str = ""            # which GEMMs it runs in FP8: "head" (output layer), "qkv_fc" (c_attn's and
+                                   # c_fc's forward) or "blocks" (every block's linear layers)
 
     def __post_init__(self):
         if self.stage not in STAGES or self.pillar not in PILLARS:
             raise ValueError(f"{self.name}: stage must be one of {STAGES} and pillar one of {PILLARS}")
+        if self.matmuls not in ("", "tf32", "bf16") or self.optimizer not in ("", "fused", "8bit") \
+                or self.fp8_gemms not in ("", "head", "qkv_fc", "blocks") or bool(self.fp8_gemms) != self.fp8:
+            raise ValueError(f"{self.name}: matmuls is '', tf32 or bf16; optimizer '', fused or 8bit; fp8_gemms '', "
+                             f"head, qkv_fc or blocks, and set exactly where fp8 is")
 
 
 _ADDITIONS = [
     # settings
     Addition("tf32", "settings", "compute", "fp32 matmuls on the tensor cores in TF32 (10-bit mantissa)",
-             needs="an Ampere or newer GPU"),
+             needs="an Ampere or newer GPU", matmuls="tf32"),
     Addition("bf16", "settings", "compute", "bf16 autocast: matmuls and attention in bf16, softmax and loss in fp32",
-             needs="a GPU with bf16, or a CPU"),
+             needs="a GPU with bf16, or a CPU", matmuls="bf16"),
     Addition("flash", "settings", "memory", "F.scaled_dot_product_attention: the T x T scores never reach memory; "
-             "PyTorch picks the kernel (cuDNN's on Hopper, FlashAttention-2 on Ampere and Ada)"),
+             "PyTorch picks the kernel (cuDNN's on Hopper, FlashAttention-2 on Ampere and Ada)", scores_on_chip=True),
     Addition("vocab_multiple", "settings", "compute",
              "embedding padded to 50,304 rows, so the output layer's GEMM tiles evenly", in_max=True),
     # model
@@ -61,10 +73,11 @@ _ADDITIONS = [
              requires=("bf16",), excludes=("fp8",), in_max=True, fsdp=_WHOLE_TENSORS),
     # cuDNN's fused attention takes bf16 or fp16 only: without autocast there is no kernel to hold SDPA to.
     Addition("cudnn_attention", "model", "compute", "SDPA held to cuDNN's fused attention", needs="cuDNN on a GPU",
-             requires=("flash", "bf16"), excludes=("packed_attention",)),
+             requires=("flash", "bf16"), excludes=("packed_attention",), scores_on_chip=True),
     Addition("packed_attention", "model", "memory",
              "cuDNN attention reading q, k, v in the packed QKV tensor and writing one packed gradient",
-             needs="nvidia-cudnn-frontend and cuDNN 9 on a GPU", requires=("bf16",), in_max=True, fsdp=_WHOLE_TENSORS),
+             needs="nvidia-cudnn-frontend and cuDNN 9 on a GPU", requires=("bf16",), in_max=True, fsdp=_WHOLE_TENSORS,
+             scores_on_chip=True),
     Addition("loss", "model", "memory", "cross-entropy 4,096 tokens at a time: the logits never exist whole",
              excludes=("loss_kernel",)),
     Addition("loss_kernel", "model", "memory",
@@ -73,13 +86,13 @@ _ADDITIONS = [
     Addition("fp8_head", "model", "compute",
              "the output layer's three GEMMs in FP8 inside the chunked loss (e4m3 inputs, e5m2 gradient)",
              needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("loss", "loss_kernel"), fp8=True,
-             in_max=True, fsdp=_WHOLE_TENSORS),
+             fp8_gemms="head", in_max=True, fsdp=_WHOLE_TENSORS),
     Addition("fp8_qkv_fc", "model", "compute",
              "c_attn's and c_fc's forward GEMMs in FP8, their LayerNorm's output cast with a scale bounded in advance",
-             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",), fp8=True,
+             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",), fp8=True, fp8_gemms="qkv_fc",
              in_max=True, fsdp=_WHOLE_TENSORS),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
-             needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8=True,
+             needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8=True, fp8_gemms="blocks",
              fsdp="its scaled matmuls have not been tried on FSDP's shards"),
     Addition("fold_norm", "model", "memory",
              "each block LayerNorm's weight and bias applied by the layer reading it: no sums over the tokens",
@@ -88,7 +101,7 @@ _ADDITIONS = [
     # compile
     Addition("torch_compile", "compile", "overhead",
              "torch.compile: elementwise work fused into few kernels, far fewer launches",
-             needs="Triton on a GPU, a C++ compiler on a CPU"),
+             needs="Triton on a GPU, a C++ compiler on a CPU", compiled=True),
     Addition("cudagraphs", "compile", "overhead", "torch.compile with CUDA graphs: a step's launches replayed as one",
              needs="a GPU", requires=("torch_compile",),
              in_max=True, fsdp="a CUDA graph cannot hold FSDP's all-gathers and reduce-scatters"),
@@ -101,12 +114,13 @@ _ADDITIONS = [
              needs="Triton on a GPU", requires=("torch_compile",), in_max=True),
     # optimizer
     Addition("fused", "optimizer", "overhead", "AdamW(fused=True): one kernel over all parameters per step",
-             excludes=("8bit",)),
+             excludes=("8bit",), optimizer="fused"),
     Addition("8bit", "optimizer", "memory", "bitsandbytes' AdamW8bit: optimizer states in 8 bits",
-             needs="bitsandbytes", fsdp="bitsandbytes' optimizer takes whole tensors, not FSDP's DTensor shards"),
+             needs="bitsandbytes", optimizer="8bit",
+             fsdp="bitsandbytes' optimizer takes whole tensors, not FSDP's DTensor shards"),
     Addition("fold_clip", "optimizer", "memory",
              "fused AdamW divides by the clip factor as it reads each gradient", requires=("fused",),
-             excludes=("compiled_update",),
+             excludes=("compiled_update",), optimizer="fused", clip_folded=True,
              in_max=True, fsdp="its grad_scale from the gradients' norm has not been tried on FSDP's DTensor shards"),
     Addition("compiled_update", "optimizer", "overhead", "torch.compile of the gradient clip and optimizer step",
              requires=("torch_compile",)),

@@ -201,13 +201,13 @@ def model_pair(additions, dtype=None, batch=3, common=(), **fields):
                         additions=tuple(names))
         for name in names:
             if ADDITIONS[name].stage == "settings":
-                getattr(apply, f"apply_{name}")(b)
+                apply.APPLY[name](b)
         # The same draws for both: the same weights (a padded vocabulary pads after the init).
         torch.manual_seed(0)
         b.model = GPT(b.config).to(dtype or torch.float64)
         for name in names:
             if ADDITIONS[name].stage == "model":
-                (cpu_paths.get(name) or getattr(apply, f"apply_{name}"))(b)
+                (cpu_paths.get(name) or apply.APPLY[name])(b)
         return b.model
 
     plain, changed = make(common), make((*common, *additions))

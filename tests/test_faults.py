@@ -152,7 +152,7 @@ def test_a_compiler_failure_at_the_first_step_is_skipped_with_its_reason(tmp_pat
     def compile_broken(b):
         b.step_model = broken
 
-    monkeypatch.setattr(apply, "apply_torch_compile", compile_broken)
+    monkeypatch.setitem(apply.APPLY, "torch_compile", compile_broken)
     assert run_in_process("torch_compile", tmp_path) == EXIT_SKIPPED
     run = read_csv(tmp_path / "runs.csv")[-1]
     assert run["status"] == "skipped"
@@ -185,7 +185,7 @@ def test_a_compiler_failure_keeps_the_first_line_of_its_cause_and_the_whole_erro
     def broken(*a, **kw):
         raise BackendCompilerFailed(OSError("\nC++ compile error: fatal error: Python.h: No such file\nline two"))
 
-    monkeypatch.setattr(apply, "apply_torch_compile", lambda b: setattr(b, "step_model", broken))
+    monkeypatch.setitem(apply.APPLY, "torch_compile", lambda b: setattr(b, "step_model", broken))
     assert run_in_process("torch_compile", tmp_path) == EXIT_SKIPPED
     run = read_csv(tmp_path / "runs.csv")[-1]
     assert run["message"].startswith("torch.compile cannot compile here: OSError: C++ compile error: fatal error: "

@@ -252,11 +252,22 @@ def test_rung_order_puts_rungs_in_ladder_order_then_the_rest_alphabetically():
 
 
 def test_every_addition_has_one_apply_function_and_every_apply_function_an_addition():
+    assert list(apply.APPLY) == list(ADDITIONS)   # registered in the registry's order, one for each addition
     functions = {name for name, value in vars(apply).items() if name.startswith("apply_") and callable(value)}
     assert functions == {f"apply_{a}" for a in ADDITIONS}
-    for name in functions:
-        assert list(inspect.signature(getattr(apply, name)).parameters) == ["b"], name
-        assert getattr(apply, name).__doc__, f"{name} says what it changes and why"
+    for name, function in apply.APPLY.items():
+        # The notebook finds each one's source by this name (walkthrough.apply_sources).
+        assert function.__name__ == f"apply_{name}" and getattr(apply, function.__name__) is function, name
+        assert list(inspect.signature(function).parameters) == ["b"], name
+        assert function.__doc__, f"{name} says what it changes and why"
+
+
+def test_an_addition_registers_one_apply_function_and_only_an_addition_of_the_registry():
+    with pytest.raises(ValueError, match="apply_tf32 is already its apply function"):
+        apply.applies("tf32")(lambda b: None)
+    with pytest.raises(ValueError, match="has no addition warp_drive"):
+        apply.applies("warp_drive")(lambda b: None)
+    assert apply.APPLY["tf32"] is apply.apply_tf32 and "warp_drive" not in apply.APPLY
 
 
 # =================================================================================== python -m Utils.ladder
@@ -364,14 +375,14 @@ def test_the_registry_and_its_cli_load_no_torch():
 def test_build_applies_the_stages_in_order(monkeypatch):
     seen = []
     for name in ADDITIONS:
-        real = getattr(apply, f"apply_{name}")
+        real = apply.APPLY[name]
 
         def spy(b, _name=name, _real=real):
             # What exists when each addition applies: model, step model, optimizer and update, batch source.
             seen.append((_name, b.model is not None, b.step_model is not None, b.optimizer is not None,
                          b.source is not None))
             return _real(b)
-        monkeypatch.setattr(apply, f"apply_{name}", spy)
+        monkeypatch.setitem(apply.APPLY, name, spy)
     loader = object()
     b = make(RUNGS["max"].additions, loader=loader)
     stage_of = {a: STAGES.index(ADDITIONS[a].stage) for a in ADDITIONS}
@@ -403,7 +414,7 @@ def compiled_on_a_gpu(*names):
     module = nn.Linear(4, 4)
     b = Build(device=torch.device("cuda"), config=SMALL, module=module, step_model=module)
     for name in resolve(names):
-        getattr(apply, f"apply_{name}")(b)
+        apply.APPLY[name](b)
     assert b.step_model._orig_mod is module   # one wrapper around the module, not a wrapper of a wrapper
     return b.step_model.get_compiler_config(), b
 
@@ -867,7 +878,7 @@ def test_swaps_keep_the_models_parameters_and_their_tying(kernels_available, add
     b = Build(device=CPU, config=SMALL, additions=additions, model=model)
     for name in resolve(("bf16", "flash") + additions):
         if ADDITIONS[name].stage == "model":
-            getattr(apply, f"apply_{name}")(b)
+            apply.APPLY[name](b)
     assert [(n, id(p)) for n, p in model.named_parameters()] == [(n, id(p)) for n, p in before]
     assert list(model.state_dict()) == keys
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -920,3 +931,16 @@ def test_a_run_name_gives_back_its_additions():
         assert set(additions_of(run_name(names))) == set(names)
     assert additions_of("fused+warp_drive") is None and additions_of("custom") is None
     assert additions_of("fused+loss") == RUNGS["fused"].additions + ("loss",)   # the ablation's recorded names
+
+
+def test_the_max_rung_and_fsdp_s_refusals_come_from_each_addition_s_facts():
+    from Utils.ladder.registry import MAX_ADDITIONS, PARALLEL_EXCLUDES
+    assert MAX_ADDITIONS == tuple(a for a in ADDITIONS if ADDITIONS[a].in_max)
+    assert set(RUNGS["max"].additions) == set(RUNGS["fused"].additions) | {
+        "vocab_multiple", "fp8_head", "prefetch", "sync_every", "cudagraphs", "bf16_residual", "gelu_epilogue",
+        "fold_clip", "packed_attention", "gemm_bias_grad", "fp8_qkv_fc", "combo_kernels", "fold_norm"}
+    assert PARALLEL_EXCLUDES["ddp"] == {}
+    assert PARALLEL_EXCLUDES["fsdp"] == {a: ADDITIONS[a].fsdp for a in ADDITIONS if ADDITIONS[a].fsdp}
+    assert set(PARALLEL_EXCLUDES["fsdp"]) == {"gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel",
+                                              "fp8_head", "fp8_qkv_fc", "fold_clip", "fold_norm", "8bit",
+                                              "cudagraphs", "fp8"}

@@ -379,3 +379,13 @@ def test_the_shapes_match_the_models_parameters():
 def test_every_addition_the_traffic_model_names_exists():
     named = roofline.ATTENTION_WITHOUT_SCORES | roofline.FUSED_OPTIMIZERS | {"bf16", "tf32", "torch_compile", "8bit"}
     assert named <= set(ADDITIONS)
+
+
+def test_the_roofline_reads_each_addition_s_facts_from_the_registry():
+    assert roofline.ATTENTION_WITHOUT_SCORES == {"flash", "packed_attention", "cudnn_attention"}
+    assert roofline.FUSED_OPTIMIZERS == {"fused", "fold_clip"}
+    assert roofline.EIGHT_BIT_OPTIMIZERS == {"8bit"} and roofline.FOLDED_CLIPS == {"fold_clip"}
+    assert roofline.COMPILED == {"torch_compile"}
+    assert {a: ADDITIONS[a].matmuls for a in ADDITIONS if ADDITIONS[a].matmuls} == {"tf32": "tf32", "bf16": "bf16"}
+    assert {a: ADDITIONS[a].fp8_gemms for a in ADDITIONS if ADDITIONS[a].fp8_gemms} == {
+        "fp8_head": "head", "fp8_qkv_fc": "qkv_fc", "fp8": "blocks"}

@@ -32,6 +32,23 @@ VOCAB_MULTIPLE = 128   # 50,257 rows leave the output GEMM without aligned tiles
 SYNC_EVERY = 10        # steps between read-backs of losses and step times
 
 
+# addition name -> its apply function, registered by @applies where the function is defined; build() calls
+# these, and the tests check there is exactly one for each addition of the registry.
+APPLY: dict[str, Callable[["Build"], str | None]] = {}
+
+
+def applies(name: str) -> Callable:
+    """Register the decorated function as addition `name`'s apply function (one per addition)."""
+    def register(function: Callable) -> Callable:
+        if name not in ADDITIONS:
+            raise ValueError(f"@applies({name!r}): the registry (Utils.ladder.registry) has no addition {name}")
+        if name in APPLY:
+            raise ValueError(f"@applies({name!r}): {APPLY[name].__name__} is already its apply function")
+        APPLY[name] = function
+        return function
+    return register
+
+
 class Unavailable(Exception):
     """The run's change cannot run on this machine; the message says why (the run is 'skipped')."""
 
@@ -95,7 +112,7 @@ def build(additions: Iterable[str], device: torch.device, config: GPTConfig, see
     def stage(name):
         for a in additions:
             if ADDITIONS[a].stage == name:
-                note = globals()[f"apply_{a}"](b)
+                note = APPLY[a](b)
                 if note:
                     b.noted[a] = note
 
@@ -120,6 +137,7 @@ assert STAGES == ("settings", "model", "compile", "optimizer", "loop"), "build()
 
 # --- settings -----------------------------------------------------------------------------------------
 
+@applies("tf32")
 def apply_tf32(b: Build) -> str | None:
     """TF32 lets fp32 matmuls and convolutions use the tensor cores with a 10-bit mantissa."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -130,6 +148,7 @@ def apply_tf32(b: Build) -> str | None:
     return None
 
 
+@applies("bf16")
 def apply_bf16(b: Build) -> None:
     """bf16 autocast: matmuls and attention in bf16, reductions such as softmax and the loss in fp32."""
     if b.device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
@@ -137,11 +156,13 @@ def apply_bf16(b: Build) -> None:
     b.autocast_dtype = torch.bfloat16
 
 
+@applies("flash")
 def apply_flash(b: Build) -> None:
     """The model's SDPA branch: FlashAttention's algorithm never writes the T x T scores to memory."""
     b.config = replace(b.config, flash=True)
 
 
+@applies("vocab_multiple")
 def apply_vocab_multiple(b: Build) -> None:
     """Pad the embedding's rows so that the output layer's GEMM tiles evenly; the padding is masked out."""
     b.config = replace(b.config, vocab_multiple=VOCAB_MULTIPLE)
@@ -149,11 +170,13 @@ def apply_vocab_multiple(b: Build) -> None:
 
 # --- model: modules swapped in (Utils.ladder.modules) ------------------------------------------------------
 
+@applies("bf16_residual")
 def apply_bf16_residual(b: Build) -> None:
     """A bf16 residual stream: each block's add, LayerNorm read and residual gradient in half the bytes."""
     modules.cast_residual_to_bf16(b.model)
 
 
+@applies("gemm_bias_grad")
 def apply_gemm_bias_grad(b: Build) -> None:
     """c_attn's and c_fc's bias gradients as more columns of their weight-gradient GEMMs: no pass of their own
     over the output gradients."""
@@ -162,6 +185,7 @@ def apply_gemm_bias_grad(b: Build) -> None:
         modules.swap_linear(block.mlp, "c_fc", modules.OnesLinear)
 
 
+@applies("gelu_epilogue")
 def apply_gelu_epilogue(b: Build) -> str | None:
     """c_fc's GEMM writes the GELU and its input; c_proj's input-gradient GEMM applies GELU's derivative: two
     passes over a tokens x 3072 tensor per layer gone."""
@@ -174,6 +198,7 @@ def apply_gelu_epilogue(b: Build) -> str | None:
     return None
 
 
+@applies("cudnn_attention")
 def apply_cudnn_attention(b: Build) -> str | None:
     """SDPA held to cuDNN's fused attention (PyTorch 2.11 already prefers it on Hopper)."""
     why = packed_attention.cudnn_unavailable(b.device)
@@ -188,6 +213,7 @@ def _hold_sdpa_to_cudnn(b: Build) -> None:
         block.attn = modules.CudnnAttention(block.attn)
 
 
+@applies("packed_attention")
 def apply_packed_attention(b: Build) -> str | None:
     """cuDNN's attention kernels read q, k and v in the packed QKV output and write one packed gradient. Without
     the frontend, SDPA held to cuDNN; without cuDNN's fused attention, plain SDPA."""
@@ -205,11 +231,13 @@ def apply_packed_attention(b: Build) -> str | None:
     return f"{why}: SDPA held to cuDNN instead"
 
 
+@applies("loss")
 def apply_loss(b: Build) -> None:
     """The chunked loss never holds the B x T x vocab logits: 1.6 GB at batch 16 in bf16."""
     b.model.loss = modules.ChunkedLoss(b.config.vocab_size, kernel=False)
 
 
+@applies("loss_kernel")
 def apply_loss_kernel(b: Build) -> str | None:
     """The chunked loss, each chunk's softmax and gradient one kernel that reads the logits once. Without NVRTC
     or Triton on a GPU, the plain chunked loss."""
@@ -224,6 +252,7 @@ def _kernel_chunked_loss(b: Build) -> str | None:
     return f"{why}: the plain chunked loss instead" if why else note
 
 
+@applies("fp8_head")
 def apply_fp8_head(b: Build) -> str | None:
     """The chunked loss with the output layer's GEMMs in FP8: a third of the model's matmul FLOPs at twice
     the bf16 rate. Under it, and alone where FP8 cannot run, the loss kernel's chunked loss in bf16
@@ -237,6 +266,7 @@ def apply_fp8_head(b: Build) -> str | None:
     return None
 
 
+@applies("fp8_qkv_fc")
 def apply_fp8_qkv_fc(b: Build) -> str | None:
     """c_attn's and c_fc's forward GEMMs in FP8: the two GEMMs that read a LayerNorm's output, which casts to
     e4m3 in the LayerNorm's own kernel with a scale bounded by its weights (no amax pass). Backward in bf16.
@@ -263,6 +293,7 @@ def _mlp_norm_reader(block: nn.Module) -> nn.Module:
     return block.mlp if isinstance(block.mlp, modules.EpilogueMLP) else _norm_reader(block.mlp, "c_fc")
 
 
+@applies("fp8")
 def apply_fp8(b: Build) -> None:
     """Hopper and Ada tensor cores multiply FP8 (e4m3) at twice the bf16 rate. torchao swaps each block's
     nn.Linear for one that casts its input, weight and output gradient to FP8 with a per-tensor scale, and
@@ -278,6 +309,7 @@ def apply_fp8(b: Build) -> None:
     convert_to_float8_training(b.model, module_filter_fn=lambda module, fqn: fqn.startswith("transformer.h."))
 
 
+@applies("fold_norm")
 def apply_fold_norm(b: Build) -> None:
     """Each block's LayerNorms only normalize, and c_attn and c_fc apply their weights and biases (W diag(γ),
     b + Wβ), whose gradients come from those layers' weight and bias gradients: the LayerNorms' backward sums
@@ -309,12 +341,14 @@ def compile_with(b: Build, mode: str = "default", **options: object) -> None:
     b.step_model = torch.compile(b.module, options=b.compile_options or None)
 
 
+@applies("torch_compile")
 def apply_torch_compile(b: Build) -> None:
     """torch.compile fuses elementwise work into few Triton (GPU) or C++ (CPU) kernels."""
     require_compiler(b.device)
     compile_with(b)
 
 
+@applies("cudagraphs")
 def apply_cudagraphs(b: Build) -> str | None:
     """torch.compile's reduce-overhead mode replays a whole step's launches as one CUDA graph."""
     if b.device.type != "cuda":
@@ -323,6 +357,7 @@ def apply_cudagraphs(b: Build) -> str | None:
     return None
 
 
+@applies("autotune")
 def apply_autotune(b: Build) -> str | None:
     """max-autotune times Inductor's Triton GEMM templates against cuBLAS for each GEMM shape and keeps the
     faster: GPT-2 124M's 768-wide GEMMs are small for cuBLAS's large-tile kernels. Compiling takes minutes
@@ -340,6 +375,7 @@ def inductor_has(option: str) -> bool:
     return hasattr(config, option)
 
 
+@applies("combo_kernels")
 def apply_combo_kernels(b: Build) -> str | None:
     """Inductor launches up to eight data-independent generated kernels as one (combo kernels): max's step
     at batch 64 had 318 Inductor kernels under 10 µs (the weights' casts and amaxes), and
@@ -378,11 +414,13 @@ def _clip_and_step(b: Build) -> Callable[[], None]:
     return update
 
 
+@applies("fused")
 def apply_fused(b: Build) -> None:
     """torch's fused AdamW: one pass over parameters, gradients and states instead of a dozen multi-tensor ones."""
     b.optimizer = torch.optim.AdamW(param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS, fused=True)
 
 
+@applies("8bit")
 def apply_8bit(b: Build) -> None:
     """bitsandbytes' AdamW8bit: optimizer states in 8 bits, a quarter of AdamW's state memory."""
     # On CPUs with AVX512-BF16, bitsandbytes warns at import that a 4-bit matmul kernel is missing:
@@ -398,6 +436,7 @@ def apply_8bit(b: Build) -> None:
         raise Unavailable(f"bitsandbytes AdamW8bit does not run on this device ({e})") from None
 
 
+@applies("fold_clip")
 def apply_fold_clip(b: Build) -> None:
     """Fused AdamW divides each gradient by `grad_scale` as it reads it (the hook GradScaler uses to unscale):
     dividing by the inverse of clip_grad_norm_'s factor there saves the clip pass's read, not its write."""
@@ -410,6 +449,7 @@ def apply_fold_clip(b: Build) -> None:
     b.update = update
 
 
+@applies("compiled_update")
 def apply_compiled_update(b: Build) -> str | None:
     """torch.compile traces the clip and the optimizer step together, fusing the clip's scaling into the
     optimizer's own kernels."""
@@ -422,6 +462,7 @@ def apply_compiled_update(b: Build) -> str | None:
 
 # --- loop ------------------------------------------------------------------------------------------------
 
+@applies("prefetch")
 def apply_prefetch(b: Build) -> str | None:
     """The next batch is copied from pinned memory to the GPU on a side stream while the current step runs."""
     if b.device.type != "cuda":
@@ -430,6 +471,7 @@ def apply_prefetch(b: Build) -> str | None:
     return None
 
 
+@applies("sync_every")
 def apply_sync_every(b: Build) -> str | None:
     """The host reads losses and step times back every SYNC_EVERY steps, so the CPU queues work ahead."""
     b.sync_every = SYNC_EVERY

@@ -1,8 +1,9 @@
 """The registry: every addition the suite knows, and the rungs as named combinations of them.
 
-An addition is one change to the training loop, applied by `Utils.ladder.apply.apply_<name>`. The
-rung scripts, the Makefile (`make additions`, `make custom WITH=...`), ablation, the README's table and
-the tests all read this file; it imports nothing, so `make help` and `make plots` do not load torch.
+An addition is one change to the training loop, applied by the function registered for it in
+`Utils.ladder.apply.APPLY`. The rung scripts, the Makefile (`make additions`, `make custom WITH=...`), ablation,
+the report, the README's table and the tests all read this file; it imports nothing, so `make help` and
+`make plots` do not load torch.
 
 Additions apply in STAGES order, and within a stage in the order they are listed here:
   settings   switches read when the model and the step are built (precision, attention, padding)
@@ -15,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 PILLARS = ("compute", "memory", "overhead")
+# Why a hand-written kernel's addition cannot run under PARALLEL=fsdp (Addition.fsdp; PARALLEL_EXCLUDES says more)
+_WHOLE_TENSORS = "its kernel takes whole tensors, not FSDP's DTensor shards"
 STAGES = ("settings", "model", "compile", "optimizer", "loop")
 
 
@@ -28,80 +31,104 @@ class Addition:
     requires: tuple = ()           # additions it builds on
     excludes: tuple = ()           # additions it cannot run with
     fp8: bool = False              # runs some GEMMs in FP8, whose peak is twice bf16's (MFU divides by bf16's)
+    in_max: bool = False           # the max rung takes it beyond the fused rung's: it measured faster on an H200
+                                   # and kept the loss (BENCHMARKS.md gives each one's gain, and why others did not)
+    fsdp: str = ""                 # why it cannot run under PARALLEL=fsdp; "" where it can
+    # What the roofline (Utils.report.roofline) counts differently under it; its numbers stay there:
+    matmuls: str = ""              # the format it runs the matmuls in: "tf32" or "bf16" (bf16 also halves activations)
+    scores_on_chip: bool = False   # attention keeps each tile of the T x T scores on the chip: no passes over them
+    compiled: bool = False         # torch.compile of the model: Inductor fuses the elementwise work into few kernels
+    optimizer: str = ""            # the optimizer step it runs: "fused" (one pass of AdamW) or "8bit" (AdamW8bit)
+    clip_folded: bool = False      # the optimizer divides by the clip factor as it reads each gradient
+    fp8_gemms: str = ""            # which GEMMs it runs in FP8: "head" (output layer), "qkv_fc" (c_attn's and
+                                   # c_fc's forward) or "blocks" (every block's linear layers)
 
     def __post_init__(self):
         if self.stage not in STAGES or self.pillar not in PILLARS:
             raise ValueError(f"{self.name}: stage must be one of {STAGES} and pillar one of {PILLARS}")
+        if self.matmuls not in ("", "tf32", "bf16") or self.optimizer not in ("", "fused", "8bit") \
+                or self.fp8_gemms not in ("", "head", "qkv_fc", "blocks") or bool(self.fp8_gemms) != self.fp8:
+            raise ValueError(f"{self.name}: matmuls is '', tf32 or bf16; optimizer '', fused or 8bit; fp8_gemms '', "
+                             f"head, qkv_fc or blocks, and set exactly where fp8 is")
 
 
 _ADDITIONS = [
     # settings
     Addition("tf32", "settings", "compute", "fp32 matmuls on the tensor cores in TF32 (10-bit mantissa)",
-             needs="an Ampere or newer GPU"),
+             needs="an Ampere or newer GPU", matmuls="tf32"),
     Addition("bf16", "settings", "compute", "bf16 autocast: matmuls and attention in bf16, softmax and loss in fp32",
-             needs="a GPU with bf16, or a CPU"),
+             needs="a GPU with bf16, or a CPU", matmuls="bf16"),
     Addition("flash", "settings", "memory", "F.scaled_dot_product_attention: the T x T scores never reach memory; "
-             "PyTorch picks the kernel (cuDNN's on Hopper, FlashAttention-2 on Ampere and Ada)"),
+             "PyTorch picks the kernel (cuDNN's on Hopper, FlashAttention-2 on Ampere and Ada)", scores_on_chip=True),
     Addition("vocab_multiple", "settings", "compute",
-             "embedding padded to 50,304 rows, so the output layer's GEMM tiles evenly"),
+             "embedding padded to 50,304 rows, so the output layer's GEMM tiles evenly", in_max=True),
     # model
     Addition("bf16_residual", "model", "memory", "the residual stream in bf16 instead of autocast's fp32",
-             requires=("bf16",)),
+             requires=("bf16",), in_max=True),
     Addition("gemm_bias_grad", "model", "memory",
              "c_attn's and c_fc's bias gradients out of their weight-gradient GEMMs (input beside columns of ones)",
-             excludes=("fp8",)),
+             excludes=("fp8",), in_max=True, fsdp=_WHOLE_TENSORS),
     Addition("gelu_epilogue", "model", "memory",
              "c_fc's bias and GELU, and GELU's derivative, in cuBLASLt GEMM epilogues", needs="cuBLASLt on a GPU",
-             requires=("bf16",), excludes=("fp8",)),
+             requires=("bf16",), excludes=("fp8",), in_max=True, fsdp=_WHOLE_TENSORS),
     # cuDNN's fused attention takes bf16 or fp16 only: without autocast there is no kernel to hold SDPA to.
     Addition("cudnn_attention", "model", "compute", "SDPA held to cuDNN's fused attention", needs="cuDNN on a GPU",
-             requires=("flash", "bf16"), excludes=("packed_attention",)),
+             requires=("flash", "bf16"), excludes=("packed_attention",), scores_on_chip=True),
     Addition("packed_attention", "model", "memory",
              "cuDNN attention reading q, k, v in the packed QKV tensor and writing one packed gradient",
-             needs="nvidia-cudnn-frontend and cuDNN 9 on a GPU", requires=("bf16",)),
+             needs="nvidia-cudnn-frontend and cuDNN 9 on a GPU", requires=("bf16",), in_max=True, fsdp=_WHOLE_TENSORS,
+             scores_on_chip=True),
     Addition("loss", "model", "memory", "cross-entropy 4,096 tokens at a time: the logits never exist whole",
              excludes=("loss_kernel",)),
     Addition("loss_kernel", "model", "memory",
              "the chunked loss with each chunk's softmax and gradient as one hand-written kernel",
-             needs="NVRTC or Triton on a GPU"),
+             needs="NVRTC or Triton on a GPU", fsdp=_WHOLE_TENSORS),
     Addition("fp8_head", "model", "compute",
              "the output layer's three GEMMs in FP8 inside the chunked loss (e4m3 inputs, e5m2 gradient)",
-             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("loss", "loss_kernel"), fp8=True),
+             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("loss", "loss_kernel"), fp8=True,
+             fp8_gemms="head", in_max=True, fsdp=_WHOLE_TENSORS),
     Addition("fp8_qkv_fc", "model", "compute",
              "c_attn's and c_fc's forward GEMMs in FP8, their LayerNorm's output cast with a scale bounded in advance",
-             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",), fp8=True),
+             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",), fp8=True, fp8_gemms="qkv_fc",
+             in_max=True, fsdp=_WHOLE_TENSORS),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
-             needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8=True),
+             needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8=True, fp8_gemms="blocks",
+             fsdp="its scaled matmuls have not been tried on FSDP's shards"),
     Addition("fold_norm", "model", "memory",
              "each block LayerNorm's weight and bias applied by the layer reading it: no sums over the tokens",
-             excludes=("fp8",)),
+             excludes=("fp8",),
+             in_max=True, fsdp="its folded weights have not been tried on FSDP's DTensor shards on a GPU"),
     # compile
     Addition("torch_compile", "compile", "overhead",
              "torch.compile: elementwise work fused into few kernels, far fewer launches",
-             needs="Triton on a GPU, a C++ compiler on a CPU"),
+             needs="Triton on a GPU, a C++ compiler on a CPU", compiled=True),
     Addition("cudagraphs", "compile", "overhead", "torch.compile with CUDA graphs: a step's launches replayed as one",
-             needs="a GPU", requires=("torch_compile",)),
+             needs="a GPU", requires=("torch_compile",),
+             in_max=True, fsdp="a CUDA graph cannot hold FSDP's all-gathers and reduce-scatters"),
     Addition("autotune", "compile", "compute",
              "torch.compile's max-autotune: Inductor times its Triton GEMM templates against cuBLAS, shape by shape",
              needs="Triton on a GPU", requires=("torch_compile",)),
     Addition("combo_kernels", "compile", "overhead",
              "Inductor's combo kernels: up to eight data-independent generated kernels launched as one, "
              "each with its own block sizes",
-             needs="Triton on a GPU", requires=("torch_compile",)),
+             needs="Triton on a GPU", requires=("torch_compile",), in_max=True),
     # optimizer
     Addition("fused", "optimizer", "overhead", "AdamW(fused=True): one kernel over all parameters per step",
-             excludes=("8bit",)),
+             excludes=("8bit",), optimizer="fused"),
     Addition("8bit", "optimizer", "memory", "bitsandbytes' AdamW8bit: optimizer states in 8 bits",
-             needs="bitsandbytes"),
+             needs="bitsandbytes", optimizer="8bit",
+             fsdp="bitsandbytes' optimizer takes whole tensors, not FSDP's DTensor shards"),
     Addition("fold_clip", "optimizer", "memory",
              "fused AdamW divides by the clip factor as it reads each gradient", requires=("fused",),
-             excludes=("compiled_update",)),
+             excludes=("compiled_update",), optimizer="fused", clip_folded=True,
+             in_max=True, fsdp="its grad_scale from the gradients' norm has not been tried on FSDP's DTensor shards"),
     Addition("compiled_update", "optimizer", "overhead", "torch.compile of the gradient clip and optimizer step",
              requires=("torch_compile",)),
     # loop
-    Addition("prefetch", "loop", "overhead", "the next batch copied to the GPU on a side stream", needs="a GPU"),
+    Addition("prefetch", "loop", "overhead", "the next batch copied to the GPU on a side stream", needs="a GPU",
+             in_max=True),
     Addition("sync_every", "loop", "overhead", "the host reads losses and step times back every 10 steps",
-             needs="a GPU"),
+             needs="a GPU", in_max=True),
 ]
 ADDITIONS = {a.name: a for a in _ADDITIONS}
 
@@ -115,11 +142,9 @@ class Rung:
 
 _FLASH = ("tf32", "bf16", "torch_compile", "flash")
 _FUSED = _FLASH + ("fused",)
-# The fused rung plus every addition that measured faster on an H200 and kept the loss (BENCHMARKS.md
-# gives each one's predicted and measured gain, and why the others were left out).
-MAX_ADDITIONS = ("vocab_multiple", "fp8_head", "prefetch", "sync_every", "cudagraphs", "bf16_residual",
-                 "gelu_epilogue", "fold_clip", "packed_attention", "gemm_bias_grad", "fp8_qkv_fc", "combo_kernels",
-                 "fold_norm")
+# The fused rung plus every addition that measured faster on an H200 and kept the loss (Addition.in_max), in
+# the registry's order.
+MAX_ADDITIONS = tuple(name for name, a in ADDITIONS.items() if a.in_max)
 RUNGS = {r.name: r for r in [
     Rung("baseline", "no_optimization.py", ()),
     Rung("tf32", "tensorFloat32.py", ("tf32",)),
@@ -170,14 +195,7 @@ def resolve(names: Iterable[str]) -> tuple:
 # DistributedDataParallel keeps whole tensors on every rank, and every addition runs under it.
 PARALLEL_EXCLUDES = {
     "ddp": {},
-    "fsdp": {name: "its kernel takes whole tensors, not FSDP's DTensor shards"
-             for name in ("gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel", "fp8_head",
-                          "fp8_qkv_fc")}
-    | {"fold_clip": "its grad_scale from the gradients' norm has not been tried on FSDP's DTensor shards",
-       "fold_norm": "its folded weights have not been tried on FSDP's DTensor shards on a GPU",
-       "8bit": "bitsandbytes' optimizer takes whole tensors, not FSDP's DTensor shards",
-       "cudagraphs": "a CUDA graph cannot hold FSDP's all-gathers and reduce-scatters",
-       "fp8": "its scaled matmuls have not been tried on FSDP's shards"},
+    "fsdp": {name: a.fsdp for name, a in ADDITIONS.items() if a.fsdp},   # in the registry's order
 }
 
 

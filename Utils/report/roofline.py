@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from Utils.ladder.registry import additions_of
+from Utils.ladder.registry import ADDITIONS, additions_of
 from Utils.model_config import PRESETS
 from Utils.results.gpus import GPU, gpu_spec
 from Utils.results.metrics import flops_per_token
@@ -85,9 +85,9 @@ def model_shape(name: str) -> ModelShape | None:
 
 
 def matmul_precision(additions: Iterable[str]) -> str:
-    """The format the matmuls run in: bf16 under autocast, else tf32 where allowed, else fp32."""
-    chosen = set(additions)
-    return "bf16" if "bf16" in chosen else "tf32" if "tf32" in chosen else "fp32"
+    """The format the matmuls run in: bf16 under autocast, else tf32 where allowed, else fp32 (Addition.matmuls)."""
+    formats = {ADDITIONS[a].matmuls for a in additions if a in ADDITIONS}
+    return "bf16" if "bf16" in formats else "tf32" if "tf32" in formats else "fp32"
 
 
 # --- the machine ------------------------------------------------------------------------------------------
@@ -160,7 +160,9 @@ EAGER_SCORE_PASSES = sum(r + w for _, r, w in EAGER_SCORE_OPS)
 # reads both and writes the scores' gradient, and Q's and K's gradients read that (7).
 COMPILED_SCORE_PASSES = 4 + 7
 # SDPA (FlashAttention's algorithm) and cuDNN's attention keep each tile of scores on the chip.
-ATTENTION_WITHOUT_SCORES = frozenset({"flash", "packed_attention", "cudnn_attention"})
+ATTENTION_WITHOUT_SCORES = frozenset(a for a in ADDITIONS if ADDITIONS[a].scores_on_chip)
+# torch.compile of the model (Inductor fuses scale, mask and softmax; an eager step's operations do not apply).
+COMPILED = frozenset(a for a in ADDITIONS if ADDITIONS[a].compiled)
 
 # Every rung keeps fp32 master weights: forward reads each weight, backward reads it again and writes its
 # gradient, 4 bytes each.
@@ -194,7 +196,9 @@ FUSED_ADAMW_BYTES = 7 * 4
 # least min_8bit_size = 4096 values: p read and written, g read, m and v read and written in a byte each.
 BNB_MIN_8BIT_SIZE = 4096
 EIGHT_BIT_BYTES = 4 + 4 + 4 + 1 + 1 + 1 + 1
-FUSED_OPTIMIZERS = frozenset({"fused", "fold_clip"})
+FUSED_OPTIMIZERS = frozenset(a for a in ADDITIONS if ADDITIONS[a].optimizer == "fused")
+EIGHT_BIT_OPTIMIZERS = frozenset(a for a in ADDITIONS if ADDITIONS[a].optimizer == "8bit")
+FOLDED_CLIPS = frozenset(a for a in ADDITIONS if ADDITIONS[a].clip_folded)
 
 # Operations on tensors in one eager forward and backward of Utils.model.GPT (views apart), as counted: a fixed
 # part (embeddings, final LayerNorm, output layer, loss) and a part per layer, by attention.
@@ -275,10 +279,10 @@ class Roofline:
         forward and backward (fp8)."""
         s = self.shape
         C = s.n_embd
-        gemms = {"fp8_head": 6 * s.vocab_size * C,             # 2 forward + 4 backward, the tied weight's rows
-                 "fp8_qkv_fc": s.n_layer * 2 * (3 + 4) * C * C,  # forward only: [C -> 3C] and [C -> 4C]
-                 "fp8": s.n_layer * 6 * (3 + 1 + 4 + 4) * C * C}  # c_attn, attn.c_proj, c_fc, mlp.c_proj
-        return sum(gemms[a] for a in set(additions) if a in gemms)
+        gemms = {"head": 6 * s.vocab_size * C,                   # 2 forward + 4 backward, the tied weight's rows
+                 "qkv_fc": s.n_layer * 2 * (3 + 4) * C * C,      # forward only: [C -> 3C] and [C -> 4C]
+                 "blocks": s.n_layer * 6 * (3 + 1 + 4 + 4) * C * C}  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+        return sum(gemms[ADDITIONS[a].fp8_gemms] for a in set(additions) if a in ADDITIONS and ADDITIONS[a].fp8_gemms)
 
     def uses_fp8(self, additions: Iterable[str]) -> bool:
         """Whether these additions run GEMMs in FP8 on this GPU: it has an FP8 rate, which a GPU without FP8
@@ -313,7 +317,7 @@ class Roofline:
     def optimizer_bytes_per_param(self, additions: Iterable[str]) -> float:
         """The optimizer step's bytes per parameter under these additions (the clip apart)."""
         chosen = set(additions)
-        if "8bit" in chosen:
+        if chosen & EIGHT_BIT_OPTIMIZERS:
             return self.eight_bit_bytes_per_param()
         return FUSED_ADAMW_BYTES if chosen & FUSED_OPTIMIZERS else self.foreach_adamw_bytes_per_param()
 
@@ -322,16 +326,16 @@ class Roofline:
         chosen = set(additions)
         if chosen & ATTENTION_WITHOUT_SCORES:
             return 0
-        return COMPILED_SCORE_PASSES if "torch_compile" in chosen else EAGER_SCORE_PASSES
+        return COMPILED_SCORE_PASSES if chosen & COMPILED else EAGER_SCORE_PASSES
 
     def traffic(self, additions: Iterable[str]) -> dict[str, float]:
         """Bytes a step under these additions must move between HBM and the chip, by part. A floor, under the
         notebook's assumptions: every access goes to HBM (no cache reuse, no recomputation), activations are 2
         bytes under bf16 autocast (it keeps LayerNorm, softmax and the loss in fp32, which only adds bytes)."""
         chosen = set(additions)
-        act = 2 if "bf16" in chosen else 4
+        act = 2 if matmul_precision(chosen) == "bf16" else 4
         n_all = self.shape.n_params(exclude_position_embedding=False)
-        clip = FOLDED_CLIP_BYTES if "fold_clip" in chosen else CLIP_BYTES
+        clip = FOLDED_CLIP_BYTES if chosen & FOLDED_CLIPS else CLIP_BYTES
         L = self.shape.n_layer
         return {
             "weights+grads+clip": n_all * (WEIGHT_BYTES + clip),
@@ -414,7 +418,7 @@ def eager_launches(roof: Roofline, measured_ms: Mapping[str, float]) -> pd.DataF
     rows = {}
     for name, ms in measured_ms.items():
         additions = additions_of(name)
-        if additions is None or "torch_compile" in additions or not np.isfinite(ms):
+        if additions is None or set(additions) & COMPILED or not np.isfinite(ms):
             continue
         flash = bool(set(additions) & ATTENTION_WITHOUT_SCORES)
         ops = eager_ops_per_step(roof.shape.n_layer, flash) + optimizer_ops_per_step()

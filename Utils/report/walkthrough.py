@@ -33,7 +33,8 @@ from Utils.results.schema import BREAKDOWN_FILE, STEPS_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_RESULTS = os.path.join("results", "h200-b16")
-# The registry's contract: addition `name` is applied by Utils.ladder.apply.apply_<name>.
+# Addition `name`'s apply function, registered in Utils.ladder.apply's APPLY, is named apply_<name> there (the
+# ladder's tests check it); the notebook reads its source by that name, without importing apply.py's torch.
 APPLY_SOURCE = "Utils/ladder/apply.py"
 WIDTH = 110
 CHART_DPI = 90

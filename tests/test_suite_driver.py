@@ -112,7 +112,10 @@ def test_unknown_targets_and_commands_are_refused_naming_the_rungs(capsys):
     assert main(["unknown", "fuse"]) == 2 and main(["run", "fuse"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"error: no target 'fuse': the rungs are {' '.join(LADDER)}; make help lists the other targets"] * 2
-    assert main(["bogus"]) == 2
+    assert main(["bogus"]) == 2 and main(["fused"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: python -m Utils.suite: no command 'bogus' (python -m Utils.suite --help)",
+        "error: python -m Utils.suite: no command 'fused' (python -m Utils.suite run fused)"]
 
 
 def test_reset_removes_the_suites_files_only_and_clean_keeps_the_results(tmp_path, capsys):

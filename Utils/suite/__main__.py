@@ -39,7 +39,8 @@ def main(argv: Sequence[str]) -> int:
     if command == "unknown" or (command == "run" and (not rest or rest[0] not in RUNGS)):
         return fail(unknown_target(rest[0] if rest else ""))
     if command not in COMMANDS and command != "run":
-        return fail(f"python -m Utils.suite: no command {command!r} (python -m Utils.suite --help)")
+        fix = f"run {command}" if command in RUNGS else "--help"
+        return fail(f"python -m Utils.suite: no command {command!r} (python -m Utils.suite {fix})")
     name = rest.pop(0) if command == "run" else None
     try:
         g = parse(rest, os.environ)

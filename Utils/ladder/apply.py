@@ -453,7 +453,7 @@ def apply_fold_clip(b: Build) -> None:
 def apply_compiled_update(b: Build) -> str | None:
     """torch.compile traces the clip and the optimizer step together, fusing the clip's scaling into the
     optimizer's own kernels."""
-    if "8bit" in b.additions:
+    if any(ADDITIONS[a].optimizer == "8bit" for a in b.additions):
         return "bitsandbytes' AdamW8bit is not traceable by torch.compile: its step runs eagerly"
     require_compiler(b.device)
     b.update = torch.compile(b.update)

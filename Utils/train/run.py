@@ -21,7 +21,7 @@ import torch
 from torch.nn import Module
 
 from Utils.ladder.apply import Unavailable, build
-from Utils.ladder.registry import RUNGS, RegistryError, check_parallel, resolve, run_name
+from Utils.ladder.registry import ADDITIONS, RUNGS, RegistryError, check_parallel, resolve, run_name
 from Utils.model_config import PRESETS, GPTConfig
 from Utils.results import metrics
 from Utils.results.store import ResultsError, append_run, check_prefix
@@ -69,7 +69,7 @@ def check_sdpa_backend(additions: tuple, cfg: RunConfig, peer: "Peer | None" = N
     it on this device at the run's dtype and head size. Rungs whose attention is written out ignore it."""
     if not pins_sdpa(additions, cfg, peer):
         return
-    dtype = torch.bfloat16 if "bf16" in additions else torch.float32
+    dtype = torch.bfloat16 if any(ADDITIONS[a].matmuls == "bf16" for a in additions) else torch.float32
     preset = PRESETS[cfg.model]
     head_dim = preset.n_embd // preset.n_head
     # torchrun's LOCAL_RANK: each process checks its own GPU, not every one the first
@@ -156,7 +156,7 @@ def add_run_figures(additions: tuple, cfg: RunConfig, run: dict, rows: list,
                    global_tokens_per_s=tokens_per_s, tokens_per_s_per_gpu=tokens_per_s / world)
         mfus = [r["mfu"] for r in measured if r["mfu"] is not None]
         run["mfu"] = metrics.median_iqr(mfus)[0] if mfus else None
-        if "torch_compile" in additions and rows:
+        if any(ADDITIONS[a].compiled for a in additions) and rows:
             # The first step holds the compilation; what it took beyond a normal step is compile time.
             run["compile_s"] = max(0.0, (rows[0]["step_ms"] - med) / 1e3)
     run["compile_cache"] = compile_cache(counts_before)
@@ -297,7 +297,7 @@ def _nothing_fits(additions: tuple, cfg: RunConfig, device: torch.device, seen: 
             seq_len //= 2
         start += f"; not even one row at SEQ_LEN={seq_len * 2} fits (tried)"
     # AdamW keeps two fp32 states a parameter (twice the weights); bitsandbytes' AdamW8bit one byte each.
-    if "8bit" not in additions and fixed - 1.5 * weights < ROOM * cap:
+    if all(ADDITIONS[a].optimizer != "8bit" for a in additions) and fixed - 1.5 * weights < ROOM * cap:
         return start + (f"; the 8bit rung's optimizer states take a quarter of AdamW's, {fixed - 1.5 * weights:.2f} GiB "
                         f"in all: try it (make 8bit)")
     sizes = {m: _parameters(m) for m in PRESETS}

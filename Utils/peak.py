@@ -25,8 +25,9 @@ import torch
 from Utils.results.gpus import gpu_spec
 from Utils.results.schema import PEAK_COLUMNS, PEAK_FILE
 from Utils.results.store import ResultsError, append_rows, check_file, check_prefix
+from Utils.train.cli import resolve_device
 from Utils.train.failures import out_of_memory
-from Utils.train.provenance import git_commit, gpu_uuid
+from Utils.train.provenance import provenance
 from Utils.train.usage import Parser, UsageError, fail
 
 EXAMPLE = "e.g. make peak PREFIX=./out"
@@ -57,15 +58,6 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--copy-gib", default=None, help="GiB copied device to device (COPY_GIB; default "
                                                     f"{DEFAULTS['cuda'][1]:g} on a GPU, 4 MiB on a CPU)")
     return p
-
-
-def _device(value: str) -> str:
-    if value not in ("auto", "cuda", "cpu"):
-        raise UsageError(f"DEVICE={value!r} is not one of auto, cuda, cpu")
-    if value == "cuda" and not torch.cuda.is_available():
-        raise UsageError("DEVICE=cuda but PyTorch sees no CUDA GPU here: use DEVICE=cpu or DEVICE=auto, "
-                         "or install a CUDA build of PyTorch")
-    return value if value != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 # Upper bounds that no device reaches, so that a typo is refused in one line instead of overflowing a size.
@@ -105,7 +97,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str | None = None) -> ar
     a = build_parser(prog or "python -m Utils.peak").parse_args(argv)
     if not a.prefix.strip():
         raise UsageError(f"PREFIX is empty: name the results folder, {EXAMPLE}")
-    a.device = _device(a.device)
+    a.device = resolve_device(a.device)
     default_n, default_gib = DEFAULTS[a.device]
     a.matmul_n = default_n if a.matmul_n is None else _matmul_n(a.matmul_n)
     a.copy_gib = default_gib if a.copy_gib is None else _copy_gib(a.copy_gib)
@@ -184,14 +176,9 @@ def summary_line(row: dict, path: str) -> str:
 
 def peak_row(device: torch.device, rates: dict) -> dict:
     """peak.csv's row for `rates` measured on `device` (the store fills schema_version)."""
-    cuda = device.type == "cuda"
+    known = provenance(device).columns()
     return {"measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "device": device.type,
-            "gpu_name": torch.cuda.get_device_name(device) if cuda else "cpu",
-            "gpu_uuid": gpu_uuid(device),
-            "torch_version": torch.__version__,
-            "git_commit": git_commit(),
-            **rates}
+            **{k: known[k] for k in ("device", "gpu_name", "gpu_uuid", "torch_version", "git_commit")}, **rates}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,7 +30,6 @@ class Addition:
     needs: str = ""                # what the machine must have; without it the run says what ran instead
     requires: tuple = ()           # additions it builds on
     excludes: tuple = ()           # additions it cannot run with
-    fp8: bool = False              # runs some GEMMs in FP8, whose peak is twice bf16's (MFU divides by bf16's)
     in_max: bool = False           # the max rung takes it beyond the fused rung's: it measured faster on an H200
                                    # and kept the loss (BENCHMARKS.md gives each one's gain, and why others did not)
     fsdp: str = ""                 # why it cannot run under PARALLEL=fsdp; "" where it can
@@ -43,13 +42,18 @@ class Addition:
     fp8_gemms: str = ""            # which GEMMs it runs in FP8: "head" (output layer), "qkv_fc" (c_attn's and
                                    # c_fc's forward) or "blocks" (every block's linear layers)
 
+    @property
+    def fp8(self) -> bool:
+        """It runs some GEMMs in FP8, whose peak is twice bf16's (MFU divides by bf16's)."""
+        return bool(self.fp8_gemms)
+
     def __post_init__(self):
         if self.stage not in STAGES or self.pillar not in PILLARS:
             raise ValueError(f"{self.name}: stage must be one of {STAGES} and pillar one of {PILLARS}")
         if self.matmuls not in ("", "tf32", "bf16") or self.optimizer not in ("", "fused", "8bit") \
-                or self.fp8_gemms not in ("", "head", "qkv_fc", "blocks") or bool(self.fp8_gemms) != self.fp8:
+                or self.fp8_gemms not in ("", "head", "qkv_fc", "blocks"):
             raise ValueError(f"{self.name}: matmuls is '', tf32 or bf16; optimizer '', fused or 8bit; fp8_gemms '', "
-                             f"head, qkv_fc or blocks, and set exactly where fp8 is")
+                             f"head, qkv_fc or blocks")
 
 
 _ADDITIONS = [
@@ -85,14 +89,14 @@ _ADDITIONS = [
              needs="NVRTC or Triton on a GPU", fsdp=_WHOLE_TENSORS),
     Addition("fp8_head", "model", "compute",
              "the output layer's three GEMMs in FP8 inside the chunked loss (e4m3 inputs, e5m2 gradient)",
-             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("loss", "loss_kernel"), fp8=True,
+             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("loss", "loss_kernel"),
              fp8_gemms="head", in_max=True, fsdp=_WHOLE_TENSORS),
     Addition("fp8_qkv_fc", "model", "compute",
              "c_attn's and c_fc's forward GEMMs in FP8, their LayerNorm's output cast with a scale bounded in advance",
-             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",), fp8=True, fp8_gemms="qkv_fc",
+             needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",), fp8_gemms="qkv_fc",
              in_max=True, fsdp=_WHOLE_TENSORS),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
-             needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8=True, fp8_gemms="blocks",
+             needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8_gemms="blocks",
              fsdp="its scaled matmuls have not been tried on FSDP's shards"),
     Addition("fold_norm", "model", "memory",
              "each block LayerNorm's weight and bias applied by the layer reading it: no sums over the tokens",

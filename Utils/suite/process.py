@@ -42,19 +42,18 @@ class Runner:
             print(shlex.join(argv), flush=True)
         if self.dry_run:
             return 0
-        return self._wait(subprocess.Popen(argv, cwd=cwd))
+        return self._wait(subprocess.Popen(argv, cwd=cwd))[0]
 
     def capture(self, argv: list[str]) -> tuple[int, str]:
         """argv's exit status and stdout (stderr passes through); run under dry_run too: a check, not a run."""
-        return self._wait(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True), capture=True)
+        return self._wait(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
 
-    def _wait(self, child: subprocess.Popen, capture: bool = False) -> tuple[int, str] | int:
+    def _wait(self, child: subprocess.Popen) -> tuple[int, str]:
+        """The child's exit status (128 + n where signal n killed it) and what it wrote to a pipe, if any."""
         self._child = child
         if self.interrupted is not None:   # a signal came while the child was being started
             child.send_signal(signal.SIGTERM)
-        out = child.communicate()[0] if capture else None
-        child.wait()
+        out = child.communicate()[0]
         self._child = None
         sys.stdout.flush()
-        rc = child.returncode if child.returncode >= 0 else 128 - child.returncode
-        return (rc, out or "") if capture else rc
+        return (child.returncode if child.returncode >= 0 else 128 - child.returncode), out or ""

@@ -118,7 +118,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str | None = None) -> Ru
     steps, batch, warmup = _steps_batch_warmup(a.steps, a.batch_size, a.warmup)
     seed = _seed(a.seed)
     _check_paths(a.prefix, a.data, a.data_dir)
-    device = _device(a.device)
+    device = resolve_device(a.device)
     model, seq_len = _model_seq_len(a.model, a.seq_len, device)
     data = _data(a.data)
     micro = _micro_batch(a.micro_batch, batch)
@@ -160,7 +160,7 @@ def _check_paths(prefix: str, data: str, data_dir: str | None) -> None:
                          "(./data, or the environment's DATA_DIR)")
 
 
-def _device(value: str) -> str:
+def resolve_device(value: str) -> str:
     """DEVICE as cuda or cpu: auto takes the GPU where PyTorch sees one; cuda without one is refused."""
     if value not in ("auto", "cuda", "cpu"):
         raise UsageError(f"DEVICE={value!r} is not one of auto, cuda, cpu")

@@ -9,6 +9,9 @@ import torch.nn.functional as F
 from Utils.kernels import cublaslt, fp8_linear, gemm_bias_grad
 from Utils.kernels.fp8 import E4M3, E4M3_MAX, fits, norm_bound, normed_to_e4m3, to_e4m3
 from Utils.ladder import linear, modules
+from Utils.ladder.linear import LinearPlan
+
+FP8_ONES = LinearPlan(bias_grad=True, fp8_forward=True)
 
 C = 64
 
@@ -92,7 +95,7 @@ def test_the_fp8_linear_changes_the_forward_only(ones):
     for with_norm in (None, norm):
         x = y.clone().requires_grad_()
         layer.zero_grad()
-        out = linear.linear(x, layer, with_norm, ones=ones)
+        out = linear.linear(x, layer, LinearPlan(bias_grad=ones, fp8_forward=with_norm is not None), with_norm)
         out.backward(grad)
         results.append((out.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()))
     (bf16, *grads_bf16), (fp8, *grads_fp8) = results
@@ -112,7 +115,8 @@ def test_the_fp8_mlp_changes_the_forward_only_and_tokens_not_a_multiple_of_16_ru
     for with_norm in (None, norm):
         x = y.clone().requires_grad_()
         fc.zero_grad(), proj.zero_grad()
-        out = linear.gelu_mlp(x, fc, proj, ones=True, norm=with_norm)
+        out = linear.gelu_mlp(x, fc, proj, LinearPlan(bias_grad=True, fp8_forward=with_norm is not None),
+                              with_norm)
         out.backward(grad)
         results.append((out.detach(), x.grad))
     (bf16, gx_bf16), (fp8, gx_fp8) = results
@@ -122,17 +126,20 @@ def test_the_fp8_mlp_changes_the_forward_only_and_tokens_not_a_multiple_of_16_ru
     # 40 tokens: FP8 GEMMs need multiples of 16, so the MLP runs its bf16 GEMMs, output for output.
     odd = y[:40]
     assert not fits(odd)
-    assert torch.equal(linear.gelu_mlp(odd, fc, proj, ones=True, norm=norm),
-                       linear.gelu_mlp(odd, fc, proj, ones=True))
+    assert torch.equal(linear.gelu_mlp(odd, fc, proj, FP8_ONES, norm),
+                       linear.gelu_mlp(odd, fc, proj, LinearPlan(bias_grad=True)))
 
 
-def test_read_normed_keeps_the_models_parameters_and_state_dict():
-    block = nn.ModuleDict(dict(ln=nn.LayerNorm(C), fc=modules.OnesLinear(C, 3 * C)))
-    names = list(block.state_dict())
-    modules.read_normed(block["fc"], block["ln"])
-    assert block["fc"].norm is block["ln"]
+def test_a_feature_with_its_norm_keeps_the_models_parameters_and_state_dict():
+    block = nn.ModuleDict(dict(ln=nn.LayerNorm(C), fc=nn.Linear(C, 3 * C)))
+    names, weight = list(block.state_dict()), block["fc"].weight
+    fc = modules.planned(block, "fc")
+    modules.add_feature(fc, block["ln"], fp8_forward=True)
+    assert block["fc"] is fc and fc.weight is weight and fc.norm is block["ln"]
+    assert fc.plan == LinearPlan(fp8_forward=True)
     assert list(block.state_dict()) == names and len(list(block.parameters())) == 4
-    assert modules.OnesLinear(C, C).norm is None   # unnamed: bf16, as before
+    fresh = modules.PlannedLinear(C, C)
+    assert fresh.norm is None and fresh.plan == LinearPlan()   # no feature: the plain layer
 
 
 def test_cublaslt_refuses_fp8_operands_it_cannot_take():
@@ -174,13 +181,13 @@ def test_the_compiled_step_keeps_the_input_beside_its_ones_for_the_backward(mlp)
     # its own over the tokens (BENCHMARKS.md, "[x 1] saved again"). aot_eager_decomp_partition: Inductor's
     # decompositions and partitioner, without generating code.
     norm, y, w, _ = operands(m=32)
-    block = nn.ModuleDict(dict(ln=norm, fc=modules.OnesLinear(C, w.size(0)), proj=nn.Linear(w.size(0), C))).bfloat16()
+    block = nn.ModuleDict(dict(ln=norm, fc=nn.Linear(C, w.size(0)), proj=nn.Linear(w.size(0), C))).bfloat16()
 
     def step(x):
         h = block["ln"](x)
         if mlp:
-            return linear.gelu_mlp(h, block["fc"], block["proj"], ones=True, norm=block["ln"])
-        return linear.linear(h, block["fc"], block["ln"])
+            return linear.gelu_mlp(h, block["fc"], block["proj"], FP8_ONES, block["ln"])
+        return linear.linear(h, block["fc"], FP8_ONES, block["ln"])
 
     torch._dynamo.reset()
     saved = []

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from Utils.kernels import cublaslt, gelu_epilogue
 from Utils.kernels.gelu_epilogue import linear_dgelu, linear_gelu
-from Utils.ladder.linear import gelu_mlp
+from Utils.ladder.linear import LinearPlan, gelu_mlp
 
 CPU = torch.device("cpu")
 TOLERANCES = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-4, atol=1e-5),
@@ -44,7 +44,7 @@ def _mlp(dtype, seed=0):
 @pytest.mark.parametrize("ones", [False, True], ids=["sum", "gemm_bias_grad"])
 def test_output_and_gradients_are_the_plain_mlps(op_calls, dtype, ones):
     results = []
-    for op in (lambda x, fc, proj: gelu_mlp(x, fc, proj, ones=ones), gelu_epilogue.reference):
+    for op in (lambda x, fc, proj: gelu_mlp(x, fc, proj, LinearPlan(bias_grad=ones)), gelu_epilogue.reference):
         fc, proj, x = _mlp(dtype)
         y = op(x, fc, proj)
         y.backward(torch.linspace(-1, 1, y.numel(), dtype=dtype).view_as(y))
@@ -276,7 +276,7 @@ def test_on_a_gpu_the_epilogue_gemms_replay_from_a_cuda_graph():
 @pytest.mark.gpu
 def test_on_a_gpu_the_mlp_matches_the_plain_mlp_under_autocast():
     results = []
-    for op in (lambda x, fc, proj: gelu_mlp(x, fc, proj, ones=True), gelu_epilogue.reference):
+    for op in (lambda x, fc, proj: gelu_mlp(x, fc, proj, LinearPlan(bias_grad=True)), gelu_epilogue.reference):
         torch.manual_seed(0)
         fc, proj = nn.Linear(768, 3072, device="cuda"), nn.Linear(3072, 768, device="cuda")
         x = torch.randn(4, 256, 768, device="cuda", requires_grad=True)

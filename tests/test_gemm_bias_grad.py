@@ -8,6 +8,12 @@ import torch.nn as nn
 
 from Utils.kernels import cublaslt, gemm_bias_grad
 from Utils.ladder import linear
+from Utils.ladder.linear import LinearPlan
+
+
+def in_gemm(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """The layer with its bias gradient from its weight-gradient GEMM."""
+    return linear.linear(x, layer, LinearPlan(bias_grad=True))
 
 TOLERANCES = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-4, atol=1e-5),
               torch.bfloat16: dict(rtol=2 ** -7, atol=2e-2)}
@@ -35,7 +41,7 @@ def _layer_and_input(dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_output_and_gradients_are_the_plain_layers(dtype):
     grads = []
-    for op in (linear.linear, gemm_bias_grad.reference):
+    for op in (in_gemm, gemm_bias_grad.reference):
         layer, x = _layer_and_input(dtype)
         y = op(x, layer)
         y.backward(torch.linspace(-1, 1, y.numel(), dtype=dtype).view_as(y))
@@ -53,13 +59,13 @@ def test_gradcheck_in_float64():
     def of_tensors(x, weight, bias):
         layer = nn.Module()   # gradcheck differentiates the layer's tensors as inputs
         layer.weight, layer.bias = weight, bias
-        return linear.linear(x, layer)
+        return in_gemm(x, layer)
     assert torch.autograd.gradcheck(of_tensors, (x, weight, bias))
 
 
 def test_under_bf16_autocast_it_computes_in_bf16_and_gives_fp32_gradients():
     grads = []
-    for op in (linear.linear, gemm_bias_grad.reference):
+    for op in (in_gemm, gemm_bias_grad.reference):
         layer, x = _layer_and_input(torch.float32)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = op(x, layer)
@@ -79,7 +85,7 @@ class _NormThenLinear(nn.Module):
         self.ln, self.fc = nn.LayerNorm(32), nn.Linear(32, 48)
 
     def forward(self, x):
-        return linear.linear(self.ln(x), self.fc)
+        return in_gemm(self.ln(x), self.fc)
 
 
 def test_compiled_the_layernorm_writes_beside_its_ones_and_equals_eager():
@@ -148,7 +154,7 @@ def test_on_a_gpu_the_epilogue_gemm_reads_x_beside_its_ones_as_it_reads_x_alone(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_on_a_gpu_output_and_gradients_are_the_plain_layers(dtype):
     grads = []
-    for op in (linear.linear, gemm_bias_grad.reference):
+    for op in (in_gemm, gemm_bias_grad.reference):
         torch.manual_seed(0)
         layer = nn.Linear(768, 2304, device="cuda", dtype=dtype)
         x = torch.randn(4, 256, 768, device="cuda", dtype=dtype, requires_grad=True)

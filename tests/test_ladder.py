@@ -23,6 +23,7 @@ from Utils.ladder.registry import (ABLATION, ADDITIONS, ablation_additions, addi
                                    run_name)
 from Utils.model import GPT, MLP, CausalSelfAttention, OutputLoss
 from Utils.model_config import PRESETS
+from Utils.ladder.linear import LinearPlan
 
 CPU = torch.device("cpu")
 SMALL = replace(PRESETS["tiny"], vocab_size=97)   # the tiny model with a vocabulary that builds in milliseconds
@@ -401,7 +402,7 @@ def test_torch_compile_wraps_the_model_after_its_modules_are_swapped():
     assert isinstance(b.step_model, torch._dynamo.eval_frame.OptimizedModule)
     assert b.step_model._orig_mod is b.model
     compiled = b.step_model._orig_mod
-    assert isinstance(compiled.transformer.h[0].attn.c_attn, modules.OnesLinear)
+    assert compiled.transformer.h[0].attn.c_attn.plan == LinearPlan(bias_grad=True)
     assert isinstance(compiled.loss, modules.ChunkedLoss)
     # The optimizer, built after the swaps, steps exactly the model's parameters.
     stepped = [p for group in b.optimizer.param_groups for p in group["params"]]
@@ -507,14 +508,16 @@ def _bf16_residual(b, base):
 
 def _gemm_bias_grad(b, base):
     for block in b.model.transformer.h:
-        assert type(block.attn.c_attn) is type(block.mlp.c_fc) is modules.OnesLinear
+        assert type(block.attn.c_attn) is type(block.mlp.c_fc) is modules.PlannedLinear
+        assert block.attn.c_attn.plan == block.mlp.c_fc.plan == LinearPlan(bias_grad=True)
         assert type(block.attn.c_proj) is type(block.mlp.c_proj) is nn.Linear
 
 
 def _fold_norm(b, base):
     for block, plain in zip(b.model.transformer.h, base.model.transformer.h):
         assert type(block.ln_1) is type(block.ln_2) is modules.NormalizeOnly and type(plain.ln_1) is nn.LayerNorm
-        assert block.attn.c_attn.fold is block.ln_1 and block.mlp.c_fc.fold is block.ln_2
+        assert block.attn.c_attn.plan.fold and block.mlp.c_fc.plan.fold
+        assert block.attn.c_attn.norm is block.ln_1 and block.mlp.c_fc.norm is block.ln_2
 
 
 def _plain_mlp(b, base):
@@ -644,8 +647,8 @@ def test_where_cublaslt_runs_the_mlp_is_the_epilogue_mlp(kernels_available):
     b = make(("bf16", "gemm_bias_grad", "gelu_epilogue"))
     assert b.notes == [] and kernels_available == [("cublaslt", CPU)]
     for block in b.model.transformer.h:
-        # c_fc is still the OnesLinear that gemm_bias_grad swapped in first: its bias gradient from the GEMM.
-        assert type(block.mlp) is modules.EpilogueMLP and type(block.mlp.c_fc) is modules.OnesLinear
+        # c_fc keeps the feature gemm_bias_grad gave it first: its bias gradient from the GEMM.
+        assert type(block.mlp) is modules.EpilogueMLP and block.mlp.c_fc.plan == LinearPlan(bias_grad=True)
 
 
 def test_where_cudnn_has_fused_attention_cudnn_attention_holds_sdpa_to_it(kernels_available):
@@ -715,13 +718,11 @@ def test_where_fp8_runs_fp8_qkv_fc_names_each_layernorm_to_the_layer_that_reads_
     b = make(("bf16",) + bases + ("fp8_qkv_fc",))
     assert b.notes == []
     for block in b.model.transformer.h:
-        if bases:   # the modules gemm_bias_grad and gelu_epilogue swapped in take the LayerNorm
-            assert type(block.attn.c_attn) is modules.OnesLinear and type(block.mlp) is modules.EpilogueMLP
-            assert block.mlp.norm is block.ln_2 and block.mlp.c_fc.norm is None
-        else:       # plain layers become NormLinear, keeping their parameters
-            assert type(block.attn.c_attn) is type(block.mlp.c_fc) is modules.NormLinear
-            assert block.mlp.c_fc.norm is block.ln_2
-        assert block.attn.c_attn.norm is block.ln_1
+        # The layers keep the features gemm_bias_grad gave them, and gelu_epilogue's MLP runs its c_fc's plan.
+        assert (type(block.mlp) is modules.EpilogueMLP) == bool(bases)
+        for layer, norm in ((block.attn.c_attn, block.ln_1), (block.mlp.c_fc, block.ln_2)):
+            assert type(layer) is modules.PlannedLinear and layer.norm is norm
+            assert layer.plan == LinearPlan(bias_grad=bool(bases), fp8_forward=True)
     assert set(b.model.state_dict()) == set(make(("bf16",) + bases).model.state_dict())
 
 

@@ -15,6 +15,7 @@ from Utils.ladder import linear, modules
 from Utils.ladder.apply import build
 from Utils.ladder.registry import RegistryError, resolve
 from Utils.model_config import PRESETS
+from Utils.ladder.linear import LinearPlan
 
 CPU = torch.device("cpu")
 SMALL = replace(PRESETS["tiny"], vocab_size=97)
@@ -76,9 +77,9 @@ def test_folded_linear_is_layernorm_then_linear(dtype, ones):
         x = x.to(run_dtype).requires_grad_()
         norm, layer = norm.to(run_dtype), layer.to(run_dtype)
         if folded:
-            y = linear.linear(F.layer_norm(x, (24,)), layer, ones=ones, fold=norm)
+            y = linear.linear(F.layer_norm(x, (24,)), layer, LinearPlan(bias_grad=ones, fold=True), norm)
         else:
-            y = linear.linear(norm(x), layer, ones=ones)
+            y = linear.linear(norm(x), layer, LinearPlan(bias_grad=ones))
         y.backward(torch.linspace(-1, 1, y.numel(), dtype=run_dtype).view_as(y))
         results.append((y, x.grad, layer.weight.grad, layer.bias.grad, norm.weight.grad, norm.bias.grad))
     for got, want in zip(*results):
@@ -96,7 +97,7 @@ def test_folded_linear_gradcheck_in_float64():
     def folded_linear(x, weight, bias, gamma, beta):
         layer, norm = nn.Module(), nn.Module()   # gradcheck differentiates their tensors as inputs
         layer.weight, layer.bias, norm.weight, norm.bias = weight, bias, gamma, beta
-        return linear.linear(x, layer, fold=norm)
+        return linear.linear(x, layer, LinearPlan(bias_grad=True, fold=True), norm)
     assert torch.autograd.gradcheck(folded_linear, (x, weight, bias, gamma, beta))
 
 
@@ -109,9 +110,9 @@ def test_folded_gelu_mlp_is_layernorm_then_mlp(dtype):
         norm, fc, proj = _norm(16, dtype, g), nn.Linear(16, 64).to(dtype), nn.Linear(64, 16).to(dtype)
         x = torch.randn(2, 8, 16, generator=g, dtype=dtype, requires_grad=True)
         if folded:
-            y = linear.gelu_mlp(F.layer_norm(x, (16,)), fc, proj, ones=True, fold=norm)
+            y = linear.gelu_mlp(F.layer_norm(x, (16,)), fc, proj, LinearPlan(bias_grad=True, fold=True), norm)
         else:
-            y = linear.gelu_mlp(norm(x), fc, proj, ones=True)
+            y = linear.gelu_mlp(norm(x), fc, proj, LinearPlan(bias_grad=True))
         y.backward(torch.linspace(-1, 1, y.numel(), dtype=dtype).view_as(y))
         results.append((y, x.grad, fc.weight.grad, fc.bias.grad, proj.weight.grad, norm.weight.grad, norm.bias.grad))
     for got, want in zip(*results):
@@ -152,8 +153,8 @@ def test_fold_norm_in_the_model_keeps_its_parameters_loss_and_gradients(base):
     (plain, loss_a, grads_a), (folded, loss_b, grads_b) = runs.values()
     block = folded.model.transformer.h[0]
     assert isinstance(block.ln_1, modules.NormalizeOnly) and isinstance(block.ln_2, modules.NormalizeOnly)
-    assert block.attn.c_attn.fold is block.ln_1 and block.mlp.c_fc.fold is block.ln_2
-    assert type(block.attn.c_attn) is (modules.OnesLinear if base else modules.NormLinear)
+    assert block.attn.c_attn.norm is block.ln_1 and block.mlp.c_fc.norm is block.ln_2
+    assert block.attn.c_attn.plan == block.mlp.c_fc.plan == LinearPlan(bias_grad=bool(base), fold=True)
     assert type(folded.model.transformer.ln_f) is nn.LayerNorm   # the output layer has no bias to take β
     assert list(folded.model.state_dict()) == list(plain.model.state_dict())
     torch.testing.assert_close(loss_b, loss_a, rtol=1e-12, atol=1e-12)
@@ -165,8 +166,9 @@ def test_fold_norm_in_the_model_keeps_its_parameters_loss_and_gradients(base):
 def test_fold_norm_alone_swaps_the_plain_layers_and_excludes_torchaos_fp8():
     b = _built(("fold_norm",))
     block = b.model.transformer.h[0]
-    assert type(block.attn.c_attn) is type(block.mlp.c_fc) is modules.NormLinear
-    assert block.attn.c_attn.fold is block.ln_1 and block.mlp.c_fc.fold is block.ln_2
+    assert type(block.attn.c_attn) is type(block.mlp.c_fc) is modules.PlannedLinear
+    assert block.attn.c_attn.plan == block.mlp.c_fc.plan == LinearPlan(fold=True)
+    assert block.attn.c_attn.norm is block.ln_1 and block.mlp.c_fc.norm is block.ln_2
     with pytest.raises(RegistryError, match="fold_norm cannot run with fp8"):
         resolve(("bf16", "fp8", "fold_norm"))
 
@@ -195,9 +197,8 @@ def test_the_fp8_forward_with_the_fold_reads_the_folded_weights_and_bounds_xhat_
         for layer in layers:
             layer.zero_grad()
         xi = xhat.clone().requires_grad_()
-        options = dict(norm=norm if fp8 else None, fold=norm)
-        out = (linear.gelu_mlp(xi, *layers, ones=True, **options) if mlp
-               else linear.linear(xi, layers[0], **options))
+        plan = LinearPlan(bias_grad=True, fold=True, fp8_forward=fp8)
+        out = linear.gelu_mlp(xi, *layers, plan, norm) if mlp else linear.linear(xi, layers[0], plan, norm)
         out.backward(grad)
         runs.append((out.detach().float(), [xi.grad, norm.weight.grad, norm.bias.grad,
                                             *(p.grad for layer in layers for p in layer.parameters())]))

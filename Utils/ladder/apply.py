@@ -181,8 +181,8 @@ def apply_gemm_bias_grad(b: Build) -> None:
     """c_attn's and c_fc's bias gradients as more columns of their weight-gradient GEMMs: no pass of their own
     over the output gradients."""
     for block in modules.blocks(b.model):
-        modules.swap_linear(block.attn, "c_attn", modules.OnesLinear)
-        modules.swap_linear(block.mlp, "c_fc", modules.OnesLinear)
+        modules.add_feature(modules.planned(block.attn, "c_attn"), bias_grad=True)
+        modules.add_feature(modules.planned(block.mlp, "c_fc"), bias_grad=True)
 
 
 @applies("gelu_epilogue")
@@ -275,22 +275,9 @@ def apply_fp8_qkv_fc(b: Build) -> str | None:
     if why:
         return f"{why}: c_attn and c_fc in bf16 instead"
     for block in modules.blocks(b.model):
-        modules.read_normed(_norm_reader(block.attn, "c_attn"), block.ln_1)
-        modules.read_normed(_mlp_norm_reader(block), block.ln_2)
+        modules.add_feature(modules.planned(block.attn, "c_attn"), block.ln_1, fp8_forward=True)
+        modules.add_feature(modules.planned(block.mlp, "c_fc"), block.ln_2, fp8_forward=True)
     return None
-
-
-def _norm_reader(parent: nn.Module, name: str) -> nn.Module:
-    """parent.<name>, a linear layer that reads a LayerNorm's output, made a NormLinear where gemm_bias_grad has
-    not made it a OnesLinear, so that it can cast that output to FP8 or apply the LayerNorm's weights."""
-    if not isinstance(getattr(parent, name), (modules.OnesLinear, modules.NormLinear)):
-        modules.swap_linear(parent, name, modules.NormLinear)
-    return getattr(parent, name)
-
-
-def _mlp_norm_reader(block: nn.Module) -> nn.Module:
-    """What reads ln_2's output: gelu_epilogue's MLP, which runs c_fc's GEMM itself, or c_fc."""
-    return block.mlp if isinstance(block.mlp, modules.EpilogueMLP) else _norm_reader(block.mlp, "c_fc")
 
 
 @applies("fp8")
@@ -315,8 +302,8 @@ def apply_fold_norm(b: Build) -> None:
     b + Wβ), whose gradients come from those layers' weight and bias gradients: the LayerNorms' backward sums
     over the tokens, and the memsets before them, go (Utils.kernels.norm_fold)."""
     for block in modules.blocks(b.model):
-        modules.fold_norm(block, "ln_1", _norm_reader(block.attn, "c_attn"))
-        modules.fold_norm(block, "ln_2", _mlp_norm_reader(block))
+        modules.fold_norm(block, "ln_1", modules.planned(block.attn, "c_attn"))
+        modules.fold_norm(block, "ln_2", modules.planned(block.mlp, "c_fc"))
 
 
 # --- compile ---------------------------------------------------------------------------------------------

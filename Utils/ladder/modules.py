@@ -6,6 +6,8 @@ then a module is replaced by one that computes the same function faster, keeping
 (so the weights drawn at initialization, and their tying, are untouched). Every swap here happens
 before torch.compile and before the optimizer is built.
 """
+from dataclasses import replace
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -13,53 +15,47 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from Utils.kernels import chunked_loss, fp8, fp8_loss, packed_attention
 from Utils.ladder import linear
+from Utils.ladder.linear import LinearPlan
 from Utils.model import GPT, CausalSelfAttention, OutputLoss
 
 
-class OnesLinear(nn.Linear):
-    """nn.Linear whose bias gradient comes out of its weight-gradient GEMM (kernels.gemm_bias_grad); its forward
-    GEMM in FP8 once `read_normed` has named the LayerNorm that makes its input; that LayerNorm's γ and β
-    applied here once `fold_norm` has folded it."""
+class PlannedLinear(nn.Linear):
+    """nn.Linear with the features its `plan` names (Utils.ladder.linear), which the additions set: gemm_bias_grad's
+    bias gradient, fp8_qkv_fc's FP8 forward GEMM and fold_norm's folded LayerNorm; `norm` is the LayerNorm whose
+    output it reads, for the last two."""
+    plan: LinearPlan = LinearPlan()
     norm: nn.LayerNorm | None = None
-    fold: nn.LayerNorm | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear.linear(x, self, self.norm, fold=self.fold)
+        return linear.linear(x, self, self.plan, self.norm)
 
 
-class NormLinear(nn.Linear):
-    """nn.Linear that reads a LayerNorm's output, for a layer that is not a OnesLinear (its bias gradient autograd's
-    sum): its forward GEMM in FP8 once `read_normed` has named that LayerNorm (kernels.fp8_linear), and the
-    LayerNorm's γ and β applied here once `fold_norm` has folded it (kernels.norm_fold)."""
-    norm: nn.LayerNorm | None = None
-    fold: nn.LayerNorm | None = None
+def planned(parent: nn.Module, name: str) -> PlannedLinear:
+    """parent.<name>, an nn.Linear, made a PlannedLinear holding the same Parameters where it is not one yet."""
+    if not isinstance(getattr(parent, name), PlannedLinear):
+        swap_linear(parent, name, PlannedLinear)
+    return getattr(parent, name)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear.linear(x, self, self.norm, ones=False, fold=self.fold)
+
+def add_feature(layer: PlannedLinear, norm: nn.LayerNorm | None = None, **feature: bool) -> None:
+    """Give `layer` a feature of LinearPlan (bias_grad=True, ...), and `norm` as the LayerNorm whose output it reads
+    where given. A reference, not a submodule: norm's parameters stay registered once, where the model has them,
+    and the state dict is unchanged."""
+    layer.plan = replace(layer.plan, **feature)
+    if norm is not None:
+        object.__setattr__(layer, "norm", norm)
 
 
 class EpilogueMLP(nn.Module):
-    """The block's MLP with c_fc's bias and GELU, and GELU's derivative, in GEMM epilogues
-    (kernels.gelu_epilogue); c_fc's bias gradient from its GEMM too where c_fc is a OnesLinear; c_fc's forward
-    GEMM in FP8 once `read_normed` has named the LayerNorm that makes the MLP's input; that LayerNorm's γ and β
-    applied by c_fc once `fold_norm` has folded it."""
-    norm: nn.LayerNorm | None = None
-    fold: nn.LayerNorm | None = None
+    """The block's MLP with c_fc's bias and GELU, and GELU's derivative, in GEMM epilogues (kernels.gelu_epilogue),
+    c_fc with the other features its plan names."""
 
     def __init__(self, mlp: nn.Module):
         super().__init__()
-        self.c_fc, self.c_proj = mlp.c_fc, mlp.c_proj
+        self.c_fc, self.c_proj = planned(mlp, "c_fc"), mlp.c_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear.gelu_mlp(x, self.c_fc, self.c_proj, ones=isinstance(self.c_fc, OnesLinear), norm=self.norm,
-                               fold=self.fold)
-
-
-def read_normed(module: OnesLinear | NormLinear | EpilogueMLP, norm: nn.LayerNorm) -> None:
-    """Name `norm` as the LayerNorm whose output `module` reads, so that its forward GEMM casts that output to FP8
-    with a scale bounded by norm's weights, or by sqrt(C - 1) once folded (kernels.fp8_linear). A reference, not a
-    submodule: norm's parameters stay registered once, where the model has them, and the state dict is unchanged."""
-    object.__setattr__(module, "norm", norm)
+        return linear.gelu_mlp(x, self.c_fc, self.c_proj, self.c_fc.plan, self.c_fc.norm)
 
 
 class NormalizeOnly(nn.LayerNorm):
@@ -71,16 +67,14 @@ class NormalizeOnly(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
 
 
-def fold_norm(parent: nn.Module, name: str, reader: OnesLinear | NormLinear | EpilogueMLP) -> None:
+def fold_norm(parent: nn.Module, name: str, reader: PlannedLinear) -> None:
     """Make parent.<name>, the LayerNorm whose output `reader` alone reads, a NormalizeOnly holding the same
-    Parameters, and name it as the LayerNorm whose weight and bias `reader` applies."""
+    Parameters, and give `reader` the fold feature with it."""
     old = getattr(parent, name)
     new = NormalizeOnly(old.normalized_shape, eps=old.eps, device="meta")
     new.weight, new.bias = old.weight, old.bias
     setattr(parent, name, new)
-    object.__setattr__(reader, "fold", new)   # a reference, as read_normed's: the parameters stay where they are
-    if getattr(reader, "norm", None) is old:   # fp8_qkv_fc named the LayerNorm before it was folded
-        object.__setattr__(reader, "norm", new)
+    add_feature(reader, new, fold=True)
 
 
 class CudnnAttention(CausalSelfAttention):

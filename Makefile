@@ -14,7 +14,8 @@ endif
 # tells FROM= (set to nothing: refused) from no FROM (its default).
 USER_VARIABLES := STEPS BATCH_SIZE PREFIX MODEL SEQ_LEN DEVICE DATA WARMUP SEED DATA_DIR SDPA_BACKEND MICRO_BATCH \
 	GPU_MEMORY_GIB UPGRADE PROFILE COLD REPEAT WITH \
-	ADDITIONS FROM PEERS RUNG NPROC PARALLEL PREFIXES OUT RESULTS MATMUL_N COPY_GIB
+	ADDITIONS FROM PEERS RUNG NPROC PARALLEL NNODES NODE_RANK RDZV_ENDPOINT RDZV_ID RDZV_TIMEOUT PREFIXES OUT RESULTS \
+	MATMUL_N COPY_GIB
 sq = '$(subst ','\'',$(1))'
 given = $(foreach v,$(USER_VARIABLES),$(if $(filter command environment,$(firstword $(origin $(v)))),$(call sq,$(v)=$(value $(v)))))
 # A line break in a value would end the recipe line that holds it before the driver could see it: refused here.

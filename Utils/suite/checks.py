@@ -12,7 +12,9 @@ from Utils.train.usage import EXAMPLE, UsageError
 
 SWITCHES = ("", "0", "1", "yes", "no", "true", "false")
 REPEAT_EXAMPLE = "e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3"
+NODES_EXAMPLE = "e.g. make fused NNODES=2 NODE_RANK=0 RDZV_ENDPOINT=node0:29500 STEPS=60 BATCH_SIZE=16 PREFIX=./out"
 EMPTY = {"NPROC": "use NPROC=1 (one process) or more, or leave it out",
+         "NNODES": "use NNODES=2 or more (hosts), or leave it out (1)",
          "PARALLEL": "use PARALLEL=ddp or fsdp, or leave it out (ddp)",
          "FROM": "use FROM=fused or FROM=max, or leave it out (fused)",
          "ADDITIONS": "name the additions to try (make additions lists them), or leave ADDITIONS out to try every one"}
@@ -60,6 +62,8 @@ def peers(g: Given) -> list[str]:
         raise UsageError(f"PEERS is empty: name some of {' '.join(PEERS)}")
     if g.text("NPROC", "1").strip() != "1" or g.stripped("PARALLEL") or g.on("PROFILE"):
         raise UsageError("make peers runs each peer as one process, unprofiled: leave out NPROC, PARALLEL and PROFILE")
+    if g.multinode():
+        raise UsageError("make peers runs on one host: leave out NNODES")
     for i, name in enumerate(names):
         if name not in PEERS:
             raise UsageError(f"PEERS names {name}: use some of {' '.join(PEERS)}")
@@ -71,11 +75,41 @@ def peers(g: Given) -> list[str]:
 def parallel(g: Given, runner: Runner, additions: list[str]) -> int:
     """NPROC and PARALLEL, and under several processes the additions against PARALLEL and every run argument, before
     torchrun starts any process. Returns the checks' exit status."""
-    not_empty(g, "NPROC", "PARALLEL")
+    not_empty(g, "NPROC", "PARALLEL", "NNODES")
+    nodes(g)
     if not g.distributed():
         return 0
     rc = runner.capture(commands.check_distributed(g, g.text("NPROC", "1"), additions))[0]
     return rc or runner.capture(commands.check_arguments(g))[0]
+
+
+def nodes(g: Given) -> None:
+    """NNODES, NODE_RANK, RDZV_ENDPOINT, RDZV_ID and RDZV_TIMEOUT: a count of hosts, this host's place among them,
+    where the rendezvous listens (host:port), the run's id and the seconds a node waits for the others; the last
+    four only with NNODES of 2 or more."""
+    count = g.stripped("NNODES", "1")
+    if not re.fullmatch(r"[1-9][0-9]{0,3}", count):
+        raise UsageError(f"NNODES must be a number of hosts, 1 or more, not '{g.text('NNODES')}' ({NODES_EXAMPLE})")
+    if count == "1":
+        given = [name for name in ("NODE_RANK", "RDZV_ENDPOINT", "RDZV_ID", "RDZV_TIMEOUT") if g.is_set(name)]
+        if given:
+            raise UsageError(f"{given[0]} is for a run on several hosts: give NNODES=2 or more too ({NODES_EXAMPLE})")
+        return
+    rank = g.stripped("NODE_RANK")
+    if not re.fullmatch(r"0|[1-9][0-9]*", rank) or int(rank) >= int(count):
+        raise UsageError(f"NODE_RANK must be this host's place among the NNODES={count} hosts, 0 to {int(count) - 1}, "
+                         f"not '{g.text('NODE_RANK')}' (0 on the host that RDZV_ENDPOINT names)")
+    endpoint = g.stripped("RDZV_ENDPOINT")
+    host, _, port = endpoint.rpartition(":")
+    if not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536 or " " in endpoint:
+        raise UsageError(f"RDZV_ENDPOINT must be host:port, the address where node 0 listens, with a port from 1 to "
+                         f"65535, not '{g.text('RDZV_ENDPOINT')}' ({NODES_EXAMPLE})")
+    if g.is_set("RDZV_ID") and not re.fullmatch(r"[A-Za-z0-9_.-]+", g.stripped("RDZV_ID")):
+        raise UsageError(f"RDZV_ID must be one word of letters, digits, '.', '_' or '-', the same on every node, not "
+                         f"'{g.text('RDZV_ID')}'")
+    if g.is_set("RDZV_TIMEOUT") and not re.fullmatch(r"[1-9][0-9]{0,4}", g.stripped("RDZV_TIMEOUT")):
+        raise UsageError(f"RDZV_TIMEOUT must be the seconds a node waits for the others to join, 1 or more, not "
+                         f"'{g.text('RDZV_TIMEOUT')}'")
 
 
 def arguments(g: Given, runner: Runner) -> tuple[int, str]:

@@ -18,13 +18,32 @@ def run_args(g: Given) -> list[str]:
     return args + ["--profile"] * g.on("PROFILE") + ["--cold"] * g.on("COLD")
 
 
+# Defaults of the rendezvous that joins several hosts: the id every node of one run gives, and how long a node
+# waits for the others to join before the run ends (torchrun's own default is 600 s).
+RDZV_ID = "gpt-suite"
+RDZV_TIMEOUT_S = "300"
+
+
 def launch(g: Given, target: list[str]) -> list[str]:
     """The command that starts `target` (a script, or -m and a module): NPROC processes through torchrun where the
     run is distributed (--parallel follows the target, as the run's parser reads it), else one."""
     if not g.distributed():
         return [*g.python, *target]
-    return [*g.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", g.text("NPROC", "1"),
+    return [*g.python, "-m", "torch.distributed.run", *rendezvous(g), "--nproc-per-node", g.text("NPROC", "1"),
             *target, "--parallel", g.parallel()]
+
+
+def rendezvous(g: Given) -> list[str]:
+    """torchrun's options that join this host to the run's others: --standalone on one host; on several, the c10d
+    rendezvous at RDZV_ENDPOINT, which node 0 hosts (is_host), every node waiting RDZV_TIMEOUT seconds for the
+    rest. c10d orders the nodes' ranks itself (torchrun ignores --node-rank under it), and no node restarts: a
+    node that fails ends the run on every node."""
+    if not g.multinode():
+        return ["--standalone"]
+    host = "true" if g.stripped("NODE_RANK", "0") == "0" else "false"
+    conf = f"join_timeout={g.stripped('RDZV_TIMEOUT') or RDZV_TIMEOUT_S},is_host={host}"
+    return ["--nnodes", g.stripped("NNODES"), "--rdzv-backend", "c10d", "--rdzv-endpoint", g.stripped("RDZV_ENDPOINT"),
+            "--rdzv-id", g.stripped("RDZV_ID") or RDZV_ID, "--rdzv-conf", conf, "--max-restarts", "0"]
 
 
 def rung(g: Given, name: str) -> list[str]:

@@ -11,8 +11,8 @@ from Utils.train.usage import UsageError
 # Every variable a user sets on make's command line (the Makefile passes these, and only these, as words).
 VARIABLES = ("STEPS", "BATCH_SIZE", "PREFIX", "MODEL", "SEQ_LEN", "DEVICE", "DATA", "WARMUP", "SEED", "DATA_DIR",
              "SDPA_BACKEND", "MICRO_BATCH", "GPU_MEMORY_GIB", "UPGRADE", "PROFILE", "COLD", "REPEAT", "WITH",
-             "ADDITIONS", "FROM", "PEERS", "RUNG", "NPROC", "PARALLEL", "PREFIXES", "OUT", "RESULTS", "MATMUL_N",
-             "COPY_GIB")
+             "ADDITIONS", "FROM", "PEERS", "RUNG", "NPROC", "PARALLEL", "NNODES", "NODE_RANK", "RDZV_ENDPOINT",
+             "RDZV_ID", "RDZV_TIMEOUT", "PREFIXES", "OUT", "RESULTS", "MATMUL_N", "COPY_GIB")
 TRUE = ("1", "yes", "true")
 
 
@@ -45,8 +45,14 @@ class Given:
         return replace(self, values={**self.values, **values})
 
     def distributed(self) -> bool:
-        """Several processes through torchrun: NPROC has a count other than 1, or PARALLEL is named."""
-        return any(w != "1" for w in self.words("NPROC", "1")) or bool(self.stripped("PARALLEL"))
+        """Several processes through torchrun: NPROC has a count other than 1, PARALLEL is named, or NNODES is more
+        than one."""
+        return (any(w != "1" for w in self.words("NPROC", "1")) or bool(self.stripped("PARALLEL"))
+                or self.multinode())
+
+    def multinode(self) -> bool:
+        """Several hosts, joined by torchrun's c10d rendezvous: NNODES is given and is not 1."""
+        return self.stripped("NNODES", "1") != "1"
 
     def parallel(self) -> str:
         return self.stripped("PARALLEL") or "ddp"

@@ -118,6 +118,7 @@ def scaling(g: Given, runner: Runner) -> int:
     checks.run_basics(g)
     checks.repeat(g)
     name = checks.one_rung(g, ', e.g. make scaling RUNG=max NPROC="1 2" STEPS=60 BATCH_SIZE=16 PREFIX=./out')
+    checks.nodes(g)
     counts = g.words("NPROC", "1")
     if not counts:
         raise UsageError('NPROC is required: the GPU counts to run, e.g. NPROC="1 2 4 8"')

@@ -40,6 +40,8 @@ Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE
           SDPA_BACKEND=auto|flash|cudnn|efficient|math (the kernel SDPA is held to; auto: PyTorch's choice)
           NPROC=n (runs, all, custom, ablation: n processes through torchrun, one GPU each; BATCH_SIZE stays per GPU)
           PARALLEL=ddp|fsdp (with NPROC: DistributedDataParallel, the default, or FSDP2's fully_shard)
+          NNODES=n NODE_RANK=i RDZV_ENDPOINT=host:port (several hosts: the same command on each, i from 0 on the host
+          of RDZV_ENDPOINT; RDZV_ID=word, the same on each; RDZV_TIMEOUT=s a node waits for the others, 300)
           PEERS="llmc hf" (make peers: only these)  LLMC_SOURCE=dir|file.tar.gz (llm.c's source, offline)
 
 Without make: python -m Utils.suite COMMAND [RUNG] [NAME=value ...] [--dry-run], the same commands and variables

@@ -54,6 +54,11 @@ class Given:
         """Several hosts, joined by torchrun's c10d rendezvous: NNODES is given and is not 1."""
         return self.stripped("NNODES", "1") != "1"
 
+    def records(self) -> bool:
+        """This host records the runs and draws the charts: node 0 of several (the others' charts would race it
+        for the same files on a shared folder), or the one host."""
+        return not self.multinode() or self.stripped("NODE_RANK") == "0"
+
     def parallel(self) -> str:
         return self.stripped("PARALLEL") or "ddp"
 

@@ -48,7 +48,7 @@ def _repeat(g: Given, runner: Runner, name: str, argv: list[str], times: int, dr
         if rc or runner.interrupted:
             return rc or runner.stopped()
     # A summary left as it was would leave out the runs just appended.
-    if not drawn and not g.on("PROFILE") and os.path.isfile(os.path.join(g.text("PREFIX"), "summary.md")):
+    if not drawn and not g.on("PROFILE") and g.records() and os.path.isfile(os.path.join(g.text("PREFIX"), "summary.md")):
         return runner.run(commands.plot(g))
     return 0
 
@@ -86,6 +86,8 @@ def charts(g: Given, runner: Runner) -> list[str]:
     recorded in breakdown.md only."""
     if g.on("PROFILE"):
         print("PROFILE=1: no charts (the profiled runs are in breakdown.md only)", flush=True)
+        return []
+    if not g.records():
         return []
     return ["plots"] if runner.run(commands.plot(g)) else []
 

@@ -44,6 +44,8 @@ def main(argv: Sequence[str]) -> int:
     name = rest.pop(0) if command == "run" else None
     try:
         g = parse(rest, os.environ)
+        if g.multinode():   # torchrun's processes take their host's place among the hosts from it (Utils.train)
+            os.environ["NODE_RANK"] = g.stripped("NODE_RANK")
         runner = Runner(g.dry_run)
         previous = runner.handle_signals()
         try:

@@ -55,8 +55,19 @@ def from_env(parallel: str) -> Dist:
     """The Dist torchrun's variables describe, for a run asked to use `parallel` ('' for none)."""
     if not parallel:
         return Dist()
-    return Dist(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                local_rank=int(os.environ.get("LOCAL_RANK", 0)), parallel=parallel)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    return Dist(rank=_rank(local_rank), world_size=int(os.environ["WORLD_SIZE"]), local_rank=local_rank,
+                parallel=parallel)
+
+
+def _rank(local_rank: int) -> int:
+    """torchrun's RANK on one host. On several (NODE_RANK, which the driver sets), host i's processes are ranks
+    i x LOCAL_WORLD_SIZE + LOCAL_RANK: c10d orders the hosts by their own descriptors, which would put rank 0 (the
+    process that prints and records the run) on any host, and the global batch's slices in another order each run."""
+    node = os.environ.get("NODE_RANK")
+    if node is None:
+        return int(os.environ["RANK"])
+    return int(node) * int(os.environ["LOCAL_WORLD_SIZE"]) + local_rank
 
 
 def launched_by_torchrun() -> bool:
@@ -72,8 +83,8 @@ def init(dist: Dist, device_type: str) -> "torch.device":
         device = torch.device("cuda", dist.local_rank)
     else:
         device = torch.device("cpu")
-    td.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
-                          timeout=timedelta(seconds=timeout_s()),
+    td.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", rank=dist.rank,
+                          world_size=dist.world_size, timeout=timedelta(seconds=timeout_s()),
                           **({"device_id": device} if device_type == "cuda" else {}))
     return device
 

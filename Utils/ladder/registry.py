@@ -41,6 +41,9 @@ class Addition:
     clip_folded: bool = False      # the optimizer divides by the clip factor as it reads each gradient
     fp8_gemms: str = ""            # which GEMMs it runs in FP8: "head" (output layer), "qkv_fc" (c_attn's and
                                    # c_fc's forward) or "blocks" (every block's linear layers)
+    # What the breakdown (Utils.report.breakdown) reads differently under it:
+    readback_deferred: bool = False  # the host reads results back every few steps, so the launches of the steps
+                                     # between run ahead of the GPU
 
     @property
     def fp8(self) -> bool:
@@ -132,7 +135,7 @@ _ADDITIONS = [
     Addition("prefetch", "loop", "overhead", "the next batch copied to the GPU on a side stream", needs="a GPU",
              in_max=True),
     Addition("sync_every", "loop", "overhead", "the host reads losses and step times back every 10 steps",
-             needs="a GPU", in_max=True),
+             needs="a GPU", in_max=True, readback_deferred=True),
 ]
 ADDITIONS = {a.name: a for a in _ADDITIONS}
 

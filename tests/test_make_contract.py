@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import REPO_ROOT, clean_env
+from Utils.ladder.registry import ABLATION
 
 # The stand-in for PYTHON. Each call is logged as one JSON line; -c and the modules in REAL (the checks, the
 # registry, the results files, and the driver make hands its targets to) run for real; everything else is a
@@ -298,9 +299,7 @@ def test_a_rung_without_data_leaves_it_to_its_script(tmp_path):
                             "(e.g. make max STEPS=60 BATCH_SIZE=16 PREFIX=./out REPEAT=3)"),
     (["ablation", "FROM="], "error: FROM is empty: use FROM=fused or FROM=max, or leave it out (fused)"),
     (["ablation", "ADDITIONS=prefetch nonsense"],
-     "error: ADDITIONS: make ablation FROM=fused does not try 'nonsense': use some of vocab_multiple, bf16_residual, "
-     "gemm_bias_grad, gelu_epilogue, cudnn_attention, packed_attention, loss, loss_kernel, fp8_head, fp8_qkv_fc, "
-     "fp8, fold_norm, cudagraphs, autotune, combo_kernels, fold_clip, compiled_update, prefetch, sync_every, or "
+     f"error: ADDITIONS: make ablation FROM=fused does not try 'nonsense': use some of {', '.join(ABLATION)}, or "
      "several joined by '+' to try them together"),
     (["custom"], "error: WITH is required: the additions to run, e.g. make custom WITH=\"bf16 torch_compile flash\" "
                  "STEPS=50 BATCH_SIZE=16 PREFIX=./out (make additions lists them)"),

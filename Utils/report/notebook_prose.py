@@ -3,9 +3,9 @@ its roofline facts) and set as markdown for notebooks/build_notebook.py. Imports
 building the notebook's cells needs neither torch nor pandas."""
 import re
 import textwrap
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from Utils.ladder.registry import ADDITIONS
+from Utils.ladder.registry import ADDITIONS, Addition
 
 WIDTH = 104   # columns of the markdown source, as the cells written by hand are wrapped
 # A line that starts like this would begin a list, a heading or a quote instead of continuing the paragraph.
@@ -58,7 +58,7 @@ def named(names: Iterable[str], last: str = " or ") -> str:
 def floor_inputs() -> str:
     """Which additions set each input of the floors, from their roofline facts (Addition.matmuls, compiled,
     scores_on_chip, optimizer, clip_folded)."""
-    def having(fact) -> list[str]:
+    def having(fact: Callable[[Addition], object]) -> list[str]:
         return [n for n, a in ADDITIONS.items() if fact(a)]
     return (f"the matmul precision (FP32 units, or the tensor cores with {named(having(lambda a: a.matmuls))}), "
             f"the bytes per activation ({named(having(lambda a: a.matmuls == 'bf16'))}), the attention (scores "

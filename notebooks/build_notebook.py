@@ -4,10 +4,11 @@
     python notebooks/build_notebook.py --no-execute    build only (no outputs)
     RESULTS=other python notebooks/build_notebook.py   execute against another results folder, save into it
 
-The notebook's prose lives here so that a change to it is reviewed as text, not as JSON; its code cells are
-short calls into Utils.report.walkthrough and Utils.report.roofline, which are tested like the rest of the
-suite. The test suite checks that the committed .ipynb holds exactly these cells. Executing needs no GPU and
-no torch: the notebook reads recorded measurements and source files only.
+The notebook's prose lives here, and each addition's own text in its registry entry (Utils/ladder/registry.py,
+set as markdown by Utils.report.notebook_prose), so that a change to it is reviewed as text, not as JSON; its
+code cells are short calls into Utils.report.walkthrough and Utils.report.roofline, which are tested like the
+rest of the suite. The test suite checks that the committed .ipynb holds exactly these cells. Executing needs no
+GPU and no torch: the notebook reads recorded measurements and source files only.
 
 The saved file depends only on the cells and the results: cell ids are fixed, execution timing is not
 recorded, the kernel's language_info is reset to the build's, adjacent stream outputs are merged (how a
@@ -34,6 +35,12 @@ except ImportError as e:
 HERE = os.path.dirname(os.path.abspath(__file__))
 NOTEBOOK = os.path.join(HERE, "Optimizing_GPU_Utilization.ipynb")
 REPO = os.path.dirname(HERE)
+if REPO not in sys.path:   # run as a script, this folder is on the path and the repository is not
+    sys.path.insert(0, REPO)
+
+from Utils.ladder.registry import ABLATION, MAX_ADDITIONS  # noqa: E402
+from Utils.report import notebook_prose as prose  # noqa: E402
+
 DEFAULT_RESULTS = os.path.join("results", "h200-b16")   # the committed notebook's measurements
 CELL_TIMEOUT_S = 300
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -203,12 +210,8 @@ CELLS = [
     code(r"""
     show(*study.optimizer_traffic())
     """),
-    md(r"""
-    Now the two floors for every rung. The additions of each rung (`Utils.ladder.registry.RUNGS`) decide
-    its inputs: the matmul precision (FP32 units, or the tensor cores with `tf32` or `bf16`), the bytes per
-    activation (`bf16`), the attention (scores written out, fused by `torch_compile`, or none with `flash`)
-    and the optimizer (`fused`, `8bit`, `fold_clip`).
-    """),
+    md(prose.paragraph(f"Now the two floors for every rung. The additions of each rung "
+                       f"(`Utils.ladder.registry.RUNGS`) decide its inputs: {prose.floor_inputs()}.")),
     code(r"""
     show(*study.floor_table())
     """),
@@ -272,176 +275,45 @@ CELLS = [
          walkthrough.source("Utils/train/loop.py", "train", ("autocast", "step_model(", "backward", "update()")),
          *study.effect("baseline"))
     """),
-    md(r"""
-    ### tf32: TensorFloat-32 matrix multiplications
-
-    **What changes.** One flag: FP32 matrix multiplications may run on the tensor cores in TF32.
-
-    **Why it is faster.** TF32 keeps FP32's 8-bit exponent (its range) but rounds the inputs of each
-    multiplication to a 10-bit mantissa, accumulating in FP32. The tensor cores multiply such inputs at
-    many times the rate of the FP32 units, so the compute floor drops by that factor; nothing else
-    changes: tensors stay FP32 in memory, so every memory-bound kernel runs exactly as before.
-
-    **What it costs.** Precision of the products: about three significant decimal digits instead of
-    seven. Training is normally insensitive to it, since gradient noise is far larger. No memory change.
-    No effect on GPUs older than Ampere.
-    """),
+    md(prose.section("tf32")),
     code(r"""
     show(walkthrough.change("tf32"), *walkthrough.apply_sources("tf32"), *study.effect("tf32"), *study.tf32_share())
     """),
-    md(r"""
-    ### bf16: BF16 autocast
-
-    **What changes.** The forward pass runs under `torch.autocast(dtype=torch.bfloat16)`: matrix
-    multiplications (and so their outputs, the activations) are BF16; the weights stay FP32 and are cast
-    on the fly, and autocast keeps numerically sensitive operations (softmax, LayerNorm, the loss) in FP32.
-
-    **Why it is faster.** Two reasons. The tensor cores multiply BF16 at twice their TF32 rate, halving
-    the compute floor again. And an activation in BF16 is 2 bytes instead of 4, so memory-bound kernels
-    move half the bytes and the saved activations take half the memory.
-
-    **What it costs.** BF16 has FP32's range but only an 8-bit mantissa; keeping master weights, the
-    optimizer and reductions in FP32 is what makes this safe without loss scaling (FP16, with its smaller
-    range, needs a gradient scaler). GPUs without BF16 (before Ampere) skip this rung.
-    """),
+    md(prose.section("bf16")),
     code(r"""
     show(walkthrough.change("bf16"), *walkthrough.apply_sources("bf16"),
          walkthrough.source("Utils/ladder/apply.py", "Build.autocast"),
          walkthrough.source("Utils/train/loop.py", "train", ("autocast",)),
          *study.effect("bf16"), *study.bf16_gain())
     """),
-    md(r"""
-    ### torch_compile: fusion by Inductor
-
-    **What changes.** The model is wrapped in `torch.compile`. On the first step Dynamo traces the Python
-    into a graph, and Inductor generates kernels for it (Triton on a GPU).
-
-    **Why it is faster.** Fusion: a chain of elementwise operations and reductions (scale, mask, softmax;
-    bias, GELU; residual add and LayerNorm) becomes one kernel that reads its inputs once, keeps the
-    intermediates in registers and writes one result, instead of one kernel per operation each reading
-    and writing the whole tensor. For a memory-bound step that removes most of the traffic, and it also
-    replaces hundreds of launches with tens.
-
-    **What it costs.** Compile time before the first step, paid again whenever a shape changes; a
-    less transparent stack to debug; the backward saves what the fused graph decides, usually less.
-    """),
+    md(prose.section("torch_compile")),
     code(r"""
     show(walkthrough.change("torch_compile"), *walkthrough.apply_sources("torch_compile"),
          walkthrough.source(walkthrough.APPLY_SOURCE, "compile_with"),
          *study.effect("torch_compile"), *study.compile_break_even())
     """),
-    md(r"""
-    ### flash: `F.scaled_dot_product_attention` (FlashAttention)
-
-    **What changes.** The attention layer calls `F.scaled_dot_product_attention(q, k, v, is_causal=True)`
-    instead of writing out the scores, and PyTorch picks a fused kernel for it: on an H100 or H200 with
-    PyTorch 2.11 and cuDNN 9.19, cuDNN's fused attention (PyTorch prefers it on Hopper from cuDNN 9.15 on);
-    on an A100 or an RTX card, FlashAttention-2. Both run the FlashAttention algorithm below. Each run
-    records the kernel a warm-up step ran (runs.csv's `attention_kernel`), and `SDPA_BACKEND=flash` holds
-    the rung to FlashAttention-2 ([BENCHMARKS.md](../BENCHMARKS.md) compares them on an H200). The `flash`
-    addition sets it through the model's config (`GPTConfig.flash`), and the model's attention branches on
-    it (printed below).
-
-    **Why it is faster.** FlashAttention never materializes the T×T scores. It walks over K and V in tiles
-    that fit in the chip's on-chip memory, computing each tile's scores, its part of the softmax (an
-    online softmax that rescales the running sum as new maxima appear) and its contribution to the output,
-    all in one kernel. Backward recomputes the scores tile by tile from Q, K, V and the per-row softmax
-    statistics instead of reading them back. The attention's FLOPs change little (backward recomputes the
-    scores; the causal mask lets it skip the tiles above the diagonal), but the passes over B·H·T·T values
-    counted above all disappear, and with them the memory those tensors held.
-
-    **What it costs.** Nothing in accuracy (the result is exact up to rounding order). It needs a
-    supported GPU, dtype and head size, or PyTorch falls back to a slower kernel.
-    """),
+    md(prose.section("flash")),
     code(r"""
     show(walkthrough.change("flash"), *walkthrough.apply_sources("flash"),
          walkthrough.source("Utils/model.py", "CausalSelfAttention.forward"),
          *study.effect("flash"), *study.flash_memory())
     """),
-    md(r"""
-    ### fused: AdamW in one kernel
-
-    **What changes.** `torch.optim.AdamW(..., fused=True)`.
-
-    **Why it is faster.** The default `foreach` AdamW is a sequence of multi-tensor operations (decay the
-    weights, update m, update v, take the square root, divide, add ε, update the weights); each is a pass
-    over every parameter, and the intermediates are written out between them. The fused implementation
-    does the whole update per value in one kernel over all parameters: read the parameter, gradient, m
-    and v once, write the parameter, m and v once. Fewer bytes and far fewer launches.
-
-    **What it costs.** Nothing: the same arithmetic. It needs the parameters on a supported device (CUDA,
-    and recently CPU) in floating-point types.
-    """),
+    md(prose.section("fused")),
     code(r"""
     show(walkthrough.change("fused"), *walkthrough.apply_sources("fused"), *study.effect("fused"), *study.fused_bytes())
     """),
-    md(r"""
-    ### 8bit: bitsandbytes' AdamW8bit
-
-    **What changes.** The flash rung's optimizer is replaced by `bitsandbytes.optim.AdamW8bit`.
-
-    **Why it can help.** AdamW keeps two states per parameter, m and v, each 4 bytes in FP32: twice the
-    model's own size. AdamW8bit stores them in 8 bits each, quantized block by block with a scale per
-    block (dynamic quantization), so the states take four times fewer bytes, in memory and in traffic.
-    Tensors smaller than 4096 values keep 32-bit states.
-
-    **What it costs.** Quantization error in the optimizer's statistics (small in practice, visible in the
-    loss comparison), a third-party CUDA library, and, in the implementation used here, a separate update
-    per parameter tensor driven from Python. It is a memory optimization first: it pays when the optimizer
-    states are what does not fit, for models of billions of parameters.
-    """),
+    md(prose.section("8bit")),
     code(r"""
     show(walkthrough.change("8bit"), *walkthrough.apply_sources("8bit"), *study.effect("8bit"), *study.eight_bit())
     """),
-    md(r"""
-    ### max: beyond the seven
-
-    **What changes.** The fused rung plus the further additions that measured faster or lighter on an
-    H200, did not slow the others down, and keep the model's mathematics (bf16 rounding aside, and FP8's in
-    the output layer and the two forward GEMMs of `fp8_qkv_fc`): the vocabulary padded to 50,304 rows
-    (`vocab_multiple`), a cross-entropy that never
-    holds the whole B×T×vocab logits and computes the output layer's three GEMMs in FP8 on an Ada or Hopper
-    GPU (`fp8_head`: e4m3 inputs, an e5m2 gradient written by the loss kernel in one read of the logits;
-    elsewhere the softmax gradient as the same hand-written kernel in bf16, `loss_kernel`), the next batch copied on a side stream
-    (`prefetch`), losses and timings read back every 10 steps instead of every step (`sync_every`), CUDA
-    graphs (`cudagraphs`, `torch.compile`'s `reduce-overhead` mode), a residual stream kept in bf16
-    (`bf16_residual`), the MLP's bias and GELU applied by cuBLASLt as its GEMMs store their outputs
-    (`gelu_epilogue`: forward, and GELU's derivative backward), the gradient clip folded into fused AdamW,
-    which divides each gradient by the clip's factor as it reads it (`fold_clip`), attention called through
-    cuDNN's graph API on the packed
-    QKV tensor (`packed_attention`), and c_attn's and c_fc's bias gradients taken from their
-    weight-gradient GEMMs (`gemm_bias_grad`), and the forward GEMMs of c_attn and c_fc in FP8 (`fp8_qkv_fc`), their
-    input cast to e4m3 by the LayerNorm that makes it, Inductor's combo kernels (`combo_kernels`), which
-    launch up to eight of its small independent kernels as one, and each block LayerNorm's γ and β applied by
-    the layer that reads its output (`fold_norm`). `make ablation` runs each addition alone on the fused rung,
-    together with the ones that were tried and left out or superseded: the chunked loss as Inductor compiles it
-    (`loss`) and in bf16 with its kernel (`loss_kernel`), cuDNN attention (`cudnn_attention`), FP8 matmuls (`fp8`)
-    and a compiled optimizer step (`compiled_update`).
-
-    **Why it can help.** Each addition removes a different cost: the padded vocabulary gives the largest
-    GEMM aligned tiles; the chunked loss removes the logits' memory footprint (1.6 GB at batch 16), and its
-    kernel stages each row of logits in shared memory, so it reads them once where the compiled version
-    reads them three times; the bf16 residual
-    stream halves the bytes of every residual add and LayerNorm; the GEMM epilogues remove two passes
-    over the MLP's tokens × 3072 activations per layer (GELU forward, and its derivative backward); the
-    folded clip lets fused AdamW apply the clip's factor as it reads each gradient, so the clip's own pass
-    over 124M fp32 gradients is gone (AdamW still writes each gradient back divided); cuDNN writes the attention's q, k and v gradients straight into the
-    QKV projection's packed gradient, where SDPA's three tensors had to be copied into it; a column of ones
-    stored beside c_attn's and c_fc's inputs makes their bias gradients one more column of the
-    weight-gradient GEMMs (dY^T [X 1]), so no pass sums the output gradients over the tokens; the FP8 GEMMs
-    do half the tensor-core work, and their input needs no pass to find its scale, since a LayerNorm's output is
-    bounded by its weights (max|γ|·sqrt(C − 1) + max|β|), so the cast is a byte more out of the LayerNorm's own
-    kernel (at batch 64 every run sits at the card's power cap, where less work is a shorter step); prefetch,
-    deferred read-back and CUDA graphs remove the time the GPU waits on the host, and combo kernels the gap of
-    a microsecond or two that even a graph leaves between two launches, of which the step has some 300
-    under 10 µs (the weights' casts and amaxes); each of a combo kernel's sub-kernels keeps a block shape of its
-    own (Inductor's `combo_kernel_per_subkernel_blocks`): with one shape for all, `max` without its bf16
-    stream took 38 ms a step at batch 16 instead of 27, a sum over the tokens launched with a per-token
-    reduction (BENCHMARKS.md, "Is it the combo kernels?"). Folding a LayerNorm's weights into its reader
-    ((x̂γ + β)Wᵀ + b = x̂(W diag γ)ᵀ + (b + Wβ)) turns the LayerNorm's weight gradients, sums over the 65,536
-    tokens of a batch-64 step that Inductor finishes with a memset and an ATen reduction each, into sums over
-    the layer's 2,304 or 3,072 rows, out of the weight gradients the layer's GEMM already makes.
-    """),
+    md(prose.paragraphs(
+        "### max: beyond the seven",
+        f"**What changes.** The fused rung plus the further additions that measured faster or lighter on an H200, "
+        f"did not slow the others down, and keep the model's mathematics (bf16 rounding aside, and FP8's in the "
+        f"output layer and the two forward GEMMs of `fp8_qkv_fc`): {prose.listing(MAX_ADDITIONS)}. `make ablation` "
+        f"runs each addition alone on the fused rung, together with the ones that were tried and left out or "
+        f"superseded: {prose.listing(a for a in ABLATION if a not in MAX_ADDITIONS)}.",
+        f"**Why it can help.** Each addition removes a different cost: {prose.reasons(ABLATION)}.")),
     code(r"""
     show(walkthrough.change("max"), *walkthrough.apply_sources("max"), *study.effect("max"), *study.ablation(),
          *study.leave_one_out())

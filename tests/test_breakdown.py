@@ -1,5 +1,6 @@
 """Utils/report/breakdown: the kernel classifier, the arithmetic of the split, a real CPU trace, the files."""
 import csv
+import dataclasses
 import glob
 import gzip
 import json
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT
-from Utils.ladder.registry import LADDER
+from Utils.ladder.registry import ADDITIONS, LADDER
 from Utils.report import breakdown
 from Utils.report.breakdown import (KERNEL_CLASSES, TraceError, append_breakdown_csv, classify, load_breakdown,
                                     load_trace, plot_breakdown, split, write_report)
@@ -791,3 +792,11 @@ def test_the_gap_table_says_whether_the_rung_hides_its_launch_latency(rung, hide
     text = "\n".join(render._gap_section(split(hand_trace()), rung))
     assert ("`sync_every` hides" in text) == hides
     assert ("reading its loss back every step" in text) == (not hides)
+
+
+def test_the_gap_table_names_the_addition_the_registry_says_defers_the_read_back(monkeypatch):
+    # The fact, not the name: were prefetch the addition that reads back every few steps, max would hide by it.
+    for name, deferred in (("prefetch", True), ("sync_every", False)):
+        monkeypatch.setitem(ADDITIONS, name, dataclasses.replace(ADDITIONS[name], readback_deferred=deferred))
+    text = "\n".join(render._gap_section(split(hand_trace()), "max"))
+    assert "which `prefetch` hides in every unprofiled step" in text and "sync_every" not in text

@@ -159,6 +159,20 @@ def test_registry_entries_are_consistent():
         Addition("x", "model", "latency", "a pillar that the breakdown does not know")
 
 
+@pytest.mark.parametrize("name", ADDITIONS)
+def test_every_addition_has_the_text_its_readers_show(name):
+    # The notebook gives a rung named after an addition that addition's own section, and the max rung's section
+    # lists every addition beyond the seven rungs and why each one max takes can help (Utils.report.notebook_prose).
+    a = ADDITIONS[name]
+    assert a.changes and a.pillar and a.stage
+    assert bool(a.title) == bool(a.notebook) == (name in RUNGS)
+    assert all(p and p == p.strip() for p in a.notebook)
+    assert bool(a.phrase) == (name in ABLATION)
+    assert not a.phrase or f"`{name}`" in a.phrase, "the max rung's list names each addition in backticks"
+    assert not a.in_max or a.why
+    assert not a.why or (name in ABLATION and not a.why.endswith(".")), "a clause of the max rung's reasons"
+
+
 @pytest.mark.parametrize("rung", LADDER)
 def test_run_name_of_a_rungs_own_additions_is_the_rungs_name(rung):
     additions = list(RUNGS[rung].additions)

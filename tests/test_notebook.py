@@ -22,6 +22,7 @@ if NOTEBOOKS not in sys.path:
 
 import build_notebook  # noqa: E402
 import plot_results  # noqa: E402
+from Utils.ladder.registry import ADDITIONS  # noqa: E402
 from Utils.results.schema import BREAKDOWN_COLUMNS, BREAKDOWN_FILE  # noqa: E402
 from Utils.results.store import append_run  # noqa: E402
 from conftest import clean_env, summary_table  # noqa: E402
@@ -124,6 +125,15 @@ def test_committed_notebook_is_executed_without_errors():
 def test_committed_outputs_match_the_committed_summary():
     nb = nbformat.read(build_notebook.NOTEBOOK, as_version=4)
     assert_figures_match_summary(nb, H200)
+
+
+@pytest.mark.parametrize("name", ADDITIONS)
+def test_the_notebook_shows_each_additions_text_from_the_registry(name):
+    # Its own section where a rung is named after it, else its phrase in the max rung's list, and its reason.
+    a = ADDITIONS[name]
+    text = " ".join(" ".join(c.source.split()) for c in build_notebook.build().cells if c.cell_type == "markdown")
+    for part in (f"### {name}: {a.title}" if a.title else "", *a.notebook, a.phrase, a.why):
+        assert " ".join(part.split()) in text, part
 
 
 def test_code_cells_are_short_calls():

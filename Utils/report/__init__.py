@@ -14,4 +14,5 @@ that `make plots` runs where torch cannot be imported.
     breakdown  the compute / memory / overhead split of profiled steps, and its report
     roofline   the least time a step's compute and memory traffic allow
     walkthrough  the notebook's analysis
+    notebook_prose  the notebook's text on each addition, from the registry
 """

@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from Utils.report.ablation import ablation_sets
 from Utils.report.comparison import Comparison
@@ -57,7 +58,7 @@ def write_outputs(prefix: str | os.PathLike, report: Report, scaling: "Scaling |
 class Parser(argparse.ArgumentParser):
     """The report's command lines: a bad argument is one `error: ...` line with the usage, and exit status 2."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         usage = self.format_usage().strip().removeprefix("usage: ")
         self.exit(2, f"error: {message} (usage: {usage})\n")
 

@@ -172,8 +172,9 @@ WEIGHT_BYTES = 4 + 4 + 4
 CLIP_OPS = ("_foreach_norm.Scalar", "stack.default", "linalg_vector_norm.default", "add.Tensor",
             "reciprocal.default", "mul.Tensor", "clamp.default", "_foreach_mul_.Tensor")
 CLIP_BYTES = 4 + 8
-# fold_clip: fused AdamW divides each gradient by the clip's factor as it reads it, and writes it back divided
-# (GradScaler's contract: gradients are unscaled after the step), so of the clip the norm's read and a write are left.
+# A folded clip (Addition.clip_folded): fused AdamW divides each gradient by the clip's factor as it reads it, and
+# writes it back divided (GradScaler's contract: gradients are unscaled after the step), so of the clip the norm's
+# read and a write are left.
 FOLDED_CLIP_BYTES = 4 + 4
 # torch.optim.AdamW's default on a GPU is foreach: per parameter group, these multi-tensor operations in this
 # order, each a pass over the group, with the bytes it moves per fp32 parameter (reads + writes, 4 bytes a
@@ -274,9 +275,9 @@ class Roofline:
         return sum(ACTIVATIONS.values()) * self.shape.n_embd
 
     def fp8_flops_per_token(self, additions: Iterable[str]) -> int:
-        """The FLOPs per token that these additions run in FP8 (a share of flops_per_token): the output layer's
-        three GEMMs (fp8_head), c_attn's and c_fc's forward GEMMs (fp8_qkv_fc), every block's linear layers
-        forward and backward (fp8)."""
+        """The FLOPs per token that these additions run in FP8 (a share of flops_per_token), by their
+        Addition.fp8_gemms: the output layer's three GEMMs (head), c_attn's and c_fc's forward GEMMs (qkv_fc),
+        every block's linear layers forward and backward (blocks)."""
         s = self.shape
         C = s.n_embd
         gemms = {"head": 6 * s.vocab_size * C,                   # 2 forward + 4 backward, the tied weight's rows

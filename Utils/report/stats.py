@@ -290,9 +290,9 @@ def _measured_peak(peaks, reference):
 
 def _mfus(runs, steps, tokens_per_s, peak) -> tuple[float, float]:
     """(MFU against the datasheet's bf16 peak, MFU against the measured peak), per GPU, for a rung's runs
-    (runs.csv rows) at the global `tokens_per_s`, and their measured step rows: one run's median step MFU, or for repeated runs the MFU at the table's
-    tokens/s. Model FLOPs per token come from runs.csv (schema version 2), or from a step's MFU and tokens/s
-    in older files."""
+    (runs.csv rows) at the global `tokens_per_s`, and their measured step rows: one run's median step MFU, or for
+    repeated runs the MFU at the table's tokens/s. Model FLOPs per token come from runs.csv (schema version 2),
+    or from a step's MFU and tokens/s in older files."""
     run = runs[-1]
     spec = peak_bf16_flops(norm(run["gpu_name"])) if norm(run["device"]) == "cuda" else None
     ratio = (steps["mfu"] / steps["tokens_per_s"]).dropna()   # FLOPs per token / the spec's peak

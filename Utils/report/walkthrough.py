@@ -554,7 +554,7 @@ class Study:
         if (roof is not None and self.measured("flash") and self.measured(p)
                 and np.isfinite(v("flash", "peak_mem_allocated_gib")) and np.isfinite(v(p, "peak_mem_allocated_gib"))):
             drop = v(p, "peak_mem_allocated_gib") - v("flash", "peak_mem_allocated_gib")
-            bf16 = "bf16" in RUNGS["flash"].additions
+            bf16 = roofline.matmul_precision(RUNGS["flash"].additions) == "bf16"   # the scores' format
             one = roof.scores * roof.shape.n_layer * (2 if bf16 else 4) / 2**30
             items.append(f"Peak memory fell by {drop:.1f} GiB. One {'BF16' if bf16 else 'FP32'} T×T tensor per layer, "
                          f"kept for backward, is {one:.1f} GiB over the {roof.shape.n_layer} layers: the drop is what "

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from Utils.ladder.registry import additions_of, rung_order
+from Utils.ladder.registry import ADDITIONS, additions_of, rung_order
 from Utils.report import markdown
 from Utils.report.breakdown.kernels import COMPUTE, CPU_OPS, MEMORY, OVERHEAD, UNKNOWN, short_name
 from Utils.report.breakdown.trace import STEP_END, STEP_START
@@ -112,10 +112,11 @@ def _gap_section(bd, rung, top=TOP_GAPS):
     rows = [[str(i + 1), markdown.cell(g.ms_per_step, ".3f"), markdown.cell(g.count_per_step, ".1f"),
              _activity(g.before, labels), _activity(g.after, labels)] for i, g in enumerate(bd.gaps[:top])]
     shown = sum(g.ms_per_step for g in bd.gaps[:top])
-    # profile_steps (Utils/train/loop.py) waits for each profiled step's end before it launches the next.
-    hidden = ("which `sync_every` hides in every unprofiled step but the first after each read-back"
-              if "sync_every" in (additions_of(rung) or ()) else
-              "which this rung, reading its loss back every step, pays in its own steps too")
+    # profile_steps (Utils/train/loop.py) waits for each profiled step's end before it launches the next; a run
+    # that reads back every few steps (Addition.readback_deferred) queues the steps between ahead of the GPU.
+    deferring = next((a for a in additions_of(rung) or () if ADDITIONS[a].readback_deferred), None)
+    hidden = (f"which `{deferring}` hides in every unprofiled step but the first after each read-back" if deferring
+              else "which this rung, reading its loss back every step, pays in its own steps too")
     return [f"Where the GPU waits: the overhead's {min(top, len(bd.gaps))} largest parts, each the idle time "
             f"between the same two activities, summed over a step ({shown:.3f} of its {idle:.3f} ms). The "
             f"activities on either side say where a gap sits, not what causes it. The profiler's loop waits for "

@@ -65,7 +65,7 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
         status, message, code = "failed", str(e).splitlines()[0][:400] if str(e) else type(e).__name__, EXIT_FAILED
     finally:
         if sampler:
-            run.update(sampler.stop())
+            run.update(sampler.stop().columns())
     run.update(provenance(device).columns())   # after the peer: no CUDA context of ours beside it while it ran
     n_params, flops = _counts(cfg.model, cfg.seq_len)
     peak = peak_bf16_flops(run["gpu_name"]) if device.type == "cuda" else None

@@ -219,7 +219,7 @@ def _timed_steps(b: Build, cfg: RunConfig, run: dict, rows: list, step: Callable
             _slowest_rank(rows, run, b.device)
     finally:
         if sampler:
-            run.update(sampler.stop())
+            run.update(sampler.stop().columns())
         run["attention_kernel"] = watch.kernel()
         times.record_unread(record, {row["step"] for row in rows})
 

@@ -242,10 +242,11 @@ def _slowest_rank(rows: list, run: Run, device: torch.device) -> None:
 @contextlib.contextmanager
 def _host_scopes(device: torch.device):
     """On a GPU, the profiler records on the host only the ranges user code opens (ProfilerStep#N among
-    them), not every operator: the breakdown reads the kernels, and recording the operators of a step that
-    the host bounds (the flash rung's AdamW makes hundreds of small calls) made it 19% slower than its
-    median. torch.profiler has no switch for this; the function it enables the profiler with takes the
-    scopes to record, so it is given them here. On a CPU the operators are the breakdown: all are kept."""
+    them), not every operator: the breakdown reads the kernels, and recording the operators slows a step that
+    the host bounds (the flash rung's AdamW makes hundreds of small calls) well past its median (BENCHMARKS.md,
+    "Profiled steps against the median"). torch.profiler has no switch for this; the function it enables the
+    profiler with takes the scopes to record, so it is given them here. On a CPU the operators are the
+    breakdown: all are kept."""
     import torch.autograd.profiler as autograd_profiler
     from torch._C._profiler import RecordScope
     enable = autograd_profiler._enable_profiler
@@ -299,7 +300,7 @@ def profile_steps(step: Callable[[], tuple[Mark, torch.Tensor]], clock: StepCloc
             prof.add_metadata(key, _metadata_text(value))
         # While a profiler runs, Inductor wraps each Triton launch in a host-side range of its own (its runtime
         # reads this flag, which the profiler has just set). The breakdown reads the kernels, which CUPTI traces
-        # either way; that host work made the compiled rungs without CUDA graphs 13-21% slower under the
+        # either way; that host work would make the compiled rungs without CUDA graphs 13-21% slower under the
         # profiler than their median (BENCHMARKS.md, "Profiled steps against the median").
         torch.autograd.profiler._is_profiler_enabled = False
         for _ in range(1 + PROFILE_STEPS):

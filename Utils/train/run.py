@@ -134,8 +134,8 @@ def cold_caches(cold: bool) -> Iterator[Callable[[], None]]:
 @contextlib.contextmanager
 def autograd_cache_unless(pinned: bool) -> Iterator[None]:
     """With SDPA_BACKEND pinned, no AOTAutograd cache: its key is the graph before SDPA picks a kernel, so it
-    hands back a graph compiled under PyTorch's own choice (measured: flash@flash ran cuDNN's attention on an
-    H200). Traced again, the graph holds the pinned kernel's operator, which Inductor's own cache keys on."""
+    hands back a graph compiled under PyTorch's own choice (BENCHMARKS.md, "Which attention kernel the `flash`
+    rung runs"). Traced again, the graph holds the pinned kernel's operator, which Inductor's own cache keys on."""
     if not pinned:
         yield
         return

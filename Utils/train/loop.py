@@ -181,7 +181,7 @@ def _step_recorder(cfg: RunConfig, run: Run, rows: list, flops_token: float,
     tokens_per_step = world * cfg.batch_size * cfg.seq_len   # the global batch
     main = run.rank == 0
 
-    def record(i, ms, loss_value):
+    def record(i: int, ms: float, loss_value: float) -> None:
         tps = tokens_per_step / (ms / 1e3)
         step_mfu = metrics.mfu(flops_token, tps / world, peak)   # per GPU
         rows.append({"run_id": run.run_id, "optimization": run.optimization, "step": i,

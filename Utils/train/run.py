@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 from torch.nn import Module
 
@@ -168,7 +169,7 @@ def add_run_figures(additions: tuple, cfg: RunConfig, run: Run, rows: list,
 
 def summary_line(run: Run) -> str:
     """The line a run ends with: its status and figures, n/a where it has none."""
-    def num(key, fmt, unit=""):
+    def num(key: str, fmt: str, unit: str = "") -> str:
         v = getattr(run, key)
         return f"{v:{fmt}}{unit}" if isinstance(v, (int, float)) else "n/a"
     parts = [f"{run.optimization}: {run.status}",
@@ -213,8 +214,8 @@ class Peer(NamedTuple):
     about: Callable[[], str]                   # what it is, with its version, for the run's notes
 
 
-def choose_micro_batch(additions: tuple, cfg: RunConfig, device: torch.device, tokens, dist, peer: Peer | None,
-                       run: Run) -> RunConfig:
+def choose_micro_batch(additions: tuple, cfg: RunConfig, device: torch.device, tokens: np.ndarray,
+                       dist: distributed.Dist, peer: Peer | None, run: Run) -> RunConfig:
     """cfg with its micro-batch settled: MICRO_BATCH as given; auto: the whole batch on a CPU (and under FSDP,
     whose memory a probe without the other ranks would not show), else the largest that fits (Utils.train.micro),
     on every rank. Recorded in `run`."""

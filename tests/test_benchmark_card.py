@@ -72,10 +72,10 @@ def test_a_run_records_where_its_figures_come_from(tmp_path):
 def test_clock_samples_are_summarized():
     names = {1: "GpuIdle", 4: "SwPowerCap", 8: "HwSlowdown"}
     samples = [(1980, 500.0, 50, 0), (1755, 690.5, 61, 4), (1650, 700.0, 63, 4 | 8), (1700, 698.0, 62, 4)]
-    assert nvml.clock_columns(samples, names) == {"sm_clock_mhz_median": 1727.5, "power_w_median": 694.25,
-                                              "temp_c_max": 63, "throttle_reasons": "HwSlowdown SwPowerCap"}
-    assert nvml.clock_columns([(1980, 500.0, 50, 0)], names)["throttle_reasons"] == "none"
-    assert nvml.clock_columns([], names) == dict.fromkeys(nvml.COLUMNS)
+    assert nvml.clocks(samples, names).columns() == {"sm_clock_mhz_median": 1727.5, "power_w_median": 694.25,
+                                                     "temp_c_max": 63, "throttle_reasons": "HwSlowdown SwPowerCap"}
+    assert nvml.clocks([(1980, 500.0, 50, 0)], names).throttle_reasons == "none"
+    assert nvml.clocks([], names) == nvml.Clocks()
 
 
 def test_reason_names_come_from_nvml_constants():
@@ -92,7 +92,7 @@ def test_reason_names_come_from_nvml_constants():
 def test_without_nvml_the_columns_stay_blank():
     sampler = nvml.Sampler("GPU-00000000-0000-0000-0000-000000000000")
     sampler.start()
-    assert sampler.stop() == dict.fromkeys(nvml.COLUMNS)
+    assert sampler.stop() == nvml.Clocks()
 
 
 class _FakeNVML:
@@ -136,9 +136,8 @@ def test_the_sampler_reads_the_gpu_over_the_window_and_summarizes_it(monkeypatch
     assert sampler.samples == []   # the sample taken to prove NVML answers is not the window's
     sampler.start()
     time.sleep(3 * nvml.SAMPLE_PERIOD_S)
-    columns = sampler.stop()
-    assert columns == {"sm_clock_mhz_median": 1500.0, "power_w_median": 300.0, "temp_c_max": 60,
-                       "throttle_reasons": "SwPowerCap"}
+    assert sampler.stop() == nvml.Clocks(sm_clock_mhz_median=1500.0, power_w_median=300.0, temp_c_max=60,
+                                         throttle_reasons="SwPowerCap")
     assert len(sampler.samples) >= 2 and fake.calls == ["init", "shutdown"]
 
 

@@ -167,6 +167,42 @@ def test_make_custom_runs_exactly_its_additions_and_records_how_to_repeat_it(tmp
     assert len(read_csv(tmp_path / "runs.csv")) == 1
 
 
+def _record(**fields):
+    """A run's record with what every run has from its start; `fields` set the rest."""
+    from Utils.train.record import Run
+    start = dict(run_id="r1", optimization="fused", started_at="2026-01-01T00:00:00+00:00", steps=2, warmup_steps=1,
+                 batch_size=1, seq_len=16, model="tiny", data="synthetic", command="make fused", config="{}")
+    return Run(**{**start, **fields})
+
+
+def test_a_runs_record_is_the_schemas_run_columns_in_their_order():
+    # A field dropped, renamed or moved is a column lost, blank or misplaced in every runs.csv written after.
+    from dataclasses import fields
+    from Utils.results.schema import RUN_COLUMNS
+    from Utils.train.nvml import Clocks
+    from Utils.train.provenance import provenance
+    from Utils.train.record import Run
+    run = _record()
+    assert list(run.row()) == RUN_COLUMNS
+    run.provenance, run.clocks = provenance(torch.device("cpu")), Clocks(temp_c_max=60)
+    row = run.row()
+    assert list(row) == RUN_COLUMNS and (row["gpu_name"], row["temp_c_max"], row["run_id"]) == ("cpu", 60, "r1")
+    elsewhere = [f.name for record in (run.provenance, run.clocks) for f in fields(record)]
+    own = [f.name for f in fields(Run) if f.name not in ("provenance", "clocks", "rank")]
+    assert own == [c for c in RUN_COLUMNS if c not in elsewhere]   # the class reads as the file does
+    assert not set(own) & set(elsewhere) and set(elsewhere) <= set(RUN_COLUMNS)
+
+
+def test_a_misspelt_field_of_a_runs_record_is_an_error():
+    run = _record()
+    with pytest.raises(AttributeError):
+        run.final_los = 1.0
+    with pytest.raises(TypeError):
+        _record(final_los=1.0)
+    with pytest.raises(TypeError):   # what every run has from its start cannot be left out
+        type(run)(optimization="fused")
+
+
 @pytest.mark.parametrize("status", ["ok", "interrupted", "failed"])
 def test_a_profiled_run_keeps_its_trace_only_when_it_ended_well(tmp_path, capsys, status):
     # A trace left by a run that did not end well would be split later as if it had.
@@ -175,7 +211,7 @@ def test_a_profiled_run_keeps_its_trace_only_when_it_ended_well(tmp_path, capsys
     cfg = parse_args(["--steps", "2", "--batch-size", "1", "--prefix", str(tmp_path), "--profile"])
     trace = tmp_path / "trace_fused.json.gz"
     trace.write_bytes(b"")
-    run = {"optimization": "fused", "status": status, "message": "" if status == "ok" else "stopped"}
+    run = _record(optimization="fused", status=status, message="" if status == "ok" else "stopped")
     record(cfg, run, [], 0, str(trace))
     assert trace.exists() == (status == "ok")
     assert ("trace | fused:" in capsys.readouterr().out) == (status == "ok")

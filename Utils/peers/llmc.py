@@ -29,6 +29,7 @@ import numpy as np
 from Utils.ladder.apply import Unavailable
 from Utils.results.schema import PEER_PREFIX
 from Utils.train.cli import RunConfig
+from Utils.train.record import Run
 
 NAME = PEER_PREFIX + "llmc"
 LLMC_COMMIT = "f1e2ace651495b74ae22d45d1723443fd00ecd3a"   # karpathy/llm.c master, 2025-05-10
@@ -251,7 +252,7 @@ def main(argv: list[str], command_line: str) -> int:
     return record.run_external(NAME, argv, command_line, train)
 
 
-def train(cfg: RunConfig, tokens: np.ndarray, run: dict, log: str, start_sampling: Callable[[], None]
+def train(cfg: RunConfig, tokens: np.ndarray, run: Run, log: str, start_sampling: Callable[[], None]
           ) -> tuple[list[tuple[int, float, float]], float | None]:
     """Build llm.c and train cfg.steps steps on `tokens`, calling start_sampling() as its warm-up ends;
     ([(step, loss, ms)], memory GiB). Raises Unavailable where it cannot be built or run here, RuntimeError
@@ -281,8 +282,8 @@ def train(cfg: RunConfig, tokens: np.ndarray, run: dict, log: str, start_samplin
         write_tokens(tokens, data)
         args = command(binary, data, DESCRIPTORS[cfg.model], cfg.batch_size, cfg.seq_len, cfg.steps, cfg.micro_batch)
         shown = " ".join(["train_gpt2cu"] + [a if a != data else "tokens.bin" for a in args[1:]])
-        run["attention_kernel"] = "cudnn"   # built with USE_CUDNN: its attention is cuDNN's, with no choice at run time
-        run["notes"] = (f"{what}, built with {nvcc}; {shown}; step times are llm.c's own "
+        run.attention_kernel = "cudnn"   # built with USE_CUDNN: its attention is cuDNN's, with no choice at run time
+        run.notes = (f"{what}, built with {nvcc}; {shown}; step times are llm.c's own "
                         f"(CUDA events around each step's work)"
                         + ("" if shutil.which("stdbuf") else "; no stdbuf: the GPU sampled from the program's start"))
         returncode, output = run_streamed(args, work, cfg.warmup, start_sampling)

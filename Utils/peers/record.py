@@ -18,6 +18,7 @@ from Utils.train import nvml
 from Utils.train.cli import UsageError, parse_args
 from Utils.train.data import DataError, check_enough_tokens, load_tokens
 from Utils.train.provenance import gpu_uuid, provenance
+from Utils.train.record import Run
 from Utils.train.run import EXIT_FAILED, EXIT_SKIPPED, add_run_figures, record
 from Utils.train.usage import fail
 
@@ -41,11 +42,11 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
     run_id = f"{datetime.now():%Y%m%d-%H%M%S}-{name}-{uuid.uuid4().hex[:6]}"
     # MICRO_BATCH=auto searches in PyTorch's allocator, which a program of its own does not use: the whole batch
     micro = cfg.micro_batch or cfg.batch_size
-    run = {"run_id": run_id, "optimization": name, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "steps": cfg.steps, "warmup_steps": cfg.warmup, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-           "model": cfg.model, "data": data_name, "command": command, "nproc": 1, "parallel": "",
-           "config": json.dumps({"run": cfg.as_dict(), "peer": name}, sort_keys=True),
-           "micro_batch": micro, "accumulation_steps": cfg.batch_size // micro, "gpu_memory_gib": cfg.gpu_memory_gib}
+    run = Run(run_id=run_id, optimization=name, started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              steps=cfg.steps, warmup_steps=cfg.warmup, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+              model=cfg.model, data=data_name, command=command, nproc=1, parallel="",
+              config=json.dumps({"run": cfg.as_dict(), "peer": name}, sort_keys=True),
+              micro_batch=micro, accumulation_steps=cfg.batch_size // micro, gpu_memory_gib=cfg.gpu_memory_gib)
     print(f"{name} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {data_name} | {cfg.device} | "
           f"steps {cfg.steps} (warm-up {cfg.warmup})", flush=True)
     device = torch.device(cfg.device)
@@ -65,13 +66,13 @@ def run_external(name: str, argv: list[str], command: str, train: Trainer) -> in
         status, message, code = "failed", str(e).splitlines()[0][:400] if str(e) else type(e).__name__, EXIT_FAILED
     finally:
         if sampler:
-            run.update(sampler.stop())
-    run.update(provenance(device).columns())   # after the peer: no CUDA context of ours beside it while it ran
+            run.clocks = sampler.stop()
+    run.provenance = provenance(device)   # after the peer: no CUDA context of ours beside it while it ran
     n_params, flops = _counts(cfg.model, cfg.seq_len)
-    peak = peak_bf16_flops(run["gpu_name"]) if device.type == "cuda" else None
+    peak = peak_bf16_flops(run.provenance.gpu_name) if device.type == "cuda" else None
     rows = _rows(name, run_id, cfg, steps, flops, peak)
-    run.update(status=status, message=message, n_params=n_params, peak_mem_reserved_gib=memory,
-               flops_per_token=flops)
+    run.status, run.message, run.n_params, run.flops_per_token = status, message, n_params, flops
+    run.peak_mem_reserved_gib = memory
     add_run_figures((), cfg, run, rows)
     return record(cfg, run, rows, code)
 

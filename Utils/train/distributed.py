@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 PARALLEL_MODES = ("ddp", "fsdp")
 # A collective that waits longer than this ends the run. Ranks compile apart (each its own Inductor) before
-# their first all-reduce, so the limit is well above a cold compile of the max rung (22 s on an H200).
+# their first all-reduce, so the limit is well above a cold compile (22-32 s a rung on an H200: BENCHMARKS.md,
+# "The ladder: wall-clock steps").
 DEFAULT_TIMEOUT_S = 300.0
 
 

@@ -22,6 +22,7 @@ from Utils.results.gpus import peak_bf16_flops
 from Utils.train import attention, distributed, nvml
 from Utils.train.cli import PROFILE_STEPS, RunConfig
 from Utils.train.data import inputs_targets
+from Utils.train.record import Run
 
 
 Mark = float | torch.cuda.Event   # a step's end: perf_counter's seconds on a CPU, a recorded event on a GPU
@@ -145,18 +146,18 @@ def make_step(b: Build, cfg: RunConfig, clock: StepClock) -> Callable[[], tuple[
     return step
 
 
-def train(b: Build, cfg: RunConfig, run: dict, rows: list) -> str | None:
+def train(b: Build, cfg: RunConfig, run: Run, rows: list) -> str | None:
     """Run cfg.steps timed steps of the built run `b`, appending a dict per step to rows. With cfg.profile,
     then profiles a few more and returns the trace's path (on the main process), else None."""
     device, config = b.device, b.config
     flops_token = metrics.flops_per_token(b.model.num_params(), config.n_layer, config.n_head,
                                           config.n_embd // config.n_head, cfg.seq_len)
-    run["flops_per_token"] = flops_token
-    peak = peak_bf16_flops(run["gpu_name"]) if device.type == "cuda" else None
+    run.flops_per_token = flops_token
+    peak = peak_bf16_flops(run.provenance.gpu_name) if device.type == "cuda" else None
     clock = StepClock(device)
-    main = run.get("rank", 0) == 0
+    main = run.rank == 0
     # Rank 0 records the run, so only its GPU is sampled.
-    sampler = nvml.Sampler(run.get("gpu_uuid", "")) if device.type == "cuda" and main else None
+    sampler = nvml.Sampler(run.provenance.gpu_uuid) if device.type == "cuda" and main else None
     step = make_step(b, cfg, clock)
     record = _step_recorder(cfg, run, rows, flops_token, peak)
     _timed_steps(b, cfg, run, rows, step, clock, record, sampler)
@@ -172,18 +173,18 @@ def train(b: Build, cfg: RunConfig, run: dict, rows: list) -> str | None:
     return None
 
 
-def _step_recorder(cfg: RunConfig, run: dict, rows: list, flops_token: float,
+def _step_recorder(cfg: RunConfig, run: Run, rows: list, flops_token: float,
                    peak: float | None) -> Callable[[int, float, float], None]:
     """record(i, ms, loss): step i's row in `rows`, with its tokens/s over the global batch and its MFU per
     GPU, and on the main process its line."""
-    world = run.get("nproc") or 1
+    world = run.nproc or 1
     tokens_per_step = world * cfg.batch_size * cfg.seq_len   # the global batch
-    main = run.get("rank", 0) == 0
+    main = run.rank == 0
 
-    def record(i, ms, loss_value):
+    def record(i: int, ms: float, loss_value: float) -> None:
         tps = tokens_per_step / (ms / 1e3)
         step_mfu = metrics.mfu(flops_token, tps / world, peak)   # per GPU
-        rows.append({"run_id": run["run_id"], "optimization": run["optimization"], "step": i,
+        rows.append({"run_id": run.run_id, "optimization": run.optimization, "step": i,
                      "warmup": i < cfg.warmup, "step_ms": ms, "tokens_per_s": tps, "loss": loss_value,
                      "mfu": step_mfu})
         if main:
@@ -195,7 +196,7 @@ def _step_recorder(cfg: RunConfig, run: dict, rows: list, flops_token: float,
     return record
 
 
-def _timed_steps(b: Build, cfg: RunConfig, run: dict, rows: list, step: Callable[[], tuple[Mark, torch.Tensor]],
+def _timed_steps(b: Build, cfg: RunConfig, run: Run, rows: list, step: Callable[[], tuple[Mark, torch.Tensor]],
                  clock: StepClock, record: Callable[[int, float, float], None], sampler: "nvml.Sampler | None") -> None:
     """The cfg.steps steps, timed by StepTimes, with the GPU's clocks sampled over the measured window and the
     attention kernel watched on one step. Among several processes a step takes as long as its slowest rank, and
@@ -214,20 +215,20 @@ def _timed_steps(b: Build, cfg: RunConfig, run: dict, rows: list, step: Callable
             if times.ended(i, end, loss, record) and sampler:
                 sampler.start()
         if times.window_wall_s is not None:
-            run["window_wall_s"] = times.window_wall_s
+            run.window_wall_s = times.window_wall_s
         if len(rows) == cfg.steps:
             _slowest_rank(rows, run, b.device)
     finally:
         if sampler:
-            run.update(sampler.stop())
-        run["attention_kernel"] = watch.kernel()
+            run.clocks = sampler.stop()
+        run.attention_kernel = watch.kernel()
         times.record_unread(record, {row["step"] for row in rows})
 
 
-def _slowest_rank(rows, run, device):
+def _slowest_rank(rows: list, run: Run, device: torch.device) -> None:
     """Every step's time as its slowest rank's, its loss as the ranks' mean, the window as the longest
     (nothing changes in a single process)."""
-    window = run.get("window_wall_s")
+    window = run.window_wall_s
     ms, losses, window = distributed.reduce_steps([r["step_ms"] for r in rows], [r["loss"] for r in rows],
                                                   window, device)
     for row, step_ms, loss in zip(rows, ms, losses):
@@ -235,16 +236,17 @@ def _slowest_rank(rows, run, device):
         row.update(step_ms=step_ms, loss=loss, tokens_per_s=tps,
                    mfu=row["mfu"] * row["step_ms"] / step_ms if row["mfu"] is not None else None)
     if window is not None:
-        run["window_wall_s"] = window
+        run.window_wall_s = window
 
 
 @contextlib.contextmanager
 def _host_scopes(device: torch.device):
     """On a GPU, the profiler records on the host only the ranges user code opens (ProfilerStep#N among
-    them), not every operator: the breakdown reads the kernels, and recording the operators of a step that
-    the host bounds (the flash rung's AdamW makes hundreds of small calls) made it 19% slower than its
-    median. torch.profiler has no switch for this; the function it enables the profiler with takes the
-    scopes to record, so it is given them here. On a CPU the operators are the breakdown: all are kept."""
+    them), not every operator: the breakdown reads the kernels, and recording the operators slows a step that
+    the host bounds (the flash rung's AdamW makes hundreds of small calls) well past its median (BENCHMARKS.md,
+    "Profiled steps against the median"). torch.profiler has no switch for this; the function it enables the
+    profiler with takes the scopes to record, so it is given them here. On a CPU the operators are the
+    breakdown: all are kept."""
     import torch.autograd.profiler as autograd_profiler
     from torch._C._profiler import RecordScope
     enable = autograd_profiler._enable_profiler
@@ -266,7 +268,7 @@ def _metadata_text(value: object) -> str:
 
 
 def profile_steps(step: Callable[[], tuple[Mark, torch.Tensor]], clock: StepClock, cfg: RunConfig, device: torch.device,
-                  run: dict, figures: dict) -> str:
+                  run: Run, figures: dict) -> str:
     """PROFILE_STEPS more steps under torch.profiler (one more before them that the schedule discards),
     exported as a gzipped Chrome trace, its path returned. The trace's metadata names the run and carries
     `figures` (flops_per_step, peak_flops, median_step_ms), all that the report's split of it into compute,
@@ -278,8 +280,8 @@ def profile_steps(step: Callable[[], tuple[Mark, torch.Tensor]], clock: StepCloc
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    path = os.path.join(cfg.prefix, f"trace_{run['optimization']}.json.gz")
-    tmp = os.path.join(cfg.prefix, f".tmp-trace_{run['optimization']}.json.gz")
+    path = os.path.join(cfg.prefix, f"trace_{run.optimization}.json.gz")
+    tmp = os.path.join(cfg.prefix, f".tmp-trace_{run.optimization}.json.gz")
 
     def export(prof):
         prof.export_chrome_trace(tmp)   # torch gzips a name ending in .gz
@@ -288,16 +290,17 @@ def profile_steps(step: Callable[[], tuple[Mark, torch.Tensor]], clock: StepCloc
     # ProfilerStep#N windows exist only under a schedule; run_id metadata must be added inside the context.
     with _host_scopes(device), profile(activities=activities, on_trace_ready=export,
                                        schedule=schedule(wait=0, warmup=1, active=PROFILE_STEPS, repeat=1)) as prof:
-        context = (f"{run['gpu_name']} · {cfg.model} ({run['n_params'] / 1e6:.0f}M params) · batch {cfg.batch_size} "
-                   f"× seq_len {cfg.seq_len} · data {run['data']}")
+        row = run.row()
+        context = (f"{row['gpu_name']} · {cfg.model} ({run.n_params / 1e6:.0f}M params) · batch {cfg.batch_size} "
+                   f"× seq_len {cfg.seq_len} · data {run.data}")
         # the breakdown chart's provenance, the run's name and context, and the figures its split needs
-        meta = {**{key: run.get(key) for key in ("run_id", "git_commit", "started_at", "torch_version")},
-                "rung": run["optimization"], "context": context, **figures}
+        meta = {**{key: row[key] for key in ("run_id", "git_commit", "started_at", "torch_version")},
+                "rung": run.optimization, "context": context, **figures}
         for key, value in meta.items():
             prof.add_metadata(key, _metadata_text(value))
         # While a profiler runs, Inductor wraps each Triton launch in a host-side range of its own (its runtime
         # reads this flag, which the profiler has just set). The breakdown reads the kernels, which CUPTI traces
-        # either way; that host work made the compiled rungs without CUDA graphs 13-21% slower under the
+        # either way; that host work would make the compiled rungs without CUDA graphs 13-21% slower under the
         # profiler than their median (BENCHMARKS.md, "Profiled steps against the median").
         torch.autograd.profiler._is_profiler_enabled = False
         for _ in range(1 + PROFILE_STEPS):

@@ -36,9 +36,9 @@ class NothingFits(Exception):
 
 
 # Fixed-size segments of the caching allocator strand free memory between them, and CUDA graphs' private pools
-# strand more: under GPU_MEMORY_GIB=3.5 max's micro-batch of 8 rows failed with 2.33 GiB allocated and all 3.5
-# reserved, and fitted in 3.27 with expandable segments, which grow one mapping instead (BENCHMARKS.md, "Small
-# cards"). A user's own PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is left as it is.
+# strand more; expandable segments grow one mapping instead, and under GPU_MEMORY_GIB=3.5 fit max's micro-batch
+# of 8 rows where fixed ones fit 4 (BENCHMARKS.md, "What one try shows: fragmentation, and the allocator's
+# expandable segments"). A user's own PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is left as it is.
 ALLOCATOR = "expandable_segments:True"
 
 

@@ -9,6 +9,7 @@ loaded (no NVIDIA driver, nvidia-ml-py missing), the columns stay blank and the 
 """
 import statistics
 import threading
+from dataclasses import asdict, dataclass
 
 try:
     import pynvml
@@ -16,7 +17,18 @@ except ImportError:   # nvidia-ml-py is in requirements.txt; a run without it on
     pynvml = None
 
 SAMPLE_PERIOD_S = 0.05
-COLUMNS = ("sm_clock_mhz_median", "power_w_median", "temp_c_max", "throttle_reasons")
+
+
+@dataclass(frozen=True)
+class Clocks:
+    """The GPU over a run's measured steps: runs.csv's clock columns, one field each; blank without samples."""
+    sm_clock_mhz_median: float | None = None
+    power_w_median: float | None = None
+    temp_c_max: float | None = None
+    throttle_reasons: str | None = None   # space-separated; "none" where samples saw none
+
+    def columns(self) -> dict[str, float | str | None]:
+        return asdict(self)
 
 
 def _reason_names() -> dict[int, str]:
@@ -52,7 +64,7 @@ def driver_version() -> str:
 
 class Sampler:
     """start() and stop() bracket the measured steps of one GPU, named by its UUID; stop() returns the
-    runs.csv columns (COLUMNS) summarizing the samples, blank where NVML gave none."""
+    Clocks summarizing the samples, blank where NVML gave none."""
 
     def __init__(self, uuid: str):
         self.samples: list[tuple[float, float, float, int]] = []
@@ -90,7 +102,7 @@ class Sampler:
             self._thread = threading.Thread(target=self._loop, name="nvml-sampler", daemon=True)
             self._thread.start()
 
-    def stop(self) -> dict:
+    def stop(self) -> Clocks:
         if self._thread is not None:
             self._done.set()
             self._thread.join()
@@ -102,14 +114,14 @@ class Sampler:
         if self.handle is not None:
             self.handle = None
             pynvml.nvmlShutdown()
-        return clock_columns(self.samples, _reason_names() if pynvml else {})
+        return clocks(self.samples, _reason_names() if pynvml else {})
 
 
-def clock_columns(samples: list[tuple[float, float, float, int]], names: dict[int, str]) -> dict:
-    """runs.csv's columns from (sm clock MHz, power W, temperature C, reasons mask) samples."""
+def clocks(samples: list[tuple[float, float, float, int]], names: dict[int, str]) -> Clocks:
+    """The Clocks of (sm clock MHz, power W, temperature C, reasons mask) samples, `names` naming the bits."""
     if not samples:
-        return dict.fromkeys(COLUMNS)
-    clocks, power, temps, masks = zip(*samples)
+        return Clocks()
+    sm, power, temps, masks = zip(*samples)
     seen = {name for mask in masks for name in reasons_text(mask, names)}
-    return {"sm_clock_mhz_median": statistics.median(clocks), "power_w_median": statistics.median(power),
-            "temp_c_max": max(temps), "throttle_reasons": " ".join(sorted(seen)) or "none"}
+    return Clocks(sm_clock_mhz_median=statistics.median(sm), power_w_median=statistics.median(power),
+                  temp_c_max=max(temps), throttle_reasons=" ".join(sorted(seen)) or "none")

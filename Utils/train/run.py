@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 from torch.nn import Module
 
@@ -34,6 +35,7 @@ from Utils.train import distributed
 from Utils.train.loop import StepClock, make_step, train
 from Utils.train.micro import PROBE_STEPS, NothingFits, allocator_settings, attempt, cap_memory, free, search
 from Utils.train.provenance import provenance
+from Utils.train.record import Run
 from Utils.train.usage import fail
 
 EXIT_FAILED, EXIT_OOM, EXIT_SKIPPED = 1, 3, 4   # 2: bad input, or results that cannot be written (fail)
@@ -133,8 +135,8 @@ def cold_caches(cold: bool) -> Iterator[Callable[[], None]]:
 @contextlib.contextmanager
 def autograd_cache_unless(pinned: bool) -> Iterator[None]:
     """With SDPA_BACKEND pinned, no AOTAutograd cache: its key is the graph before SDPA picks a kernel, so it
-    hands back a graph compiled under PyTorch's own choice (measured: flash@flash ran cuDNN's attention on an
-    H200). Traced again, the graph holds the pinned kernel's operator, which Inductor's own cache keys on."""
+    hands back a graph compiled under PyTorch's own choice (BENCHMARKS.md, "Which attention kernel the `flash`
+    rung runs"). Traced again, the graph holds the pinned kernel's operator, which Inductor's own cache keys on."""
     if not pinned:
         yield
         return
@@ -143,32 +145,34 @@ def autograd_cache_unless(pinned: bool) -> Iterator[None]:
         yield
 
 
-def add_run_figures(additions: tuple, cfg: RunConfig, run: dict, rows: list,
+def add_run_figures(additions: tuple, cfg: RunConfig, run: Run, rows: list,
                     counts_before: tuple[int, int] = (0, 0)) -> None:
     """runs.csv's figures of a run from its step rows, into `run`: the measured steps' median and IQR, tokens/s,
     MFU, compile time and cache, the final loss."""
     measured = [r for r in rows if not r["warmup"]]
     if measured:
         med, iqr = metrics.median_iqr([r["step_ms"] for r in measured])
-        world = run.get("nproc") or 1
+        world = run.nproc or 1
         tokens_per_s = world * cfg.batch_size * cfg.seq_len / (med / 1e3)
-        run.update(median_step_ms=med, iqr_step_ms=iqr, median_tokens_per_s=tokens_per_s,
-                   global_tokens_per_s=tokens_per_s, tokens_per_s_per_gpu=tokens_per_s / world)
+        run.median_step_ms, run.iqr_step_ms = med, iqr
+        run.median_tokens_per_s = run.global_tokens_per_s = tokens_per_s
+        run.tokens_per_s_per_gpu = tokens_per_s / world
         mfus = [r["mfu"] for r in measured if r["mfu"] is not None]
-        run["mfu"] = metrics.median_iqr(mfus)[0] if mfus else None
+        run.mfu = metrics.median_iqr(mfus)[0] if mfus else None
         if any(ADDITIONS[a].compiled for a in additions) and rows:
             # The first step holds the compilation; what it took beyond a normal step is compile time.
-            run["compile_s"] = max(0.0, (rows[0]["step_ms"] - med) / 1e3)
-    run["compile_cache"] = compile_cache(counts_before)
+            run.compile_s = max(0.0, (rows[0]["step_ms"] - med) / 1e3)
+    run.compile_cache = compile_cache(counts_before)
     if rows:
-        run["final_loss"] = rows[-1]["loss"]
+        run.final_loss = rows[-1]["loss"]
 
 
-def summary_line(run: dict) -> str:
-    def num(key, fmt, unit=""):
-        v = run.get(key)
+def summary_line(run: Run) -> str:
+    """The line a run ends with: its status and figures, n/a where it has none."""
+    def num(key: str, fmt: str, unit: str = "") -> str:
+        v = getattr(run, key)
         return f"{v:{fmt}}{unit}" if isinstance(v, (int, float)) else "n/a"
-    parts = [f"{run['optimization']}: {run['status']}",
+    parts = [f"{run.optimization}: {run.status}",
              f"median {num('median_step_ms', '.1f', ' ms')} (IQR {num('iqr_step_ms', '.1f', ' ms')})",
              f"{num('median_tokens_per_s', ',.0f', ' tok/s')}",
              f"MFU {num('mfu', '.1%')}",
@@ -210,8 +214,8 @@ class Peer(NamedTuple):
     about: Callable[[], str]                   # what it is, with its version, for the run's notes
 
 
-def choose_micro_batch(additions: tuple, cfg: RunConfig, device: torch.device, tokens, dist, peer: Peer | None,
-                       run: dict) -> RunConfig:
+def choose_micro_batch(additions: tuple, cfg: RunConfig, device: torch.device, tokens: np.ndarray,
+                       dist: distributed.Dist, peer: Peer | None, run: Run) -> RunConfig:
     """cfg with its micro-batch settled: MICRO_BATCH as given; auto: the whole batch on a CPU (and under FSDP,
     whose memory a probe without the other ranks would not show), else the largest that fits (Utils.train.micro),
     on every rank. Recorded in `run`."""
@@ -239,7 +243,7 @@ def choose_micro_batch(additions: tuple, cfg: RunConfig, device: torch.device, t
             left = f"; {', '.join(map(str, fit.too_large))} did not fit" if fit.too_large else ""
             print(f"micro-batch: {micro} rows, {cfg.batch_size // micro} a step (auto{left}; the search took "
                   f"{fit.probe_s:.1f} s, outside the measured steps)", flush=True)
-    run.update(micro_batch=micro, accumulation_steps=cfg.batch_size // micro)
+    run.micro_batch, run.accumulation_steps = micro, cfg.batch_size // micro
     return replace(cfg, micro_batch=micro)
 
 
@@ -317,16 +321,16 @@ def _parameters(model: str) -> int:
 
 
 def _build_and_train(additions: tuple, cfg: RunConfig, device: torch.device, tokens, dist, peer: Peer | None,
-                     run: dict, rows: list, held: dict, config: dict) -> str | None:
+                     run: Run, rows: list, held: dict, config: dict) -> str | None:
     """Build the run as cfg says (held["build"]), note what the build says in `run`, and train; train's return."""
     loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda",
                          rank=dist.rank, world=dist.world_size)
     held["build"] = build(additions, device, PRESETS[cfg.model], cfg.seed, loader, cfg.parallel,
                           **({"make_model": peer.make_model} if peer else {}))
     distributed.barrier()   # every rank built: the first step's collectives wait for no set-up
-    run["n_params"] = held["build"].model.num_params(exclude_position_embedding=False)
-    run["notes"] = "; ".join(([peer.about()] if peer else []) + held["build"].notes)
-    run["config"] = json.dumps({**config, "fell_back": held["build"].fell_back}, sort_keys=True)
+    run.n_params = held["build"].model.num_params(exclude_position_embedding=False)
+    run.notes = "; ".join(([peer.about()] if peer else []) + held["build"].notes)
+    run.config = json.dumps({**config, "fell_back": held["build"].fell_back}, sort_keys=True)
     for note in held["build"].notes if dist.main else ():
         print(f"note: {note}")
     return train(held["build"], cfg, run, rows)
@@ -385,11 +389,10 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
         except KeyboardInterrupt:
             outcome = ("ok", "", 0)   # recorded below, with a signal that came after training
         except Exception as e:
-            outcome = _failure(e, tries, device, run["run_id"], dist.rank)
+            outcome = _failure(e, tries, device, run.run_id, dist.rank)
         interrupts.disarm()
         _release_and_measure(additions, tries, device, run)
-        status, message, code = _final_status(outcome, interrupts.requested, tries, dist, run["run_id"])
-        run.update(status=status, message=message)
+        run.status, run.message, code = _final_status(outcome, interrupts.requested, tries, dist, run.run_id)
         return _close(tries, dist, run, code)
 
 
@@ -402,27 +405,27 @@ def _display_name(additions: tuple, cfg: RunConfig, peer: Peer | None) -> str:
 
 
 def _new_record(name: str, cfg: RunConfig, command: str, dist: distributed.Dist, device: torch.device,
-                data_name: str, config: dict) -> dict:
-    """runs.csv's row of the run as it starts: its id (rank 0's, on every rank), what it runs and on what; the
-    figures and the status are added as the run goes."""
+                data_name: str, config: dict) -> Run:
+    """The run's record as it starts: its id (rank 0's, on every rank), what it runs and on what; the figures
+    and the status are added as the run goes."""
     run_id = f"{datetime.now():%Y%m%d-%H%M%S}-{name}-{uuid.uuid4().hex[:6]}"
-    return {"run_id": distributed.broadcast_text(run_id, device),
-            "optimization": name, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "steps": cfg.steps, "warmup_steps": cfg.warmup, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-            "model": cfg.model, "data": data_name, "command": command, "nproc": dist.world_size,
-            "parallel": cfg.parallel, "rank": dist.rank,
-            "gpu_memory_gib": cfg.gpu_memory_gib,   # a run where nothing fits is compared too
-            "config": json.dumps(config, sort_keys=True),
-            **provenance(device).columns()}
+    return Run(run_id=distributed.broadcast_text(run_id, device),
+               optimization=name, started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               steps=cfg.steps, warmup_steps=cfg.warmup, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+               model=cfg.model, data=data_name, command=command, nproc=dist.world_size,
+               parallel=cfg.parallel, rank=dist.rank,
+               gpu_memory_gib=cfg.gpu_memory_gib,   # a run where nothing fits is compared too
+               config=json.dumps(config, sort_keys=True),
+               provenance=provenance(device))
 
 
-def _start_line(run: dict, additions: tuple, cfg: RunConfig, dist: distributed.Dist, device: torch.device) -> str:
+def _start_line(run: Run, additions: tuple, cfg: RunConfig, dist: distributed.Dist, device: torch.device) -> str:
     """The line a run starts with: what it trains, on what, with which additions, for how many steps."""
     world = dist.world_size
     changes = " ".join(additions) or "none"
     spread = f" | {world} process{'es' if world > 1 else ''}, {cfg.parallel}" if dist.active else ""
-    return (f"{run['optimization']} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {run['data']} | "
-            f"{device.type} {run['gpu_name']} | additions: {changes} | steps {cfg.steps} (warm-up {cfg.warmup}) "
+    return (f"{run.optimization} | {cfg.model} | B={cfg.batch_size} T={cfg.seq_len} | data {run.data} | "
+            f"{device.type} {run.provenance.gpu_name} | additions: {changes} | steps {cfg.steps} (warm-up {cfg.warmup}) "
             f"| seed {cfg.seed}{spread}")
 
 
@@ -440,7 +443,7 @@ class Tries:
 
 
 def _train_until_it_fits(additions: tuple, tries: Tries, device: torch.device, tokens, dist: distributed.Dist,
-                         peer: Peer | None, run: dict, config: dict, interrupts: Interrupts,
+                         peer: Peer | None, run: Run, config: dict, interrupts: Interrupts,
                          renew_cold_caches: Callable[[], None]) -> None:
     """Settle the micro-batch and train, starting again one divisor smaller where the run itself runs out of
     memory (_smaller_micro_batch). The only place a signal raises: every handler after it runs disarmed."""
@@ -465,14 +468,14 @@ def _train_until_it_fits(additions: tuple, tries: Tries, device: torch.device, t
             # outside the handler: the exception's frames no longer hold the run's tensors
             _start_again(tries, smaller, device, dist, run)
         if tries.restarts:
-            run["notes"] = "; ".join(filter(None, [run.get("notes"), (
+            run.notes = "; ".join(filter(None, [run.notes, (
                 f"MICRO_BATCH=auto chose {tries.restarts[0]}; the run ran out of memory at "
                 f"{', '.join(map(str, tries.restarts))} and was measured at {tries.cfg.micro_batch}")]))
     finally:
         interrupts.disarm()
 
 
-def _start_again(tries: Tries, smaller: int, device: torch.device, dist: distributed.Dist, run: dict) -> None:
+def _start_again(tries: Tries, smaller: int, device: torch.device, dist: distributed.Dist, run: Run) -> None:
     """Drop the try that ran out of memory, its steps and its build, and set the run to `smaller` rows."""
     cfg = tries.cfg
     if dist.main:
@@ -484,7 +487,7 @@ def _start_again(tries: Tries, smaller: int, device: torch.device, dist: distrib
     tries.held.clear()
     free(device)
     tries.cfg = replace(cfg, micro_batch=smaller)
-    run.update(micro_batch=smaller, accumulation_steps=cfg.batch_size // smaller)
+    run.micro_batch, run.accumulation_steps = smaller, cfg.batch_size // smaller
 
 
 def _failure(error: Exception, tries: Tries, device: torch.device, run_id: str, rank: int) -> tuple[str, str, int]:
@@ -519,10 +522,10 @@ def _oom_message(tries: Tries, peak: float | None) -> str:
                                f"smaller MODEL, or a rung that saves memory (flash, 8bit)"))
 
 
-def _release_and_measure(additions: tuple, tries: Tries, device: torch.device, run: dict) -> None:
+def _release_and_measure(additions: tuple, tries: Tries, device: torch.device, run: Run) -> None:
     """The run's peak memory, then its build released (the memory back to the device), then its figures from
     the steps it kept."""
-    run["peak_mem_allocated_gib"], run["peak_mem_reserved_gib"] = peak_memory_gib(device)
+    run.peak_mem_allocated_gib, run.peak_mem_reserved_gib = peak_memory_gib(device)
     tries.held.clear()
     gc.collect()
     if device.type == "cuda":
@@ -549,13 +552,13 @@ def _final_status(outcome: tuple[str, str, int], interrupted: bool, tries: Tries
     return status, message, code
 
 
-def _close(tries: Tries, dist: distributed.Dist, run: dict, code: int) -> int:
+def _close(tries: Tries, dist: distributed.Dist, run: Run, code: int) -> int:
     """Rank 0 records the run; another rank records nothing and reports its own failure for rank 0 to name.
     Either leaves the process group; the exit status."""
     if not dist.main:
-        if run["status"] in ("failed", "oom"):
-            distributed.report_failure(tries.cfg.prefix, run["run_id"], dist.rank, run["status"], run["message"])
-            print(f"error: rank {dist.rank}: {run['optimization']} {run['status']}: {run['message']}",
+        if run.status in ("failed", "oom"):
+            distributed.report_failure(tries.cfg.prefix, run.run_id, dist.rank, run.status, run.message)
+            print(f"error: rank {dist.rank}: {run.optimization} {run.status}: {run.message}",
                   file=sys.stderr)
         distributed.close()
         return code
@@ -574,15 +577,15 @@ def first_non_finite_loss(rows: list) -> str | None:
             f"wrongly; its steps are recorded, its speed is not a result")
 
 
-def record(cfg: RunConfig, run: dict, rows: list, code: int, trace: str | None = None) -> int:
+def record(cfg: RunConfig, run: Run, rows: list, code: int, trace: str | None = None) -> int:
     """Append the run (signals are held off meanwhile: Utils.results.store) and say how it ended; the exit
     status: `code`, or fail's where the results cannot be written. A run whose loss turned nan or inf is
     recorded failed, a rung's or a peer's alike. A profiled run leaves results.csv and runs.csv alone: its
     record is its trace, which the report splits (Utils.report.breakdown)."""
-    if run["status"] == "ok" and (diverged := first_non_finite_loss(rows)):
-        run.update(status="failed", message=diverged)
+    if run.status == "ok" and (diverged := first_non_finite_loss(rows)):
+        run.status, run.message = "failed", diverged
         code = EXIT_FAILED
-    status, message = run["status"], run["message"]
+    status, message = run.status, run.message
     if trace is not None and status != "ok":
         # a run that did not end well is not recorded, and its trace would be split as if it had
         with contextlib.suppress(OSError):
@@ -590,13 +593,13 @@ def record(cfg: RunConfig, run: dict, rows: list, code: int, trace: str | None =
         trace = None
     try:
         if not cfg.profile:
-            append_run(cfg.prefix, run, rows)
+            append_run(cfg.prefix, run.row(), rows)
     except (ResultsError, OSError) as e:
         return fail(f"results not written: {e}")
     print(summary_line(run))
     if trace is not None:
-        print(f"trace | {run['optimization']}: the profiled steps are in {trace}; python -m Utils.report.breakdown "
+        print(f"trace | {run.optimization}: the profiled steps are in {trace}; python -m Utils.report.breakdown "
               f"--prefix {shlex.quote(cfg.prefix)} splits them into breakdown.md (make does, after PROFILE=1)")
     if status != "ok":
-        print(f"error: {run['optimization']} {status}: {message}", file=sys.stderr)
+        print(f"error: {run.optimization} {status}: {message}", file=sys.stderr)
     return code

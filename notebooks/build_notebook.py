@@ -272,7 +272,7 @@ CELLS = [
     code(r"""
     show(walkthrough.change("baseline"),
          walkthrough.source("Utils/ladder/apply.py", "build", ("stage(", "GPT(", "AdamW(", "_clip_and_step(")),
-         walkthrough.source("Utils/train/loop.py", "train", ("autocast", "step_model(", "backward", "update()")),
+         walkthrough.source("Utils/train/loop.py", "make_step", ("autocast", "step_model(", "backward", "update()")),
          *study.effect("baseline"))
     """),
     md(prose.section("tf32")),
@@ -283,7 +283,7 @@ CELLS = [
     code(r"""
     show(walkthrough.change("bf16"), *walkthrough.apply_sources("bf16"),
          walkthrough.source("Utils/ladder/apply.py", "Build.autocast"),
-         walkthrough.source("Utils/train/loop.py", "train", ("autocast",)),
+         walkthrough.source("Utils/train/loop.py", "make_step", ("autocast",)),
          *study.effect("bf16"), *study.bf16_gain())
     """),
     md(prose.section("torch_compile")),

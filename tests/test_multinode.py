@@ -1,12 +1,20 @@
 """Several hosts through torchrun's c10d rendezvous (NNODES, NODE_RANK, RDZV_ENDPOINT), on the CPU with gloo: two
 launchers on this host stand for two nodes. The command lines and refusals in-process; the runs end to end."""
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
 from Utils.suite import checks, commands
 from Utils.suite.given import Given
 from Utils.train.usage import UsageError
+
+from conftest import REPO_ROOT, clean_env, make, read_csv
 
 BASICS = {"STEPS": "3", "BATCH_SIZE": "2", "PREFIX": "out"}
 
@@ -68,3 +76,104 @@ def test_nnodes_given_empty_is_refused_and_peers_stay_on_one_host():
         checks.not_empty(given(NNODES=""), "NNODES")
     with pytest.raises(UsageError, match="make peers runs on one host: leave out NNODES"):
         checks.peers(given(NNODES="2", NODE_RANK="0", RDZV_ENDPOINT="h:1"))
+
+
+# --- end to end: two launchers on this host as two nodes ----------------------------------------------------------
+
+RUN = ["DATA=synthetic", "SEQ_LEN=32", "WARMUP=1", "DEVICE=cpu", "MODEL=tiny"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node(rank: int, port: int, args: list[str], prefix, env: dict, **extra: str) -> subprocess.Popen:
+    """One node's `make`: NNODES=2, this node's NODE_RANK, the rendezvous on this host."""
+    values = dict(NNODES="2", NODE_RANK=str(rank), RDZV_ENDPOINT=f"127.0.0.1:{port}", PREFIX=str(prefix), **extra)
+    cmd = ["make", "--no-print-directory", f"PYTHON={sys.executable}", *args, *RUN,
+           *(f"{k}={v}" for k, v in values.items())]
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=dict(env, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _kill_node(node: subprocess.Popen, prefix: str) -> None:
+    """SIGKILL every process of one node, as if the host were gone: its make and driver (their process group), and
+    the processes torchrun started, which it puts in sessions of their own (found by the PREFIX in their argv)."""
+    os.killpg(node.pid, signal.SIGKILL)
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f"--prefix={prefix}".encode() in f.read():
+                    os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError):   # not a process, or gone already
+            pass
+
+
+def _losses(prefix) -> list[float]:
+    return [float(r["loss"]) for r in read_csv(os.path.join(prefix, "results.csv"))]
+
+
+def test_two_nodes_train_as_one_node_with_two_processes_and_as_one_process_on_twice_the_batch(tmp_path):
+    env = dict(clean_env(), OMP_NUM_THREADS="1")
+    steps = ["baseline", "STEPS=5"]
+    one = make(steps + ["BATCH_SIZE=4", f"PREFIX={tmp_path / 'one'}"] + RUN, env, timeout=300)
+    assert one.returncode == 0, one.stderr
+    local = make(steps + ["BATCH_SIZE=2", "NPROC=2", f"PREFIX={tmp_path / 'local'}"] + RUN, env, timeout=300)
+    assert local.returncode == 0, local.stderr
+    port = _free_port()
+    nodes = [_node(rank, port, steps + ["BATCH_SIZE=2"], tmp_path / f"node{rank}", env) for rank in (1, 0)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    # Node 0 records the run, whichever node the rendezvous ranked first; node 1's folder holds nothing.
+    assert not os.listdir(tmp_path / "node1")
+    # results.csv keeps 6 significant digits: the sums may differ by a step of that rounding at most.
+    assert _losses(tmp_path / "node0") == pytest.approx(_losses(tmp_path / "local"), abs=2e-4)
+    assert _losses(tmp_path / "node0") == pytest.approx(_losses(tmp_path / "one"), abs=2e-4)
+    run, = read_csv(tmp_path / "node0" / "runs.csv")
+    assert (run["status"], run["nproc"], run["nnodes"], run["batch_size"]) == ("ok", "2", "2", "2")
+    assert run["hosts"] == f"{socket.gethostname()} {socket.gethostname()}"
+    assert read_csv(tmp_path / "local" / "runs.csv")[0]["nnodes"] == "1"
+
+
+def test_a_node_killed_mid_run_ends_the_run_on_the_other_and_is_recorded_failed(tmp_path):
+    env = dict(clean_env(), OMP_NUM_THREADS="1", DIST_TIMEOUT_S="60")
+    port, args = _free_port(), ["baseline", "STEPS=3000", "BATCH_SIZE=2"]
+    node0 = _node(0, port, args, tmp_path / "node0", env)
+    node1 = _node(1, port, args, tmp_path / "node1", env)
+    deadline = time.time() + 240
+    for line in node0.stdout:
+        if line.startswith("step 5/") or time.time() > deadline:
+            break
+    _kill_node(node1, str(tmp_path / "node1"))
+    node1.wait()
+    start = time.time()
+    node0.communicate(timeout=120)
+    assert node0.returncode != 0 and time.time() - start < 90
+    run, = read_csv(tmp_path / "node0" / "runs.csv")
+    assert run["status"] == "failed" and run["nnodes"] == "2", run["message"]
+    assert run["message"].startswith(f"node 1 ({socket.gethostname()}) stopped or failed: "), run["message"]
+    assert 5 <= len(read_csv(tmp_path / "node0" / "results.csv")) < 3000   # the steps it measured are kept
+
+
+def test_a_node_that_never_joins_ends_the_run_after_the_rendezvous_timeout(tmp_path):
+    env = dict(clean_env(), OMP_NUM_THREADS="1")
+    start = time.time()
+    node0 = _node(0, _free_port(), ["baseline", "STEPS=3", "BATCH_SIZE=2"], tmp_path / "node0", env,
+                  RDZV_TIMEOUT="5")
+    out = node0.communicate(timeout=120)[0]
+    assert node0.returncode != 0 and time.time() - start < 60, out
+    assert "RendezvousTimeoutError" in out or "timed out" in out.lower(), out[-2000:]
+
+
+def test_make_scaling_runs_each_process_count_on_every_node(tmp_path, capsys):
+    from Utils.suite.__main__ import main
+    rc = main(["scaling", "RUNG=fused", "NPROC=1 2", "NNODES=2", "NODE_RANK=1", "RDZV_ENDPOINT=h:29500", "STEPS=2",
+               "BATCH_SIZE=2", f"PREFIX={tmp_path}", "DEVICE=cpu", f"PYTHON={sys.executable}", "--dry-run"])
+    assert rc == 0
+    launches = [line.split() for line in capsys.readouterr().out.splitlines() if "torch.distributed.run" in line]
+    assert [line[line.index("--nproc-per-node") + 1] for line in launches] == ["1", "2"]
+    assert all(line[line.index("--nnodes") + 1] == "2" and "is_host=false" in line[line.index("--rdzv-conf") + 1]
+               for line in launches)
+    assert os.environ.pop("NODE_RANK") == "1"   # what torchrun's processes read their host's place from

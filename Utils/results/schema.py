@@ -9,9 +9,10 @@ a new version and never renamed, dropped or moved: a header that is no version's
 """
 from typing import NamedTuple
 
-SCHEMA_VERSION = 4   # 2: schema_version, wall-clock steps (window_wall_s), provenance, clocks and power
+SCHEMA_VERSION = 5   # 2: schema_version, wall-clock steps (window_wall_s), provenance, clocks and power
                      # 3: several GPUs (nproc, parallel, global and per-GPU tokens/s)
                      # 4: the attention kernel that ran, micro-batches, the GPU memory cap
+                     # 5: several hosts (nnodes, hosts)
 
 STEPS_FILE = "results.csv"        # a row per step
 RUNS_FILE = "runs.csv"            # a row per run
@@ -101,6 +102,10 @@ RUN_SCHEMA = (
     Column("accumulation_steps", True, "micro-batches a step accumulated: batch_size / micro_batch", since=4),
     Column("gpu_memory_gib", True, "the GPU memory the run was capped to (GPU_MEMORY_GIB), GiB; blank: the card's",
            since=4),
+    Column("nnodes", True, "hosts the run's processes spread over (NNODES); nproc counts the processes of all",
+           since=5, default="1"),
+    Column("hosts", False, "the hosts' names, space-separated, host 0 (NODE_RANK=0) first; blank before version 5",
+           since=5),
 )
 
 BREAKDOWN_SCHEMA = (
@@ -181,4 +186,5 @@ def is_peer(name: str) -> bool:
 # Two runs are compared (a speedup) only when these run columns are equal: the same work on the same kind
 # of device with the same memory, spread over the same processes in the same way. A scaling figure compares
 # across nproc.
-MATCH_KEYS = ("batch_size", "seq_len", "model", "data", "device", "gpu_name", "gpu_memory_gib", "nproc", "parallel")
+MATCH_KEYS = ("batch_size", "seq_len", "model", "data", "device", "gpu_name", "gpu_memory_gib", "nproc", "parallel",
+              "nnodes")

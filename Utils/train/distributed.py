@@ -144,6 +144,28 @@ def broadcast_text(text: str, device: "torch.device") -> str:
     return box[0]
 
 
+def hosts(dist: Dist, device: "torch.device") -> list[str]:
+    """The name of each host the run's processes are on, host 0 first (every rank's list): one per LOCAL_WORLD_SIZE
+    ranks, as _rank numbers them; [this host] without torchrun."""
+    import socket
+
+    import torch.distributed as td
+    name = socket.gethostname()
+    if not td.is_initialized():
+        return [name]
+    names = [""] * dist.world_size
+    td.all_gather_object(names, name)
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
+    return names[::per_host]
+
+
+def lost_node(hosts: list[str]) -> str:
+    """Which node a run on several hosts lost, as node 0 can tell: the other one of two, else one of the others."""
+    if len(hosts) == 2:
+        return f"node 1 ({hosts[1]}) stopped or failed"
+    return f"one of nodes 1-{len(hosts) - 1} ({', '.join(hosts[1:])}) stopped or failed"
+
+
 def failure_path(prefix: str, run_id: str, rank: int) -> str:
     """Where a rank other than 0 leaves the one line that says why it failed."""
     return os.path.join(prefix, f".rank-failure-{run_id}-{rank}")

@@ -53,6 +53,8 @@ class Run:
     micro_batch: int | None = None
     accumulation_steps: int | None = None
     gpu_memory_gib: float | None = None
+    nnodes: int = 1
+    hosts: str = ""
     # None until known: a peer in a program of its own is described after it ran, with no CUDA context beside it
     provenance: Provenance | None = None
     clocks: Clocks = field(default_factory=Clocks)

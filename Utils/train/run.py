@@ -392,7 +392,7 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
             outcome = _failure(e, tries, device, run.run_id, dist.rank)
         interrupts.disarm()
         _release_and_measure(additions, tries, device, run)
-        run.status, run.message, code = _final_status(outcome, interrupts.requested, tries, dist, run.run_id)
+        run.status, run.message, code = _final_status(outcome, interrupts.requested, tries, dist, run)
         return _close(tries, dist, run, code)
 
 
@@ -409,7 +409,8 @@ def _new_record(name: str, cfg: RunConfig, command: str, dist: distributed.Dist,
     """The run's record as it starts: its id (rank 0's, on every rank), what it runs and on what; the figures
     and the status are added as the run goes."""
     run_id = f"{datetime.now():%Y%m%d-%H%M%S}-{name}-{uuid.uuid4().hex[:6]}"
-    return Run(run_id=distributed.broadcast_text(run_id, device),
+    hosts = distributed.hosts(dist, device)
+    return Run(run_id=distributed.broadcast_text(run_id, device), nnodes=len(hosts), hosts=" ".join(hosts),
                optimization=name, started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                steps=cfg.steps, warmup_steps=cfg.warmup, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                model=cfg.model, data=data_name, command=command, nproc=dist.world_size,
@@ -534,7 +535,7 @@ def _release_and_measure(additions: tuple, tries: Tries, device: torch.device, r
 
 
 def _final_status(outcome: tuple[str, str, int], interrupted: bool, tries: Tries, dist: distributed.Dist,
-                  run_id: str) -> tuple[str, str, int]:
+                  run: Run) -> tuple[str, str, int]:
     """(status, message, exit status) the run is recorded with: `outcome`, unless a signal came at any moment
     until now, whatever else its arrival made of the run, or another rank's failure ended this one."""
     status, message, code = outcome
@@ -545,10 +546,15 @@ def _final_status(outcome: tuple[str, str, int], interrupted: bool, tries: Tries
     if dist.active and dist.main and status != "ok":
         # Another rank's failure ends every rank: torchrun stops them, or their collectives break. Its
         # report names the cause.
-        other = distributed.other_failure(cfg.prefix, run_id, dist.world_size)
+        other = distributed.other_failure(cfg.prefix, run.run_id, dist.world_size)
         if other:
             status, message = other
             code = EXIT_OOM if status == "oom" else EXIT_FAILED
+        elif status == "failed" and run.nnodes > 1:
+            # No rank said why: a node whose processes all stopped at once (its host gone, or killed) cannot, and
+            # another node's report lies in its own PREFIX unless the folder is shared. This error is the broken
+            # collective.
+            message = f"{distributed.lost_node(run.hosts.split())}: {message}"
     return status, message, code
 
 

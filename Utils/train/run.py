@@ -63,7 +63,8 @@ def main(additions: str | Iterable[str], argv: Iterable[str] | None = None, comm
 
 def pins_sdpa(additions: tuple, cfg: RunConfig, peer: "Peer | None" = None) -> bool:
     """True where SDPA_BACKEND holds the run's attention: it names a backend and the attention goes through SDPA."""
-    return cfg.sdpa_backend != "auto" and bool({"flash", "packed_attention"} & set(additions) or peer)
+    # Attention that keeps the scores on the chip is SDPA's, or packed_attention's, which falls back to it.
+    return cfg.sdpa_backend != "auto" and (any(ADDITIONS[a].scores_on_chip for a in additions) or bool(peer))
 
 
 def check_sdpa_backend(additions: tuple, cfg: RunConfig, peer: "Peer | None" = None) -> None:

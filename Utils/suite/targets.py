@@ -3,6 +3,8 @@ ablation tries and peers. Each loop checks every run argument once, then goes on
 ends naming what was not ok; a signal ends it at once with the interrupted run's status."""
 import os
 import shlex
+import socket
+import time
 from collections.abc import Callable
 
 from Utils.ladder.__main__ import check_ablation
@@ -42,15 +44,33 @@ def _repeat(g: Given, runner: Runner, name: str, argv: list[str], times: int, dr
     for k in range(1, times + 1):
         if times > 1:
             print(f"=== {name}, run {k} of {times} ===", flush=True)
-        rc = runner.run(argv)
+        rc = _launched(g, runner.run(argv))
         if not rc and g.on("PROFILE"):   # the run wrote its trace; the report splits it
             rc = runner.run(commands.breakdown(g))
         if rc or runner.interrupted:
             return rc or runner.stopped()
     # A summary left as it was would leave out the runs just appended.
-    if not drawn and not g.on("PROFILE") and g.records() and os.path.isfile(os.path.join(g.text("PREFIX"), "summary.md")):
+    summary = os.path.join(g.text("PREFIX"), "summary.md")
+    if not drawn and not g.on("PROFILE") and g.records() and os.path.isfile(summary):
         return runner.run(commands.plot(g))
     return 0
+
+
+def _launched(g: Given, rc: int, limit_s: float = 15.0) -> int:
+    """rc, once a host other than 0 has seen host 0's rendezvous of the run just ended close (at most limit_s): each
+    run is a rendezvous of its own at one endpoint, and a host that started the next while host 0's torchrun still
+    served the last would join a rendezvous that is closing, and fail."""
+    if not g.multinode() or g.records():
+        return rc
+    host, _, port = g.stripped("RDZV_ENDPOINT").rpartition(":")
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1).close()
+        except OSError:   # nothing listens: host 0's torchrun has ended
+            return rc
+        time.sleep(0.2)
+    return rc
 
 
 def each(g: Given, runner: Runner, name: str, items: list[str], step: Step,
@@ -151,7 +171,8 @@ def ablation(g: Given, runner: Runner) -> int:
 
     def step(x: str, data: str) -> int:
         target = [RUNGS[base].script] if x == base else ["ablation.py", verb, x]
-        return runner.run(commands.launch(g, target) + commands.run_args(g) + [f"--data={data}"] * bool(data))
+        argv = commands.launch(g, target) + commands.run_args(g) + [f"--data={data}"] * bool(data)
+        return _launched(g, runner.run(argv))
 
     def after() -> list[str]:
         split = g.on("PROFILE") and runner.run(commands.breakdown(g))

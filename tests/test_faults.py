@@ -80,8 +80,9 @@ def test_runs_record_how_to_repeat_them(tmp_path):
     assert run["torch_version"] == torch.__version__ and run["device"] == "cpu"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT], ids=lambda s: s.name)
 def test_interruption_keeps_valid_files(tmp_path, suite_env, sig):
+    # SIGHUP is a closed terminal or ssh session; SIGQUIT, Ctrl-\. Each ends the run recorded, exit 128 + its number.
     prefix = tmp_path / "out"
     with open(tmp_path / "stderr", "w") as stderr:
         proc = subprocess.Popen([sys.executable, "no_optimization.py", "--steps", "100000", "--prefix", str(prefix)]
@@ -95,7 +96,8 @@ def test_interruption_keeps_valid_files(tmp_path, suite_env, sig):
         finally:
             proc.kill()
             proc.wait()
-    assert proc.returncode == EXIT_INTERRUPTED, (tmp_path / "stderr").read_text()
+    assert proc.returncode == 128 + sig, (tmp_path / "stderr").read_text()
+    assert read_csv(prefix / "runs.csv")[0]["status"] == "interrupted"
     tmp_path = prefix
     check_file(tmp_path / "results.csv", STEP_COLUMNS)
     check_file(tmp_path / "runs.csv", RUN_COLUMNS)

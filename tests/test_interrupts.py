@@ -1,10 +1,13 @@
-"""Ctrl-C and SIGTERM at any moment: one line, status interrupted, every finished step kept."""
+"""Ctrl-C, SIGTERM, SIGHUP and SIGQUIT at any moment: one line, status interrupted, every finished step kept."""
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 import types
+
+import pytest
 
 from Utils.results.schema import RUN_COLUMNS, STEP_COLUMNS
 from Utils.results.store import check_file
@@ -142,3 +145,49 @@ def test_a_signal_after_the_run_is_recorded_changes_nothing(tmp_path, suite_env)
     assert r.returncode == 0 and r.stdout.splitlines()[-1] == "exit 0", r.stderr
     assert "nothing was recorded" not in r.stderr
     assert read_csv(tmp_path / "runs.csv")[0]["status"] == "ok"
+
+
+def _make_in_own_group(args: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen(["make", "--no-print-directory", f"PYTHON={sys.executable}", *args], cwd=REPO_ROOT,
+                            env=dict(env, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT, signal.SIGINT], ids=lambda s: s.name)
+def test_a_terminal_signal_to_the_whole_group_records_the_run_and_the_driver_names_it(tmp_path, suite_env, sig):
+    # A closed terminal (SIGHUP), Ctrl-\ (SIGQUIT) or Ctrl-C reaches make, the driver and the run at once.
+    prefix = tmp_path / "out"
+    proc = _make_in_own_group(["baseline", "STEPS=100000", "BATCH_SIZE=2", "SEQ_LEN=16", "DATA=synthetic",
+                               f"PREFIX={prefix}"], suite_env)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 3/"):
+                break
+        os.killpg(proc.pid, sig)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    (run,) = read_csv(prefix / "runs.csv")
+    assert run["status"] == "interrupted" and len(read_csv(prefix / "results.csv")) >= 3
+    assert f"error: run baseline stopped by {sig.name}" in err.splitlines(), err
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_while_the_charts_draw_is_one_line(tmp_path, suite_env):
+    # plots draws for a second or two from a folder of runs: Ctrl-C then ends it with one line, no traceback.
+    prefix = tmp_path / "out"
+    made = subprocess.run(["make", "--no-print-directory", f"PYTHON={sys.executable}", "baseline", "STEPS=3",
+                           "BATCH_SIZE=2", "SEQ_LEN=16", "DATA=synthetic", f"PREFIX={prefix}", "REPEAT=2"],
+                          cwd=REPO_ROOT, env=suite_env, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    proc = _make_in_own_group(["plots", f"PREFIX={prefix}"], suite_env)
+    for line in proc.stdout:   # the driver prints the chart's command as it starts it
+        if "plot_results.py" in line:
+            break
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.splitlines()[0] == "error: plots stopped by SIGINT", err

@@ -2,8 +2,8 @@
 with the columns of Utils.results.schema.
 
 Rows are only ever appended. An append is whole or absent: the new rows are written next to the file
-with the old bytes in front of them and renamed over it, under an exclusive lock, with SIGINT and
-SIGTERM held back, so neither a Ctrl-C nor a second run appending at once can tear a row. A file written
+with the old bytes in front of them and renamed over it, under an exclusive lock, with the signals that stop a
+run held back (STOPPING), so neither a Ctrl-C nor a second run appending at once can tear a row. A file written
 by an earlier schema version (Utils.results.schema) is widened to today's header in the same rename, its
 rows kept and the new columns blank. A file whose header is no version's, or that ends mid-row, is refused
 with a one-line error and left as it is.
@@ -24,6 +24,9 @@ from contextlib import contextmanager
 from Utils.results.files import TEMPORARY_PREFIX, real_path, stage
 from Utils.results.schema import (LOCK_FILE, PEAK_COLUMNS, PEAK_FILE, PEAK_NUMERIC, RUN_COLUMNS, RUN_NUMERIC, RUNS_FILE,
                                   SCHEMA_VERSION, STATUSES, STEP_COLUMNS, STEP_NUMERIC, STEPS_FILE, known_headers)
+
+# The signals that stop a run (Utils.train.interrupts'), held back while a run's rows are appended.
+STOPPING = {getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)}
 
 Row = Mapping[str, object]
 
@@ -107,7 +110,7 @@ def check_files(prefix: str | os.PathLike) -> None:
 @contextmanager
 def _locked(prefix) -> Iterator[None]:
     fd = os.open(os.path.join(prefix, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOPPING)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -6,6 +6,7 @@ PYTHON= names the interpreter of the runs); the environment fills in the ones no
 values and prints the commands without running them. Exit status: 0 ok, 2 bad input, a single run's own status,
 1 where a loop had a run that was not ok, 128+n after signal n."""
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -49,9 +50,14 @@ def main(argv: Sequence[str]) -> int:
         runner = Runner(g.dry_run)
         previous = runner.handle_signals()
         try:
-            return targets.rung(g, runner, name) if name else COMMANDS[command](g, runner)
+            rc = targets.rung(g, runner, name) if name else COMMANDS[command](g, runner)
         finally:
             runner.restore_signals(previous)
+        if runner.interrupted is None:
+            return rc
+        # Whatever the child made of the SIGTERM passed on to it, the driver ends as the signal it got says.
+        return fail(f"{command}{' ' + name if name else ''} stopped by {signal.Signals(runner.interrupted).name}",
+                    runner.stopped())
     except UsageError as e:
         return fail(str(e))
 

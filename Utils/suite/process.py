@@ -1,11 +1,22 @@
-"""The driver's children: each run, chart and check a process of its own, never through a shell. A SIGTERM or
-SIGINT to the driver is passed on to the child as SIGTERM and the child is waited for, so that a run stopped by
-make, by Ctrl-C or by a job scheduler still writes its record before the driver returns; then nothing more
-starts."""
+"""The driver's children: each run, chart and check a process of its own, never through a shell. SIGINT,
+SIGTERM, SIGHUP or SIGQUIT to the driver is passed on to the child as SIGTERM and the child is waited for, so that
+a run stopped by make, by Ctrl-C, by a closed terminal or by a job scheduler still writes its record before the
+driver returns; then nothing more starts. The children start with SIGINT, SIGHUP and SIGQUIT ignored: a terminal
+sends those to the whole process group, and a chart or a check would die of them with a traceback or a core,
+where the driver's SIGTERM ends it quietly (a run installs its own handlers for all four: Utils.train.interrupts).
+"""
 import shlex
 import signal
 import subprocess
 import sys
+
+STOPPING = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
+_FROM_TERMINAL = tuple(s for s in STOPPING if s != signal.SIGTERM)
+
+
+def _ignore_terminal_signals() -> None:
+    for signum in _FROM_TERMINAL:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 class Runner:
@@ -17,9 +28,9 @@ class Runner:
         self._child: subprocess.Popen | None = None
 
     def handle_signals(self) -> dict:
-        """Take SIGINT and SIGTERM (SIGINT too where the driver was started with it ignored); returns the handlers
-        it replaced, for restore_signals."""
-        return {signum: signal.signal(signum, self._on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+        """Take the STOPPING signals (also where the driver was started with one ignored); returns the handlers it
+        replaced, for restore_signals."""
+        return {signum: signal.signal(signum, self._on_signal) for signum in STOPPING}
 
     @staticmethod
     def restore_signals(previous: dict) -> None:
@@ -42,11 +53,11 @@ class Runner:
             print(shlex.join(argv), flush=True)
         if self.dry_run:
             return 0
-        return self._wait(subprocess.Popen(argv, cwd=cwd))[0]
+        return self._wait(subprocess.Popen(argv, cwd=cwd, preexec_fn=_ignore_terminal_signals))[0]
 
     def capture(self, argv: list[str]) -> tuple[int, str]:
         """argv's exit status and stdout (stderr passes through); run under dry_run too: a check, not a run."""
-        return self._wait(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
+        return self._wait(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, preexec_fn=_ignore_terminal_signals))
 
     def _wait(self, child: subprocess.Popen) -> tuple[int, str]:
         """The child's exit status (128 + n where signal n killed it) and what it wrote to a pipe, if any."""

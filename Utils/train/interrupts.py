@@ -1,22 +1,24 @@
-"""Ctrl-C and SIGTERM, from a script's first line to its run's record.
+"""Ctrl-C, SIGTERM, SIGHUP (a closed terminal or ssh session) and SIGQUIT, from a script's first line to its run's
+record.
 
 Before a run exists (imports, argument checks, reading the data), a signal ends the program with one line:
 there is nothing to record. Once the run exists, the first signal raises KeyboardInterrupt wherever the run
 is; every later one, and any that comes once training is over, is only noted, so that the shutdown (the
 summary, the release of device memory, the append) always finishes and the run is recorded as interrupted
-with every step that finished. Both signals do the same, even where SIGINT was inherited as ignored (make
-runs a background job's commands so). Imports nothing heavy: a script installs it before torch loads.
+with every step that finished. Every signal here does the same, even where it was inherited as ignored (make
+runs a background job's commands so, and the suite's driver starts its children so); the exit status is 128 + its
+number. Imports nothing heavy: a script installs it before torch loads.
 """
 import os
 import signal
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-EXIT_INTERRUPTED = 130
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
+EXIT_INTERRUPTED = 128 + signal.SIGINT   # Ctrl-C's: 130
 
 
 def _exit_at_once(signum, frame):
     os.write(2, b"error: interrupted before the run started; nothing was recorded\n")
-    os._exit(EXIT_INTERRUPTED)
+    os._exit(128 + signum)
 
 
 def exit_on_signal() -> None:
@@ -33,9 +35,12 @@ class Interrupts:
     def __init__(self):
         self.armed = False
         self.requested = False
+        self.exit_status = EXIT_INTERRUPTED   # 128 + the first signal's number, once one came
         self._previous = {}
 
     def _handle(self, signum, frame):
+        if not self.requested:
+            self.exit_status = 128 + signum
         self.requested = True
         if self.armed:
             self.armed = False   # once: a second signal must not break the shutdown of the first

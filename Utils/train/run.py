@@ -393,7 +393,7 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
             outcome = _failure(e, tries, device, run.run_id, dist.rank)
         interrupts.disarm()
         _release_and_measure(additions, tries, device, run)
-        run.status, run.message, code = _final_status(outcome, interrupts.requested, tries, dist, run)
+        run.status, run.message, code = _final_status(outcome, interrupts, tries, dist, run)
         return _close(tries, dist, run, code)
 
 
@@ -535,14 +535,14 @@ def _release_and_measure(additions: tuple, tries: Tries, device: torch.device, r
     add_run_figures(additions, tries.cfg, run, tries.rows, tries.counts_before)
 
 
-def _final_status(outcome: tuple[str, str, int], interrupted: bool, tries: Tries, dist: distributed.Dist,
+def _final_status(outcome: tuple[str, str, int], interrupts: Interrupts, tries: Tries, dist: distributed.Dist,
                   run: Run) -> tuple[str, str, int]:
     """(status, message, exit status) the run is recorded with: `outcome`, unless a signal came at any moment
     until now, whatever else its arrival made of the run, or another rank's failure ended this one."""
     status, message, code = outcome
     cfg = tries.cfg
-    if interrupted:
-        status, code = "interrupted", EXIT_INTERRUPTED
+    if interrupts.requested:
+        status, code = "interrupted", interrupts.exit_status
         message = f"interrupted after {len(tries.rows)} of {cfg.steps} steps; the measured steps are kept"
     if dist.active and dist.main and status != "ok":
         # Another rank's failure ends every rank: torchrun stops them, or their collectives break. Its

@@ -261,3 +261,18 @@ def test_a_cell_the_report_cannot_read_is_refused_before_a_run(tmp_path, name):
     assert str(err.value) == (f"{tmp_path / name} line 2: {column}='abc' is not a number: the file is damaged; "
                               f"move it aside or repair that line")
     assert {n: (tmp_path / n).read_bytes() for n in raw} == raw
+
+
+def test_the_signals_that_stop_a_run_are_held_back_while_its_rows_are_appended(tmp_path, monkeypatch):
+    import signal
+
+    from Utils.results import store
+    masks, write = [], store._append_all
+
+    def spy(appends):
+        masks.append(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        return write(appends)
+    monkeypatch.setattr(store, "_append_all", spy)
+    append_run(tmp_path, _run("a"), _steps("a", 2))
+    assert store.STOPPING <= masks[0]   # SIGINT, SIGTERM, SIGHUP and SIGQUIT wait until both files are written
+    assert not store.STOPPING & signal.pthread_sigmask(signal.SIG_BLOCK, [])   # and arrive once they are

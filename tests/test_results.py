@@ -3,11 +3,14 @@ the committed results, which must stay readable and appendable as they are."""
 import csv
 import multiprocessing
 import os
+import subprocess
+import sys
 
 import pytest
 
 from Utils.results import schema, store
 from Utils.results.schema import RUN_COLUMNS, STEP_COLUMNS
+from Utils.results.schema import RUNS_FILE, STEPS_FILE
 from Utils.results.store import ResultsError, append_run, check_prefix, init_files
 
 
@@ -276,3 +279,57 @@ def test_the_signals_that_stop_a_run_are_held_back_while_its_rows_are_appended(t
     append_run(tmp_path, _run("a"), _steps("a", 2))
     assert store.STOPPING <= masks[0]   # SIGINT, SIGTERM, SIGHUP and SIGQUIT wait until both files are written
     assert not store.STOPPING & signal.pthread_sigmask(signal.SIG_BLOCK, [])   # and arrive once they are
+
+
+def _bytes(folder) -> dict:
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder)) if not name.startswith(".res")}
+
+
+def test_a_run_whose_second_file_cannot_be_renamed_leaves_both_files_as_they_were(tmp_path, monkeypatch):
+    # runs.csv made append-only or locked: results.csv's rename has happened, runs.csv's fails. The steps must go
+    # back, and nothing of the write may stay behind.
+    from Utils.results import store
+    append_run(tmp_path, _run("a"), _steps("a", 3))
+    before = _bytes(tmp_path)
+    replace, calls = os.replace, []
+
+    def second_fails(src, dst):
+        calls.append(dst)
+        if os.path.basename(dst) == RUNS_FILE and os.path.basename(src).startswith(store.TEMPORARY_PREFIX):
+            raise PermissionError(1, "Operation not permitted", dst)
+        return replace(src, dst)
+    monkeypatch.setattr(store.os, "replace", second_fails)
+    with pytest.raises(PermissionError):
+        append_run(tmp_path, _run("b"), _steps("b", 2))
+    assert _bytes(tmp_path) == before
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".") and n != ".results.lock"] == []
+
+
+@pytest.mark.parametrize("kill_after", ["first_rename", "second_rename"])
+def test_an_append_killed_between_its_renames_is_finished_by_the_next(tmp_path, kill_after):
+    # kill -9 inside the append: a child process stops dead right after one of the two renames.
+    append_run(tmp_path, _run("a"), _steps("a", 3))
+    before = _bytes(tmp_path)
+    code = f"""
+import os, sys
+from Utils.results import store
+replace, n = os.replace, [0]
+def dies(src, dst):
+    replace(src, dst)
+    n[0] += 1
+    if n[0] == {1 if kill_after == "first_rename" else 2}:
+        os._exit(9)
+store.os.replace = dies
+sys.path.insert(0, {repr(os.path.dirname(__file__))})
+from test_results import _run, _steps
+store.append_run({str(tmp_path)!r}, _run("b"), _steps("b", 2))
+"""
+    child = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert child.returncode == 9, child.stderr
+    append_run(tmp_path, _run("c"), _steps("c", 1))   # finishes the killed append first, under the lock
+    runs = [r["run_id"] for r in _read(tmp_path / RUNS_FILE)]
+    steps = sorted({r["run_id"] for r in _read(tmp_path / STEPS_FILE)})
+    whole = ["a", "b", "c"] if kill_after == "second_rename" else ["a", "c"]
+    assert runs == whole and steps == whole   # no run without its steps, no steps without their run
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".") and n != ".results.lock"] == []
+    assert set(before) <= set(_bytes(tmp_path))

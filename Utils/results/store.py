@@ -173,11 +173,94 @@ def _stage(path, columns, text):
     return stage(path, lambda f: f.write(old + header + text.encode()), mode=mode)
 
 
+# Before the renames of one append, each file's bytes as they were (a hard link, where the file system has them,
+# else a copy; an empty .absent file where there was none), so that the append lands whole or not at all.
+BACKUP_PREFIX = ".before-append-"
+
+
+def _backup(path: str) -> str:
+    return os.path.join(os.path.dirname(path), BACKUP_PREFIX + os.path.basename(path))
+
+
+def _keep_before(path: str) -> None:
+    """The file at `path` as it is, under its backup name (path's own file, through a symbolic link)."""
+    target, backup = real_path(path), _backup(path)
+    if not os.path.exists(target):
+        open(backup + ".absent", "wb").close()
+        return
+    try:
+        os.link(target, backup)
+    except OSError:   # a file system without hard links: a copy, written in full before it is named
+        os.replace(stage(backup, lambda f: f.write(open(target, "rb").read())), backup)
+
+
+def _restore(path: str) -> None:
+    """Put the file at `path` back as its backup kept it."""
+    target, backup = real_path(path), _backup(path)
+    if os.path.exists(backup + ".absent"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(target)
+        os.unlink(backup + ".absent")
+    elif os.path.exists(backup):
+        os.replace(backup, target)
+
+
+def _forget(path: str) -> None:
+    for name in (_backup(path), _backup(path) + ".absent"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+
+
+def _landed(path: str) -> bool:
+    """Whether the last rename of the append the backups belong to happened: `path` is no longer its backup."""
+    target, backup = real_path(path), _backup(path)
+    if os.path.exists(backup + ".absent"):
+        return os.path.exists(target)
+    return not (os.path.exists(backup) and os.path.exists(target) and os.path.samefile(target, backup)
+                or _same_bytes(target, backup))
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    try:
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            return fa.read() == fb.read()
+    except OSError:
+        return False
+
+
+def _finish_interrupted_append(paths: Sequence[str]) -> None:
+    """Under the lock, an append killed between its renames (kill -9, a lost host) left its backups: where its
+    last file had landed the append was whole, and the backups go; else every file goes back as it was."""
+    if not any(os.path.exists(_backup(p)) or os.path.exists(_backup(p) + ".absent") for p in paths):
+        return
+    whole = _landed(paths[-1])
+    for path in paths:
+        (_forget if whole else _restore)(path)
+    print(f"note: {os.path.dirname(paths[0]) or '.'}: an append killed midway was "
+          f"{'kept whole' if whole else 'undone'}", file=sys.stderr)
+
+
 def _replace_all(staged):
-    """Rename each staged temporary file over its file. Every file was written in full before the first
-    rename, so a write that fails (a full disk, a file size limit) leaves every file as it was."""
-    for tmp, path in staged:
-        os.replace(tmp, real_path(path))
+    """Rename each staged temporary file over its file, the files as they were kept first: a rename that fails
+    (a file made append-only or immutable, a folder locked) puts back the ones already renamed, and a kill
+    between the renames is finished by the next append (_finish_interrupted_append). Every file was written in
+    full before the first rename, so a write that fails (a full disk, a file size limit) changes nothing."""
+    if len(staged) == 1:   # one rename is whole by itself
+        os.replace(staged[0][0], real_path(staged[0][1]))
+        return
+    paths = [path for _, path in staged]
+    for path in paths:
+        _keep_before(path)
+    try:
+        for tmp, path in staged:
+            os.replace(tmp, real_path(path))
+    except BaseException:
+        for path in paths:
+            _restore(path)
+        raise
+    finally:
+        for path in paths:
+            _forget(path)
 
 
 def _append_all(appends):
@@ -186,12 +269,11 @@ def _append_all(appends):
     try:
         for path, columns, text in appends:
             staged.append((_stage(path, columns, text), path))
-    except BaseException:
+        _replace_all(staged)
+    finally:
         for tmp, _ in staged:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        raise
-    _replace_all(staged)
 
 
 def _remove_stale_temporaries(prefix):
@@ -220,6 +302,7 @@ def append_run(prefix: str | os.PathLike, run: Row, steps: Sequence[Row]) -> Non
     runs_path = os.path.join(prefix, RUNS_FILE)
     with _locked(prefix):
         _remove_stale_temporaries(prefix)
+        _finish_interrupted_append([steps_path, runs_path])
         check_file(steps_path, STEP_COLUMNS)
         check_file(runs_path, RUN_COLUMNS)
         appends = [(steps_path, STEP_COLUMNS, _format(steps, STEP_COLUMNS))] if steps or not os.path.exists(steps_path) else []

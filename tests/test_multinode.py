@@ -179,7 +179,9 @@ def test_a_node_that_never_joins_ends_the_run_after_the_rendezvous_timeout(tmp_p
 
 def test_make_scaling_runs_each_process_count_on_every_node(tmp_path, capsys, monkeypatch):
     from Utils.suite.__main__ import main
-    monkeypatch.delenv("NODE_RANK", raising=False)   # and gone again after the test: the driver sets it
+    # The driver sets NODE_RANK in its environment for torchrun's processes: setenv first, so that the test's end
+    # takes it away again (delenv of an absent variable would restore nothing).
+    monkeypatch.setenv("NODE_RANK", "1")
     rc = main(["scaling", "RUNG=fused", "NPROC=1 2", "NNODES=2", "NODE_RANK=1", "RDZV_ENDPOINT=h:29500", "STEPS=2",
                "BATCH_SIZE=2", f"PREFIX={tmp_path}", "DEVICE=cpu", f"PYTHON={sys.executable}", "--dry-run"])
     assert rc == 0

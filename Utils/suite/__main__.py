@@ -45,9 +45,8 @@ def main(argv: Sequence[str]) -> int:
     name = rest.pop(0) if command == "run" else None
     try:
         g = parse(rest, os.environ)
-        if g.multinode():   # torchrun's processes take their host's place among the hosts from it (Utils.train)
-            os.environ["NODE_RANK"] = g.stripped("NODE_RANK")
-        runner = Runner(g.dry_run)
+        # On several hosts, torchrun's processes take their host's place among the hosts from NODE_RANK (Utils.train).
+        runner = Runner(g.dry_run, {**os.environ, "NODE_RANK": g.stripped("NODE_RANK")} if g.multinode() else None)
         previous = runner.handle_signals()
         try:
             rc = targets.rung(g, runner, name) if name else COMMANDS[command](g, runner)

@@ -22,8 +22,9 @@ def _ignore_terminal_signals() -> None:
 class Runner:
     """Starts children one at a time; `interrupted` holds the signal that stopped the driver, if one did."""
 
-    def __init__(self, dry_run: bool = False):
+    def __init__(self, dry_run: bool = False, env: dict[str, str] | None = None):
         self.dry_run = dry_run
+        self.env = env   # the children's environment; None: the driver's own
         self.interrupted: int | None = None
         self._child: subprocess.Popen | None = None
 
@@ -53,11 +54,12 @@ class Runner:
             print(shlex.join(argv), flush=True)
         if self.dry_run:
             return 0
-        return self._wait(subprocess.Popen(argv, cwd=cwd, preexec_fn=_ignore_terminal_signals))[0]
+        return self._wait(subprocess.Popen(argv, cwd=cwd, env=self.env, preexec_fn=_ignore_terminal_signals))[0]
 
     def capture(self, argv: list[str]) -> tuple[int, str]:
         """argv's exit status and stdout (stderr passes through); run under dry_run too: a check, not a run."""
-        return self._wait(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, preexec_fn=_ignore_terminal_signals))
+        return self._wait(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=self.env,
+                                           preexec_fn=_ignore_terminal_signals))
 
     def _wait(self, child: subprocess.Popen) -> tuple[int, str]:
         """The child's exit status (128 + n where signal n killed it) and what it wrote to a pipe, if any."""

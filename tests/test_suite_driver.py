@@ -118,12 +118,18 @@ def test_unknown_targets_and_commands_are_refused_naming_the_rungs(capsys):
         "error: python -m Utils.suite: no command 'fused' (python -m Utils.suite run fused)"]
 
 
-def test_reset_removes_the_suites_files_only_and_clean_keeps_the_results(tmp_path, capsys):
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute", "leading_dash"])
+def test_reset_removes_the_suites_files_only_and_clean_keeps_the_results(tmp_path, capsys, monkeypatch, relative):
+    # A PREFIX that begins with a dash (-name, relative to the folder make runs in) is a folder like any other.
+    folder = tmp_path / "-name"
+    folder.mkdir()
+    monkeypatch.chdir(tmp_path)
     names = ["results.csv", "runs.csv", "summary.md", "speedup.png", ".tmp-1", ".results.lock", "trace_a.json.gz",
-             "12-peer-llmc.log", "notes.txt", "data.csv"]
+             "12-peer-llmc.log", ".before-append-runs.csv", "notes.txt", "data.csv"]
     for name in names:
-        (tmp_path / name).write_text("x")
-    g = Given({"PREFIX": str(tmp_path)}, dry_run=False)
+        (folder / name).write_text("x")
+    g = Given({"PREFIX": "-name" if relative else str(folder)}, dry_run=False)
+    tmp_path = folder
     runner = Runner()
     assert folders.clean(g, runner) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(names) - {"summary.md", "speedup.png", ".tmp-1"})

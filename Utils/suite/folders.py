@@ -14,7 +14,7 @@ CHARTS = ("speedup.png", "step_time.png", "throughput.png", "memory.png", "loss.
 CLEAN = CHARTS + (".tmp-*",)
 RESET = CHARTS + ("results.csv", "runs.csv", "breakdown.csv", "peak.csv", "trace_*.json.gz", "*.error.log",
                   "[0-9]*-peer-*.log", "Optimizing_GPU_Utilization.ipynb", ".results.lock", ".tmp-*",
-                  ".rank-failure-*")
+                  ".rank-failure-*", ".before-append-*")   # the last: an append killed midway (Utils.results.store)
 
 
 def plots(g: Given, runner: Runner) -> int:

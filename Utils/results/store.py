@@ -15,6 +15,7 @@ import csv
 import fcntl
 import io
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -25,8 +26,10 @@ from Utils.results.files import TEMPORARY_PREFIX, real_path, stage
 from Utils.results.schema import (LOCK_FILE, PEAK_COLUMNS, PEAK_FILE, PEAK_NUMERIC, RUN_COLUMNS, RUN_NUMERIC, RUNS_FILE,
                                   SCHEMA_VERSION, STATUSES, STEP_COLUMNS, STEP_NUMERIC, STEPS_FILE, known_headers)
 
-# The signals that stop a run (Utils.train.interrupts'), held back while a run's rows are appended.
-STOPPING = {getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)}
+# The signals that stop a run: a run handles them (Utils.train.interrupts), the driver passes them on
+# (Utils.suite.process), and an append holds them back until a run's rows are written.
+STOPPING = frozenset(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+                     if hasattr(signal, name))
 
 Row = Mapping[str, object]
 
@@ -191,7 +194,8 @@ def _keep_before(path: str) -> None:
     try:
         os.link(target, backup)
     except OSError:   # a file system without hard links: a copy, written in full before it is named
-        os.replace(stage(backup, lambda f: f.write(open(target, "rb").read())), backup)
+        with open(target, "rb") as source:
+            os.replace(stage(backup, lambda f: shutil.copyfileobj(source, f)), backup)
 
 
 def _restore(path: str) -> None:
@@ -212,12 +216,12 @@ def _forget(path: str) -> None:
 
 
 def _landed(path: str) -> bool:
-    """Whether the last rename of the append the backups belong to happened: `path` is no longer its backup."""
+    """Whether the last rename of the append the backups belong to happened: `path` no longer holds its backup's
+    bytes (an append only adds rows)."""
     target, backup = real_path(path), _backup(path)
     if os.path.exists(backup + ".absent"):
         return os.path.exists(target)
-    return not (os.path.exists(backup) and os.path.exists(target) and os.path.samefile(target, backup)
-                or _same_bytes(target, backup))
+    return not _same_bytes(target, backup)
 
 
 def _same_bytes(a: str, b: str) -> bool:

@@ -10,7 +10,8 @@ import signal
 import subprocess
 import sys
 
-STOPPING = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
+from Utils.train.interrupts import STOPPING
+
 _FROM_TERMINAL = tuple(s for s in STOPPING if s != signal.SIGTERM)
 
 

@@ -60,7 +60,7 @@ def _launched(g: Given, rc: int, limit_s: float = 15.0) -> int:
     """rc, once a host other than 0 has seen host 0's rendezvous of the run just ended close (at most limit_s): each
     run is a rendezvous of its own at one endpoint, and a host that started the next while host 0's torchrun still
     served the last would join a rendezvous that is closing, and fail."""
-    if not g.multinode() or g.records():
+    if g.records():   # host 0 hosts the rendezvous, or a single host has none
         return rc
     host, _, port = g.stripped("RDZV_ENDPOINT").rpartition(":")
     deadline = time.monotonic() + limit_s

@@ -12,7 +12,8 @@ number. Imports nothing heavy: a script installs it before torch loads.
 import os
 import signal
 
-SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
+from Utils.results.store import STOPPING
+
 EXIT_INTERRUPTED = 128 + signal.SIGINT   # Ctrl-C's: 130
 
 
@@ -23,7 +24,7 @@ def _exit_at_once(signum, frame):
 
 def exit_on_signal() -> None:
     """Until a run takes over: a signal ends the program at once, with one line."""
-    for sig in SIGNALS:
+    for sig in STOPPING:
         signal.signal(sig, _exit_at_once)
 
 
@@ -58,7 +59,7 @@ class Interrupts:
         self.armed = False
 
     def __enter__(self):
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOPPING}
         return self
 
     def __exit__(self, *exc):

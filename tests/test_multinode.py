@@ -167,14 +167,28 @@ def test_a_node_killed_mid_run_ends_the_run_on_the_other_and_is_recorded_failed(
     assert 5 <= len(read_csv(tmp_path / "node0" / "results.csv")) < 3000   # the steps it measured are kept
 
 
-def test_a_node_that_never_joins_ends_the_run_after_the_rendezvous_timeout(tmp_path):
+def test_a_node_that_never_joins_ends_the_run_after_the_rendezvous_timeout_and_node_0_records_it(tmp_path):
     env = dict(clean_env(), OMP_NUM_THREADS="1")
-    start = time.time()
-    node0 = _node(0, _free_port(), ["baseline", "STEPS=3", "BATCH_SIZE=2"], tmp_path / "node0", env,
-                  RDZV_TIMEOUT="5")
+    start, port = time.time(), _free_port()
+    node0 = _node(0, port, ["baseline", "STEPS=3", "BATCH_SIZE=2"], tmp_path / "node0", env, RDZV_TIMEOUT="5")
     out = node0.communicate(timeout=120)[0]
     assert node0.returncode != 0 and time.time() - start < 60, out
-    assert "RendezvousTimeoutError" in out or "timed out" in out.lower(), out[-2000:]
+    assert "Traceback" not in out, out   # torchrun's own traceback is replaced by the run's one line
+    run, = read_csv(tmp_path / "node0" / "runs.csv")
+    assert (run["status"], run["nnodes"], run["nproc"], run["optimization"]) == ("failed", "2", "2", "baseline")
+    assert run["message"].startswith(f"node 1 never joined the rendezvous at 127.0.0.1:{port} within RDZV_TIMEOUT=5 s")
+    assert f"error: baseline failed: {run['message']}" in out
+    assert not read_csv(tmp_path / "node0" / "results.csv")   # nothing ran, so no step
+
+
+def test_a_node_whose_node_0_never_starts_ends_in_one_line_after_the_rendezvous_timeout(tmp_path):
+    env = dict(clean_env(), OMP_NUM_THREADS="1")
+    start, port = time.time(), _free_port()
+    node1 = _node(1, port, ["baseline", "STEPS=3", "BATCH_SIZE=2"], tmp_path / "node1", env, RDZV_TIMEOUT="3")
+    out = node1.communicate(timeout=120)[0]
+    assert node1.returncode != 0 and time.time() - start < 30, out
+    assert f"error: node 1: nothing listened at RDZV_ENDPOINT=127.0.0.1:{port} within RDZV_TIMEOUT=3 s" in out
+    assert "Traceback" not in out and not os.listdir(tmp_path / "node1")
 
 
 def test_make_scaling_runs_each_process_count_on_every_node(tmp_path, capsys, monkeypatch):
@@ -188,3 +202,19 @@ def test_make_scaling_runs_each_process_count_on_every_node(tmp_path, capsys, mo
     assert all(line[line.index("--nnodes") + 1] == "2" and "is_host=false" in line[line.index("--rdzv-conf") + 1]
                for line in launches)
     assert "NODE_RANK" not in os.environ   # the children's environment has it; the driver's own is left alone
+
+
+def test_torchruns_stderr_passes_whole_but_for_its_rendezvous_timeout_traceback(capsys):
+    import io
+    from Utils.suite.process import Runner
+    worker = ["Traceback (most recent call last):\n", '  File "x.py", line 1, in <module>\n', "    f()\n",
+              "ValueError: a worker's own error\n"]
+    timeout = ["Traceback (most recent call last):\n", '  File "run.py", line 9, in main\n',
+               "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError\n"]
+    runner = Runner()
+    runner._pass_on(io.StringIO("".join(["step 1\n", *worker, "between\n", *timeout])))
+    assert capsys.readouterr().err == "".join(["step 1\n", *worker, "between\n"])
+    assert runner.rendezvous_timed_out
+    runner = Runner()
+    runner._pass_on(io.StringIO("".join(worker[:2])))   # cut off mid-traceback: what came is still passed on
+    assert capsys.readouterr().err == "".join(worker[:2]) and not runner.rendezvous_timed_out

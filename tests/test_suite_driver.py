@@ -45,7 +45,7 @@ def test_run_arguments_keep_the_order_a_run_records():
 def test_a_run_is_distributed_where_nproc_or_parallel_says_so(values, distributed):
     g = given(**values)
     assert g.distributed() is distributed
-    argv = commands.rung(g, "fused")
+    argv = commands.launch(g, [RUNGS["fused"].script])
     if distributed:
         assert argv[:6] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                             values.get("NPROC", "1")]

@@ -1,6 +1,5 @@
 """The command lines the driver starts, built from what was given: no shell ever reads a value, so a PREFIX with
 spaces, quotes or a $ reaches its run as one word."""
-from Utils.ladder.registry import RUNGS
 from Utils.suite.given import Given
 
 # Optional run arguments, passed where given (even empty, so that the run refuses WARMUP= instead of dropping it),
@@ -44,14 +43,6 @@ def rendezvous(g: Given) -> list[str]:
     conf = f"join_timeout={g.stripped('RDZV_TIMEOUT') or RDZV_TIMEOUT_S},is_host={host}"
     return ["--nnodes", g.stripped("NNODES"), "--rdzv-backend", "c10d", "--rdzv-endpoint", g.stripped("RDZV_ENDPOINT"),
             "--rdzv-id", g.stripped("RDZV_ID") or RDZV_ID, "--rdzv-conf", conf, "--max-restarts", "0"]
-
-
-def rung(g: Given, name: str) -> list[str]:
-    return launch(g, [RUNGS[name].script]) + run_args(g)
-
-
-def custom(g: Given) -> list[str]:
-    return launch(g, ["-m", "Utils.train"]) + ["--with", g.text("WITH")] + run_args(g)
 
 
 def check_arguments(g: Given) -> list[str]:

@@ -5,14 +5,18 @@ driver returns; then nothing more starts. The children start with SIGINT, SIGHUP
 sends those to the whole process group, and a chart or a check would die of them with a traceback or a core,
 where the driver's SIGTERM ends it quietly (a run installs its own handlers for all four: Utils.train.interrupts).
 """
+import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 
 from Utils.train.interrupts import STOPPING
 
 _FROM_TERMINAL = tuple(s for s in STOPPING if s != signal.SIGTERM)
+# The last line of torchrun's traceback where its rendezvous did not gather every node in time.
+_RENDEZVOUS_TIMEOUT = "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError"
 
 
 def _ignore_terminal_signals() -> None:
@@ -27,6 +31,7 @@ class Runner:
         self.dry_run = dry_run
         self.env = env   # the children's environment; None: the driver's own
         self.interrupted: int | None = None
+        self.rendezvous_timed_out = False   # the last run's torchrun gave up waiting for the other nodes
         self._child: subprocess.Popen | None = None
 
     def handle_signals(self) -> dict:
@@ -49,13 +54,51 @@ class Runner:
         """The exit status to end with where a signal stopped the driver (128 + its number), else None."""
         return None if self.interrupted is None else 128 + self.interrupted
 
-    def run(self, argv: list[str], show: bool = False, cwd: str | None = None) -> int:
-        """argv's exit status (128 + n where signal n killed it); under dry_run printed, not run, and 0."""
+    def run(self, argv: list[str], show: bool = False, cwd: str | None = None, rendezvous: bool = False,
+            env: dict[str, str] | None = None) -> int:
+        """argv's exit status (128 + n where signal n killed it); under dry_run printed, not run, and 0.
+        rendezvous: argv is torchrun joining other hosts; its stderr passes through _pass_on, which sets
+        rendezvous_timed_out where no run started for want of a node. env: variables added for this child."""
         if show or self.dry_run:
             print(shlex.join(argv), flush=True)
         if self.dry_run:
             return 0
-        return self._wait(subprocess.Popen(argv, cwd=cwd, env=self.env, preexec_fn=_ignore_terminal_signals))[0]
+        child_env = {**(self.env or os.environ), **env} if env else self.env
+        if not rendezvous:
+            return self._wait(subprocess.Popen(argv, cwd=cwd, env=child_env,
+                                               preexec_fn=_ignore_terminal_signals))[0]
+        self.rendezvous_timed_out = False
+        read, write = os.pipe()
+        try:
+            child = subprocess.Popen(argv, cwd=cwd, env=child_env, stderr=write, preexec_fn=_ignore_terminal_signals)
+        finally:
+            os.close(write)
+        with open(read, encoding="utf-8", errors="replace") as stream:
+            reader = threading.Thread(target=self._pass_on, args=(stream,), daemon=True)
+            reader.start()
+            rc = self._wait(child)[0]
+            reader.join()
+        return rc
+
+    def _pass_on(self, stream) -> None:
+        """Copy torchrun's stderr (its workers' too) to ours line by line, holding each Python traceback until its
+        last line: torchrun's own for a rendezvous that timed out is left out, since the driver says it in one line
+        (Utils.suite.targets); every other is passed on whole."""
+        held: list[str] = []
+        for line in stream:
+            if held or line.startswith("Traceback (most recent call last):"):
+                held.append(line)
+                if len(held) > 1 and not line[:1].isspace():   # the exception's own line ends a traceback
+                    if line.startswith(_RENDEZVOUS_TIMEOUT):
+                        self.rendezvous_timed_out = True
+                    else:
+                        sys.stderr.writelines(held)
+                    held = []
+            else:
+                sys.stderr.write(line)
+            sys.stderr.flush()
+        sys.stderr.writelines(held)
+        sys.stderr.flush()
 
     def capture(self, argv: list[str]) -> tuple[int, str]:
         """argv's exit status and stdout (stderr passes through); run under dry_run too: a check, not a run."""

@@ -1,6 +1,7 @@
 """The targets that train: one rung or custom REPEAT times in a row, and the loops over rungs, process counts,
 ablation tries and peers. Each loop checks every run argument once, then goes on past a run that is not ok, and
 ends naming what was not ok; a signal ends it at once with the interrupted run's status."""
+import json
 import os
 import shlex
 import socket
@@ -12,6 +13,7 @@ from Utils.ladder.registry import ABLATION_TRIES, RUNGS
 from Utils.suite import checks, commands
 from Utils.suite.given import Given
 from Utils.suite.process import Runner
+from Utils.train.launch import NOT_STARTED
 from Utils.train.usage import UsageError, fail
 
 Step = Callable[[str, str], int]   # (item, the data every run takes, "" for as given) -> exit status
@@ -22,7 +24,7 @@ def rung(g: Given, runner: Runner, name: str, drawn: bool = False) -> int:
     caller draws once at its end)."""
     checks.run_basics(g)
     rc = checks.parallel(g, runner, [name])
-    return rc or _repeat(g, runner, name, commands.rung(g, name), checks.repeat(g), drawn)
+    return rc or _repeat(g, runner, name, [RUNGS[name].script], commands.run_args(g), checks.repeat(g), drawn)
 
 
 def custom(g: Given, runner: Runner) -> int:
@@ -32,19 +34,21 @@ def custom(g: Given, runner: Runner) -> int:
         raise UsageError('WITH is required: the additions to run, e.g. make custom WITH="bf16 torch_compile flash" '
                          "STEPS=50 BATCH_SIZE=16 PREFIX=./out (make additions lists them)")
     rc = checks.parallel(g, runner, [g.text("WITH")])
-    return rc or _repeat(g, runner, "custom", commands.custom(g), checks.repeat(g), drawn=False)
+    return rc or _repeat(g, runner, "custom", ["-m", "Utils.train"], ["--with", g.text("WITH"), *commands.run_args(g)],
+                         checks.repeat(g), drawn=False)
 
 
-def _repeat(g: Given, runner: Runner, name: str, argv: list[str], times: int, drawn: bool) -> int:
-    """argv `times` times, stopping at the first run that is not ok (its status is the result): on a GPU whose
-    clock moves one run's median by a few percent, summary.md then reports the median of the medians."""
-    print(shlex.join(argv), flush=True)
+def _repeat(g: Given, runner: Runner, name: str, target: list[str], args: list[str], times: int,
+            drawn: bool) -> int:
+    """target with args `times` times, stopping at the first run that is not ok (its status is the result): on a
+    GPU whose clock moves one run's median by a few percent, summary.md then reports the median of the medians."""
+    print(shlex.join(commands.launch(g, target) + args), flush=True)
     if runner.dry_run:
         return 0
     for k in range(1, times + 1):
         if times > 1:
             print(f"=== {name}, run {k} of {times} ===", flush=True)
-        rc = _launched(g, runner.run(argv))
+        rc = _launched(g, runner, target, args)
         if not rc and g.on("PROFILE"):   # the run wrote its trace; the report splits it
             rc = runner.run(commands.breakdown(g))
         if rc or runner.interrupted:
@@ -56,21 +60,62 @@ def _repeat(g: Given, runner: Runner, name: str, argv: list[str], times: int, dr
     return 0
 
 
-def _launched(g: Given, rc: int, limit_s: float = 15.0) -> int:
-    """rc, once a host other than 0 has seen host 0's rendezvous of the run just ended close (at most limit_s): each
-    run is a rendezvous of its own at one endpoint, and a host that started the next while host 0's torchrun still
-    served the last would join a rendezvous that is closing, and fail."""
-    if g.records():   # host 0 hosts the rendezvous, or a single host has none
-        return rc
+def _launched(g: Given, runner: Runner, target: list[str], args: list[str], limit_s: float = 15.0) -> int:
+    """Run target with args (through torchrun where distributed); its exit status. On several hosts each run is a
+    rendezvous of its own at one endpoint, which node 0's torchrun hosts:
+    - another node starts once something listens there, and ends in one line where nothing has within
+      RDZV_TIMEOUT (torchrun would wait twice its own 60 s, whatever RDZV_TIMEOUT says);
+    - where a node never joined, torchrun starts nothing: node 0 records the run failed, naming the node;
+    - another node returns once node 0's rendezvous of the run just ended has closed (at most limit_s): one that
+      started the next while node 0's torchrun still served the last would join a rendezvous that is closing."""
+    waits = g.multinode() and not g.records() and not runner.dry_run
+    if waits and not _listening(g, float(_rdzv_timeout(g)), until=True):
+        return fail(f"node {g.stripped('NODE_RANK')}: nothing listened at RDZV_ENDPOINT={g.stripped('RDZV_ENDPOINT')} "
+                    f"within RDZV_TIMEOUT={_rdzv_timeout(g)} s: start node 0 (NODE_RANK=0, on the host it names) with "
+                    f"the same command", 1)
+    rc = runner.run(commands.launch(g, target) + args, rendezvous=g.multinode())
+    if runner.rendezvous_timed_out:
+        return _not_joined(g, runner, target, args)
+    if waits:
+        _listening(g, limit_s, until=False)
+    return rc
+
+
+def _rdzv_timeout(g: Given) -> str:
+    return g.stripped("RDZV_TIMEOUT") or commands.RDZV_TIMEOUT_S
+
+
+def _listening(g: Given, limit_s: float, until: bool) -> bool:
+    """Whether something listens at RDZV_ENDPOINT, once that is `until` (at most limit_s, asking every 0.2 s)."""
     host, _, port = g.stripped("RDZV_ENDPOINT").rpartition(":")
     deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
+    while True:
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=1).close()
-        except OSError:   # nothing listens: host 0's torchrun has ended
-            return rc
+            listening = True
+        except OSError:
+            listening = False
+        if listening == until or time.monotonic() >= deadline:
+            return listening
         time.sleep(0.2)
-    return rc
+
+
+def _not_joined(g: Given, runner: Runner, target: list[str], args: list[str]) -> int:
+    """A rendezvous that timed out: node 0 records the run failed (one process of the target, started with the
+    driver's word, Utils.train.launch.NOT_STARTED) and says which node it lacked; another node says it in one
+    line. Both end non-zero."""
+    nnodes, endpoint = int(g.stripped("NNODES")), g.stripped("RDZV_ENDPOINT")
+    waited = f"within RDZV_TIMEOUT={_rdzv_timeout(g)} s"
+    if not g.records():
+        return fail(f"node {g.stripped('NODE_RANK')}: the rendezvous at {endpoint} did not gather all {nnodes} nodes "
+                    f"{waited}; node 0, which hosts it, records the run", 1)
+    lacked = "node 1" if nnodes == 2 else f"at least one of nodes 1-{nnodes - 1}"
+    message = (f"{lacked} never joined the rendezvous at {endpoint} {waited}: no process started (start the same "
+               f"command on every node, with the same RDZV_ENDPOINT and RDZV_ID)")
+    word = json.dumps({"nnodes": nnodes, "nproc": nnodes * int(g.stripped("NPROC") or "1"), "parallel": g.parallel(),
+                       "message": message})
+    rc = runner.run([*g.python, *target, *args], env={NOT_STARTED: word})
+    return rc or 1
 
 
 def each(g: Given, runner: Runner, name: str, items: list[str], step: Step,
@@ -171,8 +216,7 @@ def ablation(g: Given, runner: Runner) -> int:
 
     def step(x: str, data: str) -> int:
         target = [RUNGS[base].script] if x == base else ["ablation.py", verb, x]
-        argv = commands.launch(g, target) + commands.run_args(g) + [f"--data={data}"] * bool(data)
-        return _launched(g, runner.run(argv))
+        return _launched(g, runner, target, commands.run_args(g) + [f"--data={data}"] * bool(data))
 
     def after() -> list[str]:
         split = g.on("PROFILE") and runner.run(commands.breakdown(g))

@@ -31,6 +31,7 @@ from Utils.train.cli import RunConfig, UsageError, divisors, parse_args
 from Utils.train.data import DataError, TokenLoader, check_enough_tokens, load_tokens
 from Utils.train.failures import compile_failure, first_line, out_of_memory
 from Utils.train.interrupts import EXIT_INTERRUPTED, Interrupts
+from Utils.train.launch import NOT_STARTED
 from Utils.train import distributed
 from Utils.train.loop import StepClock, make_step, train
 from Utils.train.micro import PROBE_STEPS, NothingFits, allocator_settings, attempt, cap_memory, free, search
@@ -362,6 +363,8 @@ def _next_divisor_below(batch: int, micro: int) -> int | None:
 def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None) -> int:
     """Run and record `additions`; a peer trains its own model under the same additions and loop. Returns the
     exit status."""
+    if os.environ.get(NOT_STARTED):
+        return _record_not_started(additions, cfg, command, peer, json.loads(os.environ[NOT_STARTED]))
     dist = distributed.from_env(cfg.parallel)
     try:
         tokens, data_name = load_tokens(cfg.data, PRESETS[cfg.model].vocab_size, cfg.seed, cfg.data_dir)
@@ -395,6 +398,17 @@ def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None
         _release_and_measure(additions, tries, device, run)
         run.status, run.message, code = _final_status(outcome, interrupts, tries, dist, run)
         return _close(tries, dist, run, code)
+
+
+def _record_not_started(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None, word: dict) -> int:
+    """Record as failed, with the driver's message, a run whose processes never started: what it would have run,
+    on how many hosts and processes, on this host's device; no step."""
+    cfg = replace(cfg, parallel=word["parallel"])
+    config = {"run": cfg.as_dict(), "additions": list(additions)}
+    run = _new_record(_display_name(additions, cfg, peer), cfg, command, distributed.Dist(), torch.device(cfg.device),
+                      cfg.data, config)
+    run.nnodes, run.nproc, run.status, run.message = word["nnodes"], word["nproc"], "failed", word["message"]
+    return record(cfg, run, [], EXIT_FAILED)
 
 
 def _display_name(additions: tuple, cfg: RunConfig, peer: Peer | None) -> str:

@@ -101,9 +101,9 @@ def test_a_failing_rank_ends_the_run_and_is_named(tmp_path):
     assert os.path.exists(prefix / f"{run['run_id']}.rank1.error.log")
 
 
-def test_ctrl_c_stops_every_rank_and_records_the_run_as_interrupted(tmp_path):
+def test_ctrl_c_stops_every_rank_at_one_step_and_keeps_every_ranks_part_of_the_steps(tmp_path):
     cmd = ["make", "--no-print-directory", f"PYTHON={sys.executable}", "baseline", "STEPS=2000", "BATCH_SIZE=2",
-           f"PREFIX={tmp_path}", "NPROC=2"] + RUN
+           f"PREFIX={tmp_path / 'stopped'}", "NPROC=2"] + RUN
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=dict(clean_env(), PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + 240
@@ -111,11 +111,31 @@ def test_ctrl_c_stops_every_rank_and_records_the_run_as_interrupted(tmp_path):
         if line.startswith("step 3/") or time.time() > deadline:
             break
     os.killpg(proc.pid, signal.SIGINT)   # what Ctrl-C in a terminal does: every process of the group
-    proc.communicate(timeout=120)
+    out = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0
-    runs = read_csv(tmp_path / "runs.csv")
+    assert "Traceback" not in out and "error: run baseline stopped by SIGINT" in out.splitlines(), out
+    runs = read_csv(tmp_path / "stopped" / "runs.csv")
     assert len(runs) == 1 and runs[0]["status"] == "interrupted"
-    assert int(runs[0]["steps"]) == 2000 and len(read_csv(tmp_path / "results.csv")) >= 3
+    kept = len(read_csv(tmp_path / "stopped" / "results.csv"))
+    assert int(runs[0]["steps"]) == 2000 and kept >= 3
+    # Each kept step is the run's, not rank 0's alone: its loss is the mean over both ranks' shares, as the same
+    # steps of a run that was not stopped record it.
+    whole = make(["baseline", f"STEPS={kept}", "BATCH_SIZE=2", f"PREFIX={tmp_path / 'whole'}", "NPROC=2"] + RUN,
+                 dict(clean_env(), OMP_NUM_THREADS="1"), timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    assert _losses(tmp_path / "stopped") == pytest.approx(_losses(tmp_path / "whole"), abs=2e-4)
+
+
+def test_steps_the_ranks_cannot_agree_on_are_not_kept(monkeypatch):
+    from Utils.train import loop
+    from Utils.train.record import Run
+    monkeypatch.setattr(distributed, "common_steps", lambda *a: None)   # rank 1 gone, or held in a collective
+    rows = [{"step_ms": 10.0, "loss": 2.0, "tokens_per_s": 1.0, "mfu": None}] * 3
+    run = Run(run_id="r", optimization="baseline", started_at="", steps=9, warmup_steps=1, batch_size=2, seq_len=8,
+              model="tiny", data="synthetic", command="", config="{}", nproc=2)
+    loop._common_steps(rows, run)
+    assert rows == [] and run.message.startswith("interrupted after 3 of rank 0's steps; another rank did not "
+                                                 "answer within 10 s, so no step is kept")
 
 
 @pytest.mark.parametrize("args, error", [

@@ -15,8 +15,13 @@ import threading
 from Utils.train.interrupts import STOPPING
 
 _FROM_TERMINAL = tuple(s for s in STOPPING if s != signal.SIGTERM)
-# The last line of torchrun's traceback where its rendezvous did not gather every node in time.
+# The last lines of torchrun's own tracebacks that the driver says in one line instead: its rendezvous did not
+# gather every node in time; a signal stopped it (the driver's, or the terminal's to the whole group).
 _RENDEZVOUS_TIMEOUT = "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError"
+_SIGNALLED = "torch.distributed.elastic.multiprocessing.api.SignalException"
+_TRACEBACK = "Traceback (most recent call last):"
+_CHAINED = ("", "During handling of the above exception, another exception occurred:",
+            "The above exception was the direct cause of the following exception:")
 
 
 def _ignore_terminal_signals() -> None:
@@ -54,17 +59,17 @@ class Runner:
         """The exit status to end with where a signal stopped the driver (128 + its number), else None."""
         return None if self.interrupted is None else 128 + self.interrupted
 
-    def run(self, argv: list[str], show: bool = False, cwd: str | None = None, rendezvous: bool = False,
+    def run(self, argv: list[str], show: bool = False, cwd: str | None = None, torchrun: bool = False,
             env: dict[str, str] | None = None) -> int:
         """argv's exit status (128 + n where signal n killed it); under dry_run printed, not run, and 0.
-        rendezvous: argv is torchrun joining other hosts; its stderr passes through _pass_on, which sets
-        rendezvous_timed_out where no run started for want of a node. env: variables added for this child."""
+        torchrun: argv is torchrun; its stderr passes through _pass_on, which sets rendezvous_timed_out where no
+        run started for want of a node. env: variables added for this child."""
         if show or self.dry_run:
             print(shlex.join(argv), flush=True)
         if self.dry_run:
             return 0
         child_env = {**(self.env or os.environ), **env} if env else self.env
-        if not rendezvous:
+        if not torchrun:
             return self._wait(subprocess.Popen(argv, cwd=cwd, env=child_env,
                                                preexec_fn=_ignore_terminal_signals))[0]
         self.rendezvous_timed_out = False
@@ -81,23 +86,32 @@ class Runner:
         return rc
 
     def _pass_on(self, stream) -> None:
-        """Copy torchrun's stderr (its workers' too) to ours line by line, holding each Python traceback until its
-        last line: torchrun's own for a rendezvous that timed out is left out, since the driver says it in one line
-        (Utils.suite.targets); every other is passed on whole."""
+        """Copy torchrun's stderr (its workers' too) to ours line by line, holding each Python traceback, with those
+        chained to it, until its last line: torchrun's own for a rendezvous that timed out or a signal is left out,
+        since the driver says each in one line (Utils.suite.targets, Utils.suite.__main__); every other is passed
+        on whole."""
         held: list[str] = []
+        ended = False   # held ends with an exception's own line: a chained traceback may follow
         for line in stream:
-            if held or line.startswith("Traceback (most recent call last):"):
+            if ended and not (line.strip() in _CHAINED or line.startswith(_TRACEBACK)):
+                self._settle(held)
+                held, ended = [], False
+            if held or line.startswith(_TRACEBACK):
                 held.append(line)
-                if len(held) > 1 and not line[:1].isspace():   # the exception's own line ends a traceback
-                    if line.startswith(_RENDEZVOUS_TIMEOUT):
-                        self.rendezvous_timed_out = True
-                    else:
-                        sys.stderr.writelines(held)
-                    held = []
+                ended = len(held) > 1 and bool(line.strip()) and not line[:1].isspace() and \
+                    line.strip() not in _CHAINED and not line.startswith(_TRACEBACK)
             else:
                 sys.stderr.write(line)
             sys.stderr.flush()
-        sys.stderr.writelines(held)
+        self._settle(held)
+
+    def _settle(self, held: list[str]) -> None:
+        """A held traceback: dropped where torchrun's own says what the driver says, else passed on."""
+        last = next((line for line in reversed(held) if line.strip()), "")
+        if last.startswith(_RENDEZVOUS_TIMEOUT):
+            self.rendezvous_timed_out = True
+        elif not last.startswith(_SIGNALLED):
+            sys.stderr.writelines(held)
         sys.stderr.flush()
 
     def capture(self, argv: list[str]) -> tuple[int, str]:

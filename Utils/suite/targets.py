@@ -73,7 +73,7 @@ def _launched(g: Given, runner: Runner, target: list[str], args: list[str], limi
         return fail(f"node {g.stripped('NODE_RANK')}: nothing listened at RDZV_ENDPOINT={g.stripped('RDZV_ENDPOINT')} "
                     f"within RDZV_TIMEOUT={_rdzv_timeout(g)} s: start node 0 (NODE_RANK=0, on the host it names) with "
                     f"the same command", 1)
-    rc = runner.run(commands.launch(g, target) + args, rendezvous=g.multinode())
+    rc = runner.run(commands.launch(g, target) + args, torchrun=g.distributed())
     if runner.rendezvous_timed_out:
         return _not_joined(g, runner, target, args)
     if waits:

@@ -23,6 +23,12 @@ PARALLEL_MODES = ("ddp", "fsdp")
 # their first all-reduce, so the limit is well above a cold compile (22-32 s a rung on an H200: BENCHMARKS.md,
 # "The ladder: wall-clock steps").
 DEFAULT_TIMEOUT_S = 300.0
+# How long the ranks of a run stopped by a signal wait for each other to agree on the steps they all finished
+# (common_steps): well inside a scheduler's grace period (Slurm's KillWait, 30 s; torchrun's own to its workers,
+# 30 s). A rank held inside a collective its peers left cannot answer, and then no step is kept.
+AGREE_TIMEOUT_S = 10.0
+_agreement_group = None   # a gloo group of every rank, used by common_steps alone
+_store = None             # a client of torchrun's store, used by stop_step alone
 
 
 def timeout_s() -> float:
@@ -87,6 +93,10 @@ def init(dist: Dist, device_type: str) -> "torch.device":
     td.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", rank=dist.rank,
                           world_size=dist.world_size, timeout=timedelta(seconds=timeout_s()),
                           **({"device_id": device} if device_type == "cuda" else {}))
+    global _agreement_group
+    # Its own group: after a signal, the default group may still hold a collective some rank left half-done,
+    # which a new collective there would be matched with.
+    _agreement_group = td.new_group(backend="gloo", timeout=timedelta(seconds=AGREE_TIMEOUT_S))
     return device
 
 
@@ -105,21 +115,48 @@ def close() -> None:
         td.destroy_process_group()
 
 
-def reduce_steps(step_ms: list, losses: list, window_s: float | None,
-                 device: "torch.device") -> tuple[list, list, float | None]:
+def reduce_steps(step_ms: list, losses: list, window_s: float | None, device: "torch.device",
+                 group=None) -> tuple[list, list, float | None]:
     """Each step's time as the slowest rank's, its loss as the mean over ranks (every rank trains on its own
     share of the global batch), and the measured window as the longest: one all-reduce of each, after the
-    last step."""
+    last step (in `group`, the default group where None)."""
     import torch
     import torch.distributed as td
     if not td.is_initialized() or td.get_world_size() == 1:
         return step_ms, losses, window_s
     longest = torch.tensor(list(step_ms) + [window_s or 0.0], dtype=torch.float64, device=device)
     loss = torch.tensor(losses, dtype=torch.float64, device=device)
-    td.all_reduce(longest, op=td.ReduceOp.MAX)
-    td.all_reduce(loss, op=td.ReduceOp.SUM)
+    td.all_reduce(longest, op=td.ReduceOp.MAX, group=group)
+    td.all_reduce(loss, op=td.ReduceOp.SUM, group=group)
     times = longest.tolist()
     return times[:-1], (loss / td.get_world_size()).tolist(), (times[-1] if window_s is not None else None)
+
+
+def stop_step(run_id: str, proposed: int) -> int:
+    """The step after which every rank of the run stops, once a signal came: `proposed` where this rank is the
+    first to ask, else the first's (an atomic compare-and-set in the store torchrun's processes share)."""
+    import torch.distributed as td
+    global _store
+    if _store is None:
+        _store = td.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=AGREE_TIMEOUT_S))
+    return int(_store.compare_set(f"gpt-suite/stop-after/{run_id}", "", str(proposed)))
+
+
+def common_steps(step_ms: list, losses: list, window_s: float | None) -> tuple[list, list, float | None] | None:
+    """After a signal stopped the ranks, each at its own step: the steps every rank finished, reduced as
+    reduce_steps does, through the agreement group; None where a rank did not answer within AGREE_TIMEOUT_S."""
+    import torch
+    import torch.distributed as td
+    if not td.is_initialized() or td.get_world_size() == 1:
+        return step_ms, losses, window_s
+    try:
+        count = torch.tensor([len(step_ms)], dtype=torch.int64)
+        td.all_reduce(count, op=td.ReduceOp.MIN, group=_agreement_group)
+        n = int(count.item())
+        return reduce_steps(step_ms[:n], losses[:n], window_s, torch.device("cpu"), _agreement_group)
+    except Exception:   # a rank gone, or held in a collective of the default group: its steps are unknown
+        return None
 
 
 def smallest(value: int, device: "torch.device") -> int:

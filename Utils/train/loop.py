@@ -22,6 +22,7 @@ from Utils.results.gpus import peak_bf16_flops
 from Utils.train import attention, distributed, nvml
 from Utils.train.cli import PROFILE_STEPS, RunConfig
 from Utils.train.data import inputs_targets
+from Utils.train.interrupts import Interrupts
 from Utils.train.record import Run
 
 
@@ -146,9 +147,10 @@ def make_step(b: Build, cfg: RunConfig, clock: StepClock) -> Callable[[], tuple[
     return step
 
 
-def train(b: Build, cfg: RunConfig, run: Run, rows: list) -> str | None:
-    """Run cfg.steps timed steps of the built run `b`, appending a dict per step to rows. With cfg.profile,
-    then profiles a few more and returns the trace's path (on the main process), else None."""
+def train(b: Build, cfg: RunConfig, run: Run, rows: list, interrupts: Interrupts) -> str | None:
+    """Run cfg.steps timed steps of the built run `b`, appending a dict per step to rows, until they end or a
+    signal (`interrupts`) stops them. With cfg.profile, then profiles a few more and returns the trace's path (on
+    the main process), else None."""
     device, config = b.device, b.config
     flops_token = metrics.flops_per_token(b.model.num_params(), config.n_layer, config.n_head,
                                           config.n_embd // config.n_head, cfg.seq_len)
@@ -160,7 +162,7 @@ def train(b: Build, cfg: RunConfig, run: Run, rows: list) -> str | None:
     sampler = nvml.Sampler(run.provenance.gpu_uuid) if device.type == "cuda" and main else None
     step = make_step(b, cfg, clock)
     record = _step_recorder(cfg, run, rows, flops_token, peak)
-    _timed_steps(b, cfg, run, rows, step, clock, record, sampler)
+    _timed_steps(b, cfg, run, rows, step, clock, record, sampler, interrupts)
     if cfg.profile and not main:   # the other ranks step with rank 0, whose profile is the run's
         for _ in range(1 + PROFILE_STEPS):
             clock.wait(step()[0])
@@ -197,44 +199,79 @@ def _step_recorder(cfg: RunConfig, run: Run, rows: list, flops_token: float,
 
 
 def _timed_steps(b: Build, cfg: RunConfig, run: Run, rows: list, step: Callable[[], tuple[Mark, torch.Tensor]],
-                 clock: StepClock, record: Callable[[int, float, float], None], sampler: "nvml.Sampler | None") -> None:
+                 clock: StepClock, record: Callable[[int, float, float], None], sampler: "nvml.Sampler | None",
+                 interrupts: Interrupts) -> None:
     """The cfg.steps steps, timed by StepTimes, with the GPU's clocks sampled over the measured window and the
     attention kernel watched on one step. Among several processes a step takes as long as its slowest rank, and
     its loss is the mean over the ranks' shares of the batch: one all-reduce after the last step says so, so that
-    no collective of the harness lands inside a timed step (the lines printed meanwhile are rank 0's own)."""
+    no collective of the harness lands inside a timed step (the lines printed meanwhile are rank 0's own).
+
+    A signal stops one process at once. Among several, a rank that stopped alone would leave the others inside
+    the next step's collectives, unable to answer: so each rank notes the signal, and every rank stops after the
+    step the first to note it named (distributed.stop_step); then they agree on the steps they all finished."""
     watch = attention.Watch(b.device)
+    stopped, stop_after = False, None   # by a signal; the step every rank stops after
+    several = run.nproc > 1
+    if several:
+        interrupts.disarm()
     times = StepTimes(clock, b.sync_every, cfg.warmup, cfg.steps)
     try:
-        # A warm-up step followed by another says which attention kernel ran: the second step where the warm-up
-        # has three (the first holds the compilation, whose time compile_s reports), else the first; under CUDA
-        # graphs the first, since the second replays graphs, which run no operator the host can see.
         watched = 1 if cfg.warmup >= 3 and not b.cudagraphs else 0
         for i in range(cfg.steps):
             with watch if i == watched else contextlib.nullcontext():
                 end, loss = step()
             if times.ended(i, end, loss, record) and sampler:
                 sampler.start()
+            if several and interrupts.requested:
+                # two steps on: every rank has noted the same signal by then, none has gone past it
+                stop_after = distributed.stop_step(run.run_id, i + 2) if stop_after is None else stop_after
+                if i >= stop_after:
+                    raise KeyboardInterrupt("stopped with every rank")
         if times.window_wall_s is not None:
             run.window_wall_s = times.window_wall_s
         if len(rows) == cfg.steps:
             _slowest_rank(rows, run, b.device)
+    except KeyboardInterrupt:
+        stopped = True
+        raise
     finally:
         if sampler:
             run.clocks = sampler.stop()
         run.attention_kernel = watch.kernel()
         times.record_unread(record, {row["step"] for row in rows})
+        if stopped and run.nproc > 1:
+            _common_steps(rows, run)
 
 
 def _slowest_rank(rows: list, run: Run, device: torch.device) -> None:
     """Every step's time as its slowest rank's, its loss as the ranks' mean, the window as the longest
     (nothing changes in a single process)."""
-    window = run.window_wall_s
-    ms, losses, window = distributed.reduce_steps([r["step_ms"] for r in rows], [r["loss"] for r in rows],
-                                                  window, device)
-    for row, step_ms, loss in zip(rows, ms, losses):
-        tps = row["tokens_per_s"] * row["step_ms"] / step_ms
-        row.update(step_ms=step_ms, loss=loss, tokens_per_s=tps,
-                   mfu=row["mfu"] * row["step_ms"] / step_ms if row["mfu"] is not None else None)
+    _reduced(rows, run, distributed.reduce_steps([r["step_ms"] for r in rows], [r["loss"] for r in rows],
+                                                 run.window_wall_s, device))
+
+
+def _common_steps(rows: list, run: Run) -> None:
+    """After a signal among several processes: rows cut to the steps every rank finished, each reduced as
+    _slowest_rank does; where a rank does not answer, none (rank 0's own times and its share's loss are not the
+    run's), and run.message says why."""
+    agreed = distributed.common_steps([r["step_ms"] for r in rows], [r["loss"] for r in rows], run.window_wall_s)
+    if agreed is None:
+        run.message = (f"interrupted after {len(rows)} of rank 0's steps; another rank did not answer within "
+                       f"{distributed.AGREE_TIMEOUT_S:.0f} s, so no step is kept (rank 0's alone are not the run's)")
+        rows.clear()
+        return
+    del rows[len(agreed[0]):]
+    _reduced(rows, run, agreed)
+
+
+def _reduced(rows: list, run: Run, reduced: tuple[list, list, float | None]) -> None:
+    """rows and the window as `reduced` (every step's slowest time, mean loss; the longest window) gives them,
+    in one assignment: a signal meanwhile leaves them whole, either as they were or reduced."""
+    ms, losses, window = reduced
+    new = [dict(row, step_ms=step_ms, loss=loss, tokens_per_s=row["tokens_per_s"] * row["step_ms"] / step_ms,
+                mfu=row["mfu"] * row["step_ms"] / step_ms if row["mfu"] is not None else None)
+           for row, step_ms, loss in zip(rows, ms, losses)]
+    rows[:] = new
     if window is not None:
         run.window_wall_s = window
 

@@ -323,7 +323,7 @@ def _parameters(model: str) -> int:
 
 
 def _build_and_train(additions: tuple, cfg: RunConfig, device: torch.device, tokens, dist, peer: Peer | None,
-                     run: Run, rows: list, held: dict, config: dict) -> str | None:
+                     run: Run, rows: list, held: dict, config: dict, interrupts: Interrupts) -> str | None:
     """Build the run as cfg says (held["build"]), note what the build says in `run`, and train; train's return."""
     loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=device.type == "cuda",
                          rank=dist.rank, world=dist.world_size)
@@ -335,7 +335,7 @@ def _build_and_train(additions: tuple, cfg: RunConfig, device: torch.device, tok
     run.config = json.dumps({**config, "fell_back": held["build"].fell_back}, sort_keys=True)
     for note in held["build"].notes if dist.main else ():
         print(f"note: {note}")
-    return train(held["build"], cfg, run, rows)
+    return train(held["build"], cfg, run, rows, interrupts)
 
 
 # How many times a run starts again smaller. One step down covers a search whose fit had no margin left; an
@@ -475,7 +475,7 @@ def _train_until_it_fits(additions: tuple, tries: Tries, device: torch.device, t
             reset_peak_memory(device)
             try:
                 tries.trace = _build_and_train(additions, tries.cfg, device, tokens, dist, peer, run, tries.rows,
-                                               tries.held, config)
+                                               tries.held, config, interrupts)
                 break
             except Exception as e:   # noqa: BLE001 - raised again unless the run may start again smaller
                 smaller = _smaller_micro_batch(e, tries.cfg, tries.auto, dist, len(tries.restarts))
@@ -557,7 +557,8 @@ def _final_status(outcome: tuple[str, str, int], interrupts: Interrupts, tries: 
     cfg = tries.cfg
     if interrupts.requested:
         status, code = "interrupted", interrupts.exit_status
-        message = f"interrupted after {len(tries.rows)} of {cfg.steps} steps; the measured steps are kept"
+        message = (run.message   # the ranks of several could not agree on their steps (Utils.train.loop)
+                   or f"interrupted after {len(tries.rows)} of {cfg.steps} steps; the measured steps are kept")
     if dist.active and dist.main and status != "ok":
         # Another rank's failure ends every rank: torchrun stops them, or their collectives break. Its
         # report names the cause.

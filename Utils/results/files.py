@@ -1,4 +1,6 @@
-"""Whole-or-absent file writes, for every file the suite writes."""
+"""Whole-or-absent file writes, for every file the suite writes; and the byte order mark a spreadsheet's save puts
+in front of a file, which no write of the suite does."""
+import codecs
 import contextlib
 import os
 import tempfile
@@ -43,3 +45,13 @@ def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object], m
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+# A spreadsheet saving "CSV UTF-8" (Excel, Numbers) puts this mark before the first cell; it is no part of the header.
+UTF8_BOM = codecs.BOM_UTF8
+
+
+def split_bom(raw: bytes) -> tuple[bytes, bytes]:
+    """(the UTF-8 byte order mark `raw` begins with, or b""; the bytes after it)."""
+    return (UTF8_BOM, raw[len(UTF8_BOM):]) if raw.startswith(UTF8_BOM) else (b"", raw)
+

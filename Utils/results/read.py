@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
+from Utils.results.files import split_bom
 from Utils.results.schema import (PEAK_COLUMNS, PEAK_FILE, PEAK_NUMERIC, RUN_COLUMNS, RUN_DEFAULTS, RUN_NUMERIC, RUNS_FILE,
                                   STEP_COLUMNS, STEP_NUMERIC, STEPS_FILE)
 from Utils.results.store import ResultsError, check_file
@@ -20,7 +21,8 @@ def read_table(path: str | os.PathLike, columns: Sequence[str], numeric: Sequenc
     neither blank nor a number (check_file, which a run's own check shares), or is unreadable."""
     check_file(path, columns, numeric)
     try:
-        df = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False)
+        # utf-8-sig: a spreadsheet's byte order mark is no part of the first column's name
+        df = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False, encoding="utf-8-sig")
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
         raise ResultsError(f"{path} is not a readable CSV ({str(e).splitlines()[0]}): move it aside")
     df = df.reindex(columns=list(columns), fill_value="")
@@ -36,6 +38,12 @@ def _first_run_hint(prefix):
     return f"run a rung first, e.g. make baseline STEPS=20 BATCH_SIZE=8 PREFIX={prefix}"
 
 
+def _empty(path: str) -> bool:
+    """No bytes, or only a spreadsheet's byte order mark (its save of an empty sheet)."""
+    with open(path, "rb") as f:
+        return not split_bom(f.read(8))[1]
+
+
 def load(prefix: str | os.PathLike) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Read PREFIX/results.csv and PREFIX/runs.csv and return (steps_df, runs_df).
 
@@ -46,7 +54,8 @@ def load(prefix: str | os.PathLike) -> tuple[pd.DataFrame, pd.DataFrame]:
     others str ('' when blank). The index is 0..n-1 in that order.
 
     Raises ResultsError, whose message is one line naming the file and the fix, when a file is
-    missing, empty, cut off mid-row, has a foreign header, or no run is recorded. Step rows are not
+    missing, empty, cut off mid-row, has a foreign header or a row of a version its header is not, or no run is
+    recorded. Step rows are not
     judged here: NaN or non-positive step times are the business of the report's run selection.
     """
     steps_path = os.path.join(prefix, STEPS_FILE)
@@ -58,7 +67,7 @@ def load(prefix: str | os.PathLike) -> tuple[pd.DataFrame, pd.DataFrame]:
             raise ResultsError(f"{path} is not a file: move it aside or use another PREFIX")
     if not os.path.isfile(steps_path):
         raise ResultsError(f"{steps_path} not found: {_first_run_hint(prefix)}")
-    if os.path.getsize(steps_path) == 0:
+    if _empty(steps_path):
         raise ResultsError(f"{steps_path} is empty: {_first_run_hint(prefix)}")
     steps = read_table(steps_path, STEP_COLUMNS, STEP_NUMERIC)
     if not os.path.isfile(runs_path):

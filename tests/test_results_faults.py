@@ -1,0 +1,174 @@
+"""What the results reader and the targets make of folders that no run of today's suite leaves: files a
+spreadsheet saved with a byte order mark, and a row of a schema version its header is not. Each is read, or refused in one line with a non-zero exit; no file is ever changed by it.
+Folders are written by the suite's own writer (Utils.results.store), never by a training run."""
+import codecs
+import os
+
+import pytest
+
+from conftest import read_csv, rewrite_as_version_1, run_main, summary_table
+from Utils.results.read import load
+from Utils.results.schema import RUN_COLUMNS, RUN_SCHEMA, SCHEMA_VERSION, STEP_COLUMNS, headers
+from Utils.results.store import ResultsError, append_run, check_prefix
+
+BOM = codecs.BOM_UTF8
+CONFIG = dict(batch_size=4, seq_len=32, model="tiny", data="synthetic", device="cpu", gpu_name="cpu",
+              started_at="2026-01-01T00:00:00+00:00", warmup_steps=1, git_commit="0123456789abcdef")
+
+
+def steps(run_id, rung, ms):
+    """Step rows of one run: a warm-up step, then ms."""
+    return [dict(run_id=run_id, optimization=rung, step=i, warmup=i == 0, step_ms=m, tokens_per_s=128 / m * 1000,
+                 loss=5.0 - 0.1 * i, mfu=None) for i, m in enumerate([900.0, *ms])]
+
+
+def add_run(prefix, rung, ms=(100.0, 101.0, 99.0), status="ok", run_id=None):
+    """Append one whole run through the suite's writer; its run_id."""
+    run_id = run_id or f"{rung}-{status}"
+    os.makedirs(prefix, exist_ok=True)
+    append_run(prefix, dict(run_id=run_id, optimization=rung, status=status, steps=len(ms) + 1, **CONFIG),
+               steps(run_id, rung, ms) if ms else [])
+    return run_id
+
+
+def ladder(prefix):
+    """baseline and tf32 (twice as fast), whole."""
+    add_run(prefix, "baseline")
+    add_run(prefix, "tf32", (50.0, 50.5, 49.5))
+    return prefix
+
+
+def snapshot(prefix):
+    """{name: bytes} of prefix's CSV files: what a reader, or a refusal, must never change."""
+    return {n: open(os.path.join(prefix, n), "rb").read() for n in sorted(os.listdir(prefix))
+            if n.endswith(".csv")}
+
+
+def errors(text):
+    return [ln for ln in text.splitlines() if ln.startswith("error:")]
+
+
+def warnings(text):
+    return [ln for ln in text.splitlines() if ln.startswith("warning:")]
+
+
+# --- a spreadsheet's byte order mark -------------------------------------------------------------------------
+
+def as_saved_by_a_spreadsheet(prefix, crlf):
+    """Each results file with a UTF-8 byte order mark in front, and CRLF line ends where crlf (Excel's "CSV UTF-8")."""
+    for name in ("results.csv", "runs.csv"):
+        path = os.path.join(prefix, name)
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(BOM + (data.replace(b"\n", b"\r\n") if crlf else data))
+
+
+@pytest.mark.parametrize("crlf", [False, True], ids=["lf", "crlf"])
+def test_a_file_saved_with_a_byte_order_mark_is_read_and_appended_to(tmp_path, crlf):
+    plain, marked = ladder(str(tmp_path / "plain")), ladder(str(tmp_path / "marked"))
+    as_saved_by_a_spreadsheet(marked, crlf)
+    for read, expected in zip(load(marked), load(plain)):
+        assert read.equals(expected)
+    check_prefix(marked)   # a run into it is not refused
+    before = snapshot(marked)
+    add_run(marked, "bf16", (25.0, 25.5, 24.5))
+    for name in ("results.csv", "runs.csv"):
+        data = open(os.path.join(marked, name), "rb").read()
+        assert data.startswith(before[name]) and data.count(BOM) == 1   # only appended to, the mark kept in front
+        assert data.count(b"\r\n") == (data.count(b"\n") if crlf else 0)
+    rc, out, err = run_main(marked)
+    assert rc == 0 and not warnings(err) and not errors(err), err
+    assert summary_table(marked)["bf16"]["speedup"] == "4.00x"
+
+
+def test_an_earlier_versions_file_with_a_byte_order_mark_is_widened_behind_it(tmp_path):
+    prefix = ladder(str(tmp_path))
+    rewrite_as_version_1(prefix)
+    as_saved_by_a_spreadsheet(prefix, crlf=False)
+    add_run(prefix, "bf16", (25.0, 25.5, 24.5))
+    for name, columns in (("results.csv", STEP_COLUMNS), ("runs.csv", RUN_COLUMNS)):
+        data = open(os.path.join(prefix, name), "rb").read()
+        assert data.startswith(BOM + (",".join(columns) + "\n").encode()) and data.count(BOM) == 1
+    assert list(load(prefix)[1]["optimization"]) == ["baseline", "tf32", "bf16"]
+
+
+def test_a_spreadsheets_save_of_an_empty_file_is_an_empty_file(tmp_path):
+    prefix = str(tmp_path)
+    for name in ("results.csv", "runs.csv"):
+        (tmp_path / name).write_bytes(BOM)
+    rc, _, err = run_main(prefix)
+    assert rc == 2 and errors(err) == [f"error: {prefix}/results.csv is empty: run a rung first, e.g. make baseline "
+                                       f"STEPS=20 BATCH_SIZE=8 PREFIX={prefix}"]
+    add_run(prefix, "baseline")
+    assert (tmp_path / "runs.csv").read_bytes().startswith(BOM + b"run_id,optimization,status,")
+    assert list(load(prefix)[1]["run_id"]) == ["baseline-ok"]
+
+
+# --- a row whose schema version is not its header's ----------------------------------------------------------
+
+def set_version(path, line, version):
+    """Give the row at `line` (1: the header) the schema_version `version`, by hand."""
+    with open(path, newline="") as f:
+        lines = f.read().split("\n")
+    cells = lines[line - 1].split(",")
+    at = lines[0].split(",").index("schema_version")
+    lines[line - 1] = ",".join(cells[:at] + [version] + cells[at + 1:])
+    with open(path, "w", newline="") as f:
+        f.write("\n".join(lines))
+
+
+def narrowed_runs(prefix, version):
+    """runs.csv rewritten with `version`'s header, as that version wrote it (its rows keep their version cells)."""
+    path = os.path.join(prefix, "runs.csv")
+    rows = read_csv(path)
+    columns = headers(RUN_SCHEMA)[version]
+    with open(path, "w", newline="") as f:
+        f.write(",".join(columns) + "\n")
+        f.writelines(",".join(r[c] for c in columns) + "\n" for r in rows)
+
+
+VERSION_CASES = {
+    "newer than the suite": ("results.csv", 3, str(SCHEMA_VERSION + 2), None,
+                             f"line 3: the row is schema version {SCHEMA_VERSION + 2} but the file's header is schema "
+                             f"version {SCHEMA_VERSION}'s: a newer version of the suite wrote that row: update this "
+                             f"checkout, or move the file aside; it was not changed"),
+    "newer than its header": ("runs.csv", 2, "5", 3,
+                              "line 2: the row is schema version 5 but the file's header is schema version 3's: that "
+                              "row was not written under this header (files joined or edited by hand): move the file "
+                              "aside, or give the row the header's version; it was not changed"),
+    "no version": ("results.csv", 4, "2.5", None,
+                   f"line 4: schema_version='2.5' is not a schema version (1 to {SCHEMA_VERSION}): the file is "
+                   f"damaged; move it aside or repair that line; it was not changed"),
+}
+
+
+@pytest.mark.parametrize("case", list(VERSION_CASES))
+def test_a_row_of_another_schema_version_than_its_header_is_refused_in_one_line(tmp_path, case):
+    name, line, version, header, says = VERSION_CASES[case]
+    prefix = ladder(str(tmp_path))
+    if header:
+        narrowed_runs(prefix, header)
+        set_version(os.path.join(prefix, name), 3, str(header))   # the other row agrees: only `line` is refused
+    set_version(os.path.join(prefix, name), line, version)
+    before = snapshot(prefix)
+    rc, out, err = run_main(prefix)
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in out + err
+    assert err == f"error: {prefix}/{name} {says}\n"
+    with pytest.raises(ResultsError) as refused:   # a run into the folder is refused before it trains
+        check_prefix(prefix)
+    assert str(refused.value) == f"{prefix}/{name} {says}"
+    with pytest.raises(ResultsError):
+        add_run(prefix, "bf16")
+    assert snapshot(prefix) == before
+
+
+def test_rows_of_earlier_versions_under_a_widened_header_are_read(tmp_path):
+    # A file widened by an append keeps its rows' versions: blank (version 1) and older ones are the header's own.
+    prefix = ladder(str(tmp_path))
+    rewrite_as_version_1(prefix)
+    add_run(prefix, "bf16", (25.0, 25.5, 24.5))
+    set_version(os.path.join(prefix, "runs.csv"), 4, "2")
+    steps_df, runs_df = load(prefix)
+    assert list(runs_df["schema_version"].fillna(1)) == [1, 1, 2]
+    assert set(steps_df["schema_version"].fillna(1)) == {1, SCHEMA_VERSION}

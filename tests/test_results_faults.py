@@ -1,15 +1,20 @@
-"""What the results reader and the targets make of folders that no run of today's suite leaves: files a
-spreadsheet saved with a byte order mark, and a row of a schema version its header is not. Each is read, or refused in one line with a non-zero exit; no file is ever changed by it.
-Folders are written by the suite's own writer (Utils.results.store), never by a training run."""
+"""What the results reader and the targets make of folders that no run of today's suite leaves: runs that are not
+whole (an older version's append cut between the two files), files a spreadsheet saved with a byte order mark,
+and a row of a schema version its header is not. Each is read, or refused in one line with a non-zero exit; no
+file is ever changed by it. Folders are written by the suite's own writer (Utils.results.store), never by a
+training run."""
 import codecs
+import contextlib
+import io
 import os
 
 import pytest
 
-from conftest import read_csv, rewrite_as_version_1, run_main, summary_table
+from conftest import clean_env, make, read_csv, rewrite_as_version_1, run_main, summary_table
+from Utils.report import compare
 from Utils.results.read import load
-from Utils.results.schema import RUN_COLUMNS, RUN_SCHEMA, SCHEMA_VERSION, STEP_COLUMNS, headers
-from Utils.results.store import ResultsError, append_run, check_prefix
+from Utils.results.schema import RUN_COLUMNS, RUN_SCHEMA, SCHEMA_VERSION, STEP_COLUMNS, STEPS_FILE, headers
+from Utils.results.store import ResultsError, append_rows, append_run, check_prefix
 
 BOM = codecs.BOM_UTF8
 CONFIG = dict(batch_size=4, seq_len=32, model="tiny", data="synthetic", device="cpu", gpu_name="cpu",
@@ -50,6 +55,84 @@ def errors(text):
 
 def warnings(text):
     return [ln for ln in text.splitlines() if ln.startswith("warning:")]
+
+
+# --- runs that are not whole ---------------------------------------------------------------------------------
+
+def lone_steps(prefix, run_id="lost-1", rung="bf16", n=3):
+    """Step rows of a run whose run row never arrived, as an older version's append cut between the two files
+    left them: written to results.csv alone, by the suite's writer."""
+    append_rows(prefix, STEPS_FILE, STEP_COLUMNS, steps(run_id, rung, [30.0] * (n - 1)))
+
+
+def test_make_plots_names_step_rows_without_their_run_and_draws_the_whole_runs_only(tmp_path):
+    prefix = ladder(str(tmp_path / "out"))
+    lone_steps(prefix)
+    before = snapshot(prefix)
+    done = make(["plots", f"PREFIX={prefix}"], clean_env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert warnings(done.stderr) == [
+        f"warning: {prefix}/results.csv: 3 step rows of run lost-1 (bf16) have no row in runs.csv (an append of an "
+        f"earlier version cut between the two files): left out of the charts, the summary and comparisons; the file "
+        f"is left as it is"]
+    assert list(summary_table(prefix)) == ["baseline", "tf32"]
+    assert summary_table(prefix)["tf32"]["speedup"] == "2.00x"
+    assert all(os.path.getsize(os.path.join(prefix, n)) > 0 for n in ("speedup.png", "loss.png", "summary.md"))
+    assert snapshot(prefix) == before
+
+
+def test_an_ok_run_without_step_rows_is_named_and_left_out_and_a_skipped_one_is_whole(tmp_path):
+    prefix = ladder(str(tmp_path))
+    add_run(prefix, "bf16", ms=(), run_id="bf16-no-steps")       # ok, yet its steps never arrived
+    add_run(prefix, "8bit", ms=(), status="skipped")             # a skip measures nothing: whole without steps
+    before = snapshot(prefix)
+    rc, out, err = run_main(prefix)
+    assert rc == 0, err
+    assert warnings(err) == [f"warning: {prefix}/runs.csv: run bf16-no-steps (bf16) is recorded ok with no step rows "
+                             f"in results.csv: left out of the charts, the summary and comparisons; the file is left "
+                             f"as it is"]
+    rows = summary_table(prefix)
+    assert "bf16" not in rows and rows["8bit"]["status"] == "skipped"
+    assert snapshot(prefix) == before
+
+
+def test_every_partial_run_is_named_once_with_its_rows(tmp_path):
+    prefix = ladder(str(tmp_path))
+    lone_steps(prefix, "lost-1", "bf16", 3)
+    lone_steps(prefix, "lost-2", "flash", 5)
+    add_run(prefix, "fused", ms=(), run_id="fused-no-steps")
+    lines = []
+    steps_df, runs_df = load(prefix, warn=lines.append)
+    assert [ln.split(": ", 2)[2].split(":")[0] for ln in lines] == [
+        "3 step rows of run lost-1 (bf16) have no row in runs.csv (an append of an earlier version cut between the "
+        "two files)",
+        "5 step rows of run lost-2 (flash) have no row in runs.csv (an append of an earlier version cut between the "
+        "two files)",
+        "run fused-no-steps (fused) is recorded ok with no step rows in results.csv"]
+    assert set(steps_df["run_id"]) == {"baseline-ok", "tf32-ok"} and list(steps_df.index) == list(range(8))
+    assert list(runs_df["run_id"]) == ["baseline-ok", "tf32-ok"] and list(runs_df.index) == [0, 1]
+
+
+def test_a_folder_of_partial_runs_only_is_refused_after_naming_them(tmp_path):
+    prefix = str(tmp_path)
+    add_run(prefix, "baseline", ms=(), run_id="a")
+    lone_steps(prefix, "b", "baseline")
+    rc, out, err = run_main(prefix)
+    assert rc == 2 and len(warnings(err)) == 2
+    assert errors(err) == [f"error: {prefix}/runs.csv records no whole run (the partial ones are named above): run a "
+                           f"rung first, e.g. make baseline STEPS=20 BATCH_SIZE=8 PREFIX={prefix}"]
+    assert not os.path.exists(os.path.join(prefix, "summary.md"))
+
+
+def test_compare_leaves_a_folders_partial_runs_out_and_names_them(tmp_path):
+    a, b = ladder(str(tmp_path / "a")), ladder(str(tmp_path / "b"))
+    lone_steps(b, "lost-1", "fused")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = compare.main(["--out", str(tmp_path), a, b])
+    assert rc == 0, err.getvalue()
+    assert [w.split(": ")[0:2] for w in warnings(err.getvalue())] == [["warning", f"{b}/results.csv"]]
+    assert "| fused" not in out.getvalue() and "| tf32" in out.getvalue()
 
 
 # --- a spreadsheet's byte order mark -------------------------------------------------------------------------
@@ -169,6 +252,6 @@ def test_rows_of_earlier_versions_under_a_widened_header_are_read(tmp_path):
     rewrite_as_version_1(prefix)
     add_run(prefix, "bf16", (25.0, 25.5, 24.5))
     set_version(os.path.join(prefix, "runs.csv"), 4, "2")
-    steps_df, runs_df = load(prefix)
+    steps_df, runs_df = load(prefix, warn=pytest.fail)
     assert list(runs_df["schema_version"].fillna(1)) == [1, 1, 2]
     assert set(steps_df["schema_version"].fillna(1)) == {1, SCHEMA_VERSION}

@@ -1,8 +1,8 @@
 """What the results reader and the targets make of folders that no run of today's suite leaves: runs that are not
-whole (an older version's append cut between the two files), files a spreadsheet saved with a byte order mark,
-and a row of a schema version its header is not. Each is read, or refused in one line with a non-zero exit; no
-file is ever changed by it. Folders are written by the suite's own writer (Utils.results.store), never by a
-training run."""
+whole (an older version's append cut between the two files), files a spreadsheet saved with a byte order mark, a
+row of a schema version its header is not, and a PREFIX that is a symbolic link loop. Each is read, or refused in
+one line with a non-zero exit; no file is ever changed by it. Folders are written by the suite's own writer
+(Utils.results.store), never by a training run."""
 import codecs
 import contextlib
 import io
@@ -15,6 +15,7 @@ from Utils.report import compare
 from Utils.results.read import load
 from Utils.results.schema import RUN_COLUMNS, RUN_SCHEMA, SCHEMA_VERSION, STEP_COLUMNS, STEPS_FILE, headers
 from Utils.results.store import ResultsError, append_rows, append_run, check_prefix
+from Utils.suite.__main__ import main as suite
 
 BOM = codecs.BOM_UTF8
 CONFIG = dict(batch_size=4, seq_len=32, model="tiny", data="synthetic", device="cpu", gpu_name="cpu",
@@ -255,3 +256,60 @@ def test_rows_of_earlier_versions_under_a_widened_header_are_read(tmp_path):
     steps_df, runs_df = load(prefix, warn=pytest.fail)
     assert list(runs_df["schema_version"].fillna(1)) == [1, 1, 2]
     assert set(steps_df["schema_version"].fillna(1)) == {1, SCHEMA_VERSION}
+
+
+# --- a PREFIX that is a symbolic link loop -------------------------------------------------------------------
+
+@pytest.fixture
+def loop(tmp_path):
+    """links/a -> b -> a: ln -s a b; ln -s b a."""
+    links = tmp_path / "links"
+    links.mkdir()
+    os.symlink(links / "b", links / "a")
+    os.symlink(links / "a", links / "b")
+    yield str(links / "a")
+    assert sorted(os.listdir(links)) == ["a", "b"]   # nothing was made or removed beside the links
+    assert os.readlink(links / "a") == str(links / "b") and os.readlink(links / "b") == str(links / "a")
+
+
+RUN = ["STEPS=2", "BATCH_SIZE=1", "MODEL=tiny", "DATA=synthetic", "DEVICE=cpu"]
+TARGETS = {"rung": ["run", "fused", *RUN], "custom": ["custom", "WITH=bf16", *RUN], "all": ["all", *RUN],
+           "profile": ["profile", *RUN], "scaling": ["scaling", "RUNG=fused", *RUN],
+           "ablation": ["ablation", *RUN], "peers": ["peers", *RUN], "plots": ["plots"], "clean": ["clean"],
+           "reset": ["reset"], "init_results": ["init_results"], "peak": ["peak"]}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("below", [False, True], ids=["loop", "inside_loop"])
+def test_a_symbolic_link_loop_is_named_as_one_by_every_target_that_takes_prefix(loop, target, below, capsys):
+    prefix = os.path.join(loop, "runs") if below else loop
+    rc = suite([*TARGETS[target], f"PREFIX={prefix}"])
+    err = capsys.readouterr().err
+    where = f"passes through {loop}, a symbolic link loop" if below else "is a symbolic link loop"
+    assert rc == 2 and err == (f"error: PREFIX={prefix} {where} (links that lead back to each other; ls -l shows "
+                               f"where each points): remove or repoint the links, or choose another folder\n")
+
+
+def test_compare_names_a_loop_among_its_folders_or_as_out(loop, tmp_path, capsys):
+    other = ladder(str(tmp_path / "other"))
+    assert suite(["compare", f"PREFIXES={other} {loop}"]) == 2
+    assert suite(["compare", f"PREFIXES={other} {other}2", f"OUT={loop}"]) == 2
+    assert errors(capsys.readouterr().err) == [
+        f"error: PREFIXES names {loop}, which is a symbolic link loop (links that lead back to each other; ls -l shows "
+        f"where each points): remove or repoint the links, or choose another folder",
+        f"error: OUT={loop} is a symbolic link loop (links that lead back to each other; ls -l shows where each "
+        f"points): remove or repoint the links, or choose another folder"]
+
+
+def test_the_reader_and_a_run_name_a_loop_outside_the_driver_too(loop):
+    # plot_results.py, compare and a rung's script started by hand: the same words.
+    for call in (load, check_prefix):
+        with pytest.raises(ResultsError, match=r"^PREFIX=.* is a symbolic link loop \(links that lead back"):
+            call(loop)
+
+
+def test_make_reset_names_a_loop_and_removes_nothing(loop):
+    done = make(["reset", f"PREFIX={loop}"], clean_env(), timeout=60)
+    assert done.returncode == 2 and errors(done.stderr) == [
+        f"error: PREFIX={loop} is a symbolic link loop (links that lead back to each other; ls -l shows where each "
+        f"points): remove or repoint the links, or choose another folder"]

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from Utils.results.files import split_bom
+from Utils.results.files import loop_error, split_bom
 from Utils.results.schema import (PEAK_COLUMNS, PEAK_FILE, PEAK_NUMERIC, RUN_COLUMNS, RUN_DEFAULTS, RUN_NUMERIC, RUNS_FILE,
                                   STEP_COLUMNS, STEP_NUMERIC, STEPS_FILE)
 from Utils.results.store import ResultsError, check_file
@@ -105,13 +105,16 @@ def load(prefix: str | os.PathLike, warn: Callable[[str], None] = _to_stderr) ->
     end, so the last row is the newest); the columns in RUN_NUMERIC are floats (blank -> NaN), the
     others str ('' when blank). The index is 0..n-1 in that order.
 
-    Raises ResultsError, whose message is one line naming the file and the fix, when a file is
-    missing, empty, cut off mid-row, has a foreign header or a row of a version its header is not, or no
+    Raises ResultsError, whose message is one line naming the file and the fix, when PREFIX is a symbolic link loop,
+    a file is missing, empty, cut off mid-row, has a foreign header or a row of a version its header is not, or no
     whole run is recorded. Step rows are not judged here: NaN or non-positive step times are the business of the
     report's run selection.
     """
     steps_path = os.path.join(prefix, STEPS_FILE)
     runs_path = os.path.join(prefix, RUNS_FILE)
+    loop = loop_error(prefix)
+    if loop:
+        raise ResultsError(loop)
     if os.path.exists(prefix) and not os.path.isdir(prefix):
         raise ResultsError(f"PREFIX={prefix} is a file, not a folder: pass the folder the runs wrote into")
     for path in (steps_path, runs_path):

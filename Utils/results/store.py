@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-from Utils.results.files import TEMPORARY_PREFIX, real_path, split_bom, stage
+from Utils.results.files import TEMPORARY_PREFIX, loop_error, real_path, split_bom, stage
 from Utils.results.schema import (LOCK_FILE, PEAK_COLUMNS, PEAK_FILE, PEAK_NUMERIC, RUN_COLUMNS, RUN_NUMERIC, RUNS_FILE,
                                   SCHEMA_VERSION, STATUSES, STEP_COLUMNS, STEP_NUMERIC, STEPS_FILE, header_version,
                                   known_headers, row_version)
@@ -114,6 +114,9 @@ def _is_number(cell: str) -> bool:
 
 def check_prefix(prefix: str | os.PathLike) -> None:
     """Make PREFIX if needed and prove it writable and its files ours, before any training starts."""
+    loop = loop_error(prefix)   # else named as "File exists" by makedirs
+    if loop:
+        raise ResultsError(loop)
     try:
         os.makedirs(prefix, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=prefix, prefix=".write-test-"):

@@ -1,8 +1,8 @@
 """What the results reader and the targets make of folders that no run of today's suite leaves: runs that are not
 whole (an older version's append cut between the two files), files a spreadsheet saved with a byte order mark, a
-row of a schema version its header is not, and a PREFIX that is a symbolic link loop. Each is read, or refused in
-one line with a non-zero exit; no file is ever changed by it. Folders are written by the suite's own writer
-(Utils.results.store), never by a training run."""
+row of a schema version its header is not, a PREFIX that is a symbolic link loop, and paths full of spaces,
+quotes and unicode. Each is read, or refused in one line with a non-zero exit; no file is ever changed by it.
+Folders are written by the suite's own writer (Utils.results.store), never by a training run."""
 import codecs
 import contextlib
 import io
@@ -313,3 +313,24 @@ def test_make_reset_names_a_loop_and_removes_nothing(loop):
     assert done.returncode == 2 and errors(done.stderr) == [
         f"error: PREFIX={loop} is a symbolic link loop (links that lead back to each other; ls -l shows where each "
         f"points): remove or repoint the links, or choose another folder"]
+
+
+# --- paths full of spaces, quotes and unicode ----------------------------------------------------------------
+
+def test_the_folder_targets_take_a_prefix_of_spaces_quotes_and_unicode(tmp_path, capfd):
+    # The driver starts no shell: each path reaches its child as one word. (A word of PREFIXES holds no space:
+    # PREFIXES is a list of words.)
+    odd = ladder(str(tmp_path / "runs $5 it's \"ü\" ✓ (copy)"))
+    assert suite(["plots", f"PREFIX={odd}"]) == 0
+    assert summary_table(odd)["tf32"]["speedup"] == "2.00x"
+    one, two = ladder(str(tmp_path / "one-'é'-\"ß\"-$HOME")), ladder(str(tmp_path / "two-✓-`id`"))
+    assert suite(["compare", f"PREFIXES={one} {two}", f"OUT={odd}"]) == 0
+    assert os.path.isfile(os.path.join(odd, "compare.md"))
+    assert suite(["clean", f"PREFIX={odd}"]) == 0
+    assert sorted(os.listdir(odd)) == [".results.lock", "results.csv", "runs.csv"]
+    assert suite(["reset", f"PREFIX={odd}"]) == 0
+    assert os.listdir(odd) == []
+    empty = os.path.join(odd, "new 'ü'")
+    assert suite(["init_results", f"PREFIX={empty}"]) == 0
+    assert sorted(os.listdir(empty)) == [".results.lock", "results.csv", "runs.csv"]
+    assert not errors(capfd.readouterr().err)

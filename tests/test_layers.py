@@ -28,9 +28,10 @@ ALLOWED = {
     "report": {"report", "results", "ladder.registry", "model_config"},
     "install": {"install"},   # runs before anything is installed: the standard library only
     "peak": {"peak", "train", "results"},   # this machine's matmul and copy peaks: MFU's second denominator
-    # the driver make calls: it starts every run as a process and reads only the registry, the peers' names and
-    # the usage errors, so that it holds no CUDA context while a rung measures
-    "suite": {"suite", "ladder", "peers", "train"},
+    # the driver make calls: it starts every run as a process and reads only the registry, the peers' names, the
+    # usage errors and what a results path can be (results imports no torch), so that it holds no CUDA context
+    # while a rung measures
+    "suite": {"suite", "ladder", "peers", "train", "results"},
 }
 NO_TORCH = ("results", "report", "model_config", "install", "suite")
 TORCH = ("torch", "triton", "numpy.testing")

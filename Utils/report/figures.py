@@ -8,6 +8,7 @@ import os
 from matplotlib.backends.backend_agg import RendererAgg
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
+from matplotlib.text import Text
 
 from Utils.results.files import write_atomic
 
@@ -68,5 +69,8 @@ def add_footnote(fig: Figure, *paragraphs: str) -> None:
 
 
 def save_figure(fig: Figure, path: str | os.PathLike) -> None:
-    """Render fig as PNG to path through a temporary file."""
+    """Render fig as PNG to path through a temporary file. Its text is drawn as written, as wrap measured it:
+    matplotlib would read a folder's name with a "$" in it (PREFIX='runs $5') as TeX, and fail on a single one."""
+    for text in fig.findobj(Text):
+        text.set_parse_math(False)
     write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=DPI))

@@ -174,6 +174,31 @@ def known_headers(columns: list[str]) -> dict[int, list[str]]:
             return headers(schema)
     return {SCHEMA_VERSION: list(columns)}
 
+
+def header_version(columns: list[str], header: list[str]) -> int:
+    """The newest schema version that writes a file of the schema whose columns today are `columns` with `header`
+    (one of known_headers(columns)): today's for today's header, else the last version before the next one changed
+    the columns. Its rows were written by that version or an earlier one (a widened file keeps its rows' versions);
+    a row that names a later one was not written under this header."""
+    found = known_headers(columns)
+    own = [v for v, h in found.items() if h == list(header)]
+    later = [v for v in found if own and v > own[0]]
+    return min(later) - 1 if later else SCHEMA_VERSION
+
+
+def row_version(cell: str) -> int | None:
+    """The schema version a row's schema_version cell names (blank: 1, a row written before the column existed), or
+    None where the cell names no version (0, 2.5, -1, nan)."""
+    text = cell.strip()
+    if not text:
+        return 1
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return int(value) if value.is_integer() and value >= 1 else None
+
+
 # ok: every step ran; oom: the batch did not fit; skipped: the run's change cannot run on this machine;
 # failed: an unexpected error; interrupted: Ctrl-C or SIGTERM. The steps measured before the end are kept.
 STATUSES = ("ok", "oom", "skipped", "failed", "interrupted")

@@ -22,9 +22,10 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-from Utils.results.files import TEMPORARY_PREFIX, real_path, stage
+from Utils.results.files import TEMPORARY_PREFIX, loop_error, real_path, split_bom, stage
 from Utils.results.schema import (LOCK_FILE, PEAK_COLUMNS, PEAK_FILE, PEAK_NUMERIC, RUN_COLUMNS, RUN_NUMERIC, RUNS_FILE,
-                                  SCHEMA_VERSION, STATUSES, STEP_COLUMNS, STEP_NUMERIC, STEPS_FILE, known_headers)
+                                  SCHEMA_VERSION, STATUSES, STEP_COLUMNS, STEP_NUMERIC, STEPS_FILE, header_version,
+                                  known_headers, row_version)
 
 # The signals that stop a run: a run handles them (Utils.train.interrupts), the driver passes them on
 # (Utils.suite.process), and an append holds them back until a run's rows are written.
@@ -51,14 +52,14 @@ def check_file(path: str | os.PathLike, columns: Sequence[str], numeric: Sequenc
             raw = f.read()
     except OSError as e:
         raise ResultsError(f"cannot read {path} ({e.strerror}): fix its permissions or use another PREFIX") from None
-    if not raw:
+    if not split_bom(raw)[1]:   # empty, or a spreadsheet's save of nothing
         return None
     name = os.path.basename(path)
     if not raw.endswith(b"\n"):
         raise ResultsError(f"{path} ends in the middle of a row (cut off?): move it aside or repair it; "
                            f"it was not changed")
     try:
-        rows = list(csv.reader(io.StringIO(raw.decode("utf-8"))))
+        rows = list(csv.reader(io.StringIO(split_bom(raw)[1].decode("utf-8"))))   # a spreadsheet's mark is no cell
     except (UnicodeDecodeError, csv.Error) as e:
         raise ResultsError(f"{path} is not a readable CSV ({e}): move it aside; it was not changed")
     header = rows[0]
@@ -79,7 +80,27 @@ def check_file(path: str | os.PathLike, columns: Sequence[str], numeric: Sequenc
             if not _is_number(row[at]):
                 raise ResultsError(f"{path} line {i}: {col}={row[at].strip()!r} is not a number: the file is damaged; "
                                    f"move it aside or repair that line")
+    if "schema_version" in header:
+        _check_versions(path, header_version(list(columns), header), header.index("schema_version"), rows)
     return header
+
+
+def _check_versions(path: str | os.PathLike, newest: int, at: int, rows: list[list[str]]) -> None:
+    """Each row's schema_version names a version that writes the file's header (`newest` or earlier: a widened
+    file keeps its older rows' versions); a later one is a row that was never written under this header."""
+    for i, row in enumerate(rows[1:], start=2):
+        version = row_version(row[at])
+        if version is None:
+            raise ResultsError(f"{path} line {i}: schema_version={row[at].strip()!r} is not a schema version (1 to "
+                               f"{SCHEMA_VERSION}): the file is damaged; move it aside or repair that line; it was not "
+                               f"changed")
+        if version > newest:
+            fix = ("a newer version of the suite wrote that row: update this checkout, or move the file aside"
+                   if version > SCHEMA_VERSION else
+                   "that row was not written under this header (files joined or edited by hand): move the file "
+                   "aside, or give the row the header's version")
+            raise ResultsError(f"{path} line {i}: the row is schema version {version} but the file's header is "
+                               f"schema version {newest}'s: {fix}; it was not changed")
 
 
 def _is_number(cell: str) -> bool:
@@ -93,6 +114,9 @@ def _is_number(cell: str) -> bool:
 
 def check_prefix(prefix: str | os.PathLike) -> None:
     """Make PREFIX if needed and prove it writable and its files ours, before any training starts."""
+    loop = loop_error(prefix)   # else named as "File exists" by makedirs
+    if loop:
+        raise ResultsError(loop)
     try:
         os.makedirs(prefix, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=prefix, prefix=".write-test-"):
@@ -162,18 +186,20 @@ def _cell(value):
 
 
 def _stage(path, columns, text):
-    """Old bytes + new rows, written beside `path` (Utils.results.files.stage); the temporary file's path."""
+    """Old bytes + new rows, written beside `path` (Utils.results.files.stage); the temporary file's path. A byte
+    order mark a spreadsheet's save put in front stays there, before the header."""
     old = b""
     if os.path.exists(path):
         with open(path, "rb") as f:
             old = f.read()
+    bom, old = split_bom(old)
     end = _line_end(old)   # new rows end as the file's own do, so that its bytes are only appended to
     if old and not old.startswith((",".join(columns) + end).encode()):
         old = _widened(old, columns)   # check_file has proved it an earlier version's
     text = text.replace("\n", end) if end != "\n" else text
     header = b"" if old else (",".join(columns) + "\n").encode()
     mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
-    return stage(path, lambda f: f.write(old + header + text.encode()), mode=mode)
+    return stage(path, lambda f: f.write(bom + old + header + text.encode()), mode=mode)
 
 
 # Before the renames of one append, each file's bytes as they were (a hard link, where the file system has them,

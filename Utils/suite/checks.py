@@ -5,6 +5,7 @@ import re
 
 from Utils.ladder.registry import RUNGS
 from Utils.peers import PEERS
+from Utils.results.files import loop_error
 from Utils.suite import commands
 from Utils.suite.given import Given
 from Utils.suite.process import Runner
@@ -26,9 +27,30 @@ def require(g: Given, *names: str) -> None:
             raise UsageError(f"{name} is required ({EXAMPLE})")
 
 
+def folder(g: Given, name: str = "PREFIX") -> None:
+    """A folder variable (PREFIX, OUT, each word of PREFIXES) whose path can be a folder: any path the file system
+    allows, but not a symbolic link loop, which every later step would report as something else ("File exists",
+    "not found", "not a folder")."""
+    if name == "PREFIXES":
+        given = [(path, f"PREFIXES names {path}, which") for path in g.words(name)]
+    else:
+        given = [(g.text(name), f"{name}={g.text(name)}")] if g.is_set(name) else []
+    for path, subject in given:
+        error = loop_error(path, subject)
+        if error:
+            raise UsageError(error)
+
+
+def prefix(g: Given) -> None:
+    """PREFIX given, and a path that can be a folder: what every target that reads or writes one checks first."""
+    require(g, "PREFIX")
+    folder(g, "PREFIX")
+
+
 def run_basics(g: Given) -> None:
     """What every training target needs: steps, batch and folder, and switches that say yes or no."""
     require(g, "STEPS", "BATCH_SIZE", "PREFIX")
+    folder(g, "PREFIX")
     if g.text("COLD") not in SWITCHES:
         raise UsageError(f"COLD must be 1 (compile with an empty cache) or 0, not '{g.text('COLD')}'")
     if g.text("PROFILE") not in SWITCHES:

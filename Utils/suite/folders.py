@@ -18,7 +18,7 @@ RESET = CHARTS + ("results.csv", "runs.csv", "breakdown.csv", "peak.csv", "trace
 
 
 def plots(g: Given, runner: Runner) -> int:
-    checks.require(g, "PREFIX")
+    checks.prefix(g)
     return runner.run(commands.plot(g), show=True)
 
 
@@ -27,18 +27,20 @@ def compare(g: Given, runner: Runner) -> int:
     if not g.stripped("PREFIXES"):
         raise UsageError('PREFIXES is required: two or more results folders, e.g. make compare '
                          'PREFIXES="results/h200-b16 results/h100-b16" [OUT=dir]')
+    checks.folder(g, "PREFIXES")
+    checks.folder(g, "OUT")
     out = [f"--out={g.text('OUT')}"] if g.is_set("OUT") else []
     return runner.run([*g.python, "-m", "Utils.report.compare", *out, "--", *g.words("PREFIXES")], show=True)
 
 
 def init_results(g: Given, runner: Runner) -> int:
-    checks.require(g, "PREFIX")
+    checks.prefix(g)
     return runner.run([*g.python, "-m", "Utils.results.store", "init", g.text("PREFIX")], show=True)
 
 
 def peak(g: Given, runner: Runner) -> int:
     """This machine's bf16 matmul rate and copy bandwidth, a row of PREFIX/peak.csv: MFU's second denominator."""
-    checks.require(g, "PREFIX")
+    checks.prefix(g)
     given = [f"{flag}={g.text(name)}" for name, flag in
              (("DEVICE", "--device"), ("MATMUL_N", "--matmul-n"), ("COPY_GIB", "--copy-gib")) if g.is_set(name)]
     return runner.run([*g.python, "-m", "Utils.peak", f"--prefix={g.text('PREFIX')}", *given], show=True)
@@ -55,7 +57,7 @@ def reset(g: Given, runner: Runner) -> int:
 def _remove(g: Given, runner: Runner, names: tuple[str, ...]) -> int:
     """rm -fv of `names` in PREFIX (a pattern: what it matches there); a PREFIX that does not exist has nothing
     to remove; one that is not a folder, or whose files cannot be removed, is an error naming it."""
-    checks.require(g, "PREFIX")
+    checks.prefix(g)
     prefix = g.text("PREFIX")
     if not os.path.lexists(prefix):
         print(f"PREFIX={prefix} does not exist: nothing to remove", flush=True)

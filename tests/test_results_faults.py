@@ -334,3 +334,27 @@ def test_the_folder_targets_take_a_prefix_of_spaces_quotes_and_unicode(tmp_path,
     assert suite(["init_results", f"PREFIX={empty}"]) == 0
     assert sorted(os.listdir(empty)) == [".results.lock", "results.csv", "runs.csv"]
     assert not errors(capfd.readouterr().err)
+
+
+def test_a_prefix_with_a_leading_dash_goes_through_every_target_that_takes_one():
+    # make runs in the repository, and a PREFIX relative to it that begins with a dash must reach each child as a
+    # folder, never as an option: a rung, custom, plots, compare (PREFIXES and OUT), clean, reset.
+    import shutil
+    import uuid
+    from conftest import REPO_ROOT, clean_env, make
+    name = f"-fault-test-{uuid.uuid4().hex[:8]}"
+    env = dict(clean_env(), OMP_NUM_THREADS="1")
+    tiny = ["STEPS=2", "BATCH_SIZE=2", "SEQ_LEN=16", "DATA=synthetic", "WARMUP=1", f"PREFIX={name}"]
+    try:
+        for args in (["baseline", *tiny], ["custom", "WITH=tf32", *tiny], ["plots", f"PREFIX={name}"],
+                     ["compare", f"PREFIXES={name} results/h200-b16", f"OUT={name}/cmp"], ["clean", f"PREFIX={name}"]):
+            done = make(args, env, timeout=300)
+            assert done.returncode == 0, (args, done.stderr)
+        folder = os.path.join(REPO_ROOT, name)
+        assert [r["status"] for r in read_csv(os.path.join(folder, "runs.csv"))] == ["ok", "ok"]
+        assert os.path.isfile(os.path.join(folder, "cmp", "compare.md"))
+        assert not os.path.exists(os.path.join(folder, "summary.md"))   # clean removed the charts it drew
+        done = make(["reset", f"PREFIX={name}"], env, timeout=60)
+        assert done.returncode == 0 and not os.path.exists(os.path.join(folder, "runs.csv")), done.stderr
+    finally:
+        shutil.rmtree(os.path.join(REPO_ROOT, name), ignore_errors=True)

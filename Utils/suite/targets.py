@@ -13,7 +13,7 @@ from Utils.ladder.registry import ABLATION_TRIES, RUNGS
 from Utils.suite import checks, commands
 from Utils.suite.given import Given
 from Utils.suite.process import Runner
-from Utils.train.launch import NOT_STARTED
+from Utils.train.handoff import NOT_STARTED
 from Utils.train.usage import UsageError, fail
 
 Step = Callable[[str, str], int]   # (item, the data every run takes, "" for as given) -> exit status
@@ -102,7 +102,7 @@ def _listening(g: Given, limit_s: float, until: bool) -> bool:
 
 def _not_joined(g: Given, runner: Runner, target: list[str], args: list[str]) -> int:
     """A rendezvous that timed out: node 0 records the run failed (one process of the target, started with the
-    driver's word, Utils.train.launch.NOT_STARTED) and says which node it lacked; another node says it in one
+    driver's word, Utils.train.handoff.NOT_STARTED) and says which node it lacked; another node says it in one
     line. Both end non-zero."""
     nnodes, endpoint = int(g.stripped("NNODES")), g.stripped("RDZV_ENDPOINT")
     waited = f"within RDZV_TIMEOUT={_rdzv_timeout(g)} s"

@@ -31,6 +31,7 @@ _agreement_group = None   # a gloo group of every rank, used by common_steps alo
 _store = None             # a client of torchrun's store, used by stop_step alone
 
 
+
 def timeout_s() -> float:
     """DIST_TIMEOUT_S from the environment where it is a positive number of seconds, else the default."""
     try:

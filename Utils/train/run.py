@@ -31,7 +31,6 @@ from Utils.train.cli import RunConfig, UsageError, divisors, parse_args
 from Utils.train.data import DataError, TokenLoader, check_enough_tokens, load_tokens
 from Utils.train.failures import compile_failure, first_line, out_of_memory
 from Utils.train.interrupts import EXIT_INTERRUPTED, Interrupts
-from Utils.train.launch import NOT_STARTED
 from Utils.train import distributed
 from Utils.train.loop import StepClock, make_step, train
 from Utils.train.micro import PROBE_STEPS, NothingFits, allocator_settings, attempt, cap_memory, free, search
@@ -43,10 +42,11 @@ EXIT_FAILED, EXIT_OOM, EXIT_SKIPPED = 1, 3, 4   # 2: bad input, or results that 
 
 
 def main(additions: str | Iterable[str], argv: Iterable[str] | None = None, command: str | None = None,
-         peer: "Peer | None" = None) -> int:
+         peer: "Peer | None" = None, not_started: dict | None = None) -> int:
     """Entry point of every rung script, of `make custom` and of a peer: `additions` is a rung's name or a list
-    of addition names; `command` is what the record says repeats the run (the script and argv by default).
-    Parse, check PREFIX, run, record; returns the exit status."""
+    of addition names; `command` is what the record says repeats the run (the script and argv by default);
+    not_started: the driver's word for a run whose processes never started (Utils.train.handoff.NOT_STARTED).
+    Parse, check PREFIX, run (or record the run that never started), record; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     allocator = allocator_settings()
     try:
@@ -59,6 +59,8 @@ def main(additions: str | Iterable[str], argv: Iterable[str] | None = None, comm
         return fail(str(e))
     if command is None:
         command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.argv[0])] + argv)
+    if not_started:
+        return _record_not_started(additions, cfg, command, peer, not_started)
     return run(additions, replace(cfg, allocator=allocator), command, peer)
 
 
@@ -363,8 +365,6 @@ def _next_divisor_below(batch: int, micro: int) -> int | None:
 def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None) -> int:
     """Run and record `additions`; a peer trains its own model under the same additions and loop. Returns the
     exit status."""
-    if os.environ.get(NOT_STARTED):
-        return _record_not_started(additions, cfg, command, peer, json.loads(os.environ[NOT_STARTED]))
     dist = distributed.from_env(cfg.parallel)
     try:
         tokens, data_name = load_tokens(cfg.data, PRESETS[cfg.model].vocab_size, cfg.seed, cfg.data_dir)

@@ -229,7 +229,7 @@ def _phase(argv: list[str], lines: list[str]) -> str:
         return "run recorded, exiting"
     steps = [line for line in mine if line.startswith("step ")]
     if not steps:
-        return "model built, first step"
+        return "model build, first step"
     done, total = map(int, re.match(r"step (\d+)/(\d+)", steps[-1]).groups())
     return "last step to record: summary, append" if done == total else "training steps"
 

@@ -12,12 +12,15 @@ addition against its base (make ablation) Utils.report.ablation's, the peers aga
 Utils.report.peers', and summary.md Utils.report.summary's.
 
 Exit codes: 0 when everything was written; 2 for bad arguments, unusable input or an unwritable
-PREFIX, with a single "error: ..." line on stderr.
+PREFIX, with a single "error: ..." line on stderr; 128 + n where signal n stopped it, each file left whole (as it
+was, or new) and nothing said (make plots names the signal).
 """
 import argparse
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import NoReturn
 
 from Utils.report.ablation import ablation_sets
@@ -29,7 +32,7 @@ from Utils.report.scaling import SCALING_FILE, Scaling, build_scaling, plot_scal
 from Utils.report.stats import Report, build_report
 from Utils.report.summary import SUMMARY_FILE, write_summary
 from Utils.results.read import load, load_peak
-from Utils.results.store import ResultsError
+from Utils.results.store import STOPPING, ResultsError
 
 OUTPUT_FILES = (*CHARTS, SCALING_FILE, SUMMARY_FILE)   # scaling.png only where a rung ran on several GPU counts
 
@@ -78,17 +81,43 @@ def _parser():
     return p
 
 
+@contextmanager
+def _stopped_on_the_way_out(got: list[int]) -> Iterator[None]:
+    """The signals that stop a run, those this process takes (the suite's driver starts the charts with the
+    terminal's ignored, and stops them with SIGTERM), raise KeyboardInterrupt, once, their number added to `got`:
+    a chart being written then removes its temporary file on the way out (Utils.results.files.write_atomic),
+    which the signal's default action would leave in PREFIX."""
+    taken = [s for s in STOPPING if signal.getsignal(s) is not signal.SIG_IGN]
+
+    def stop(signum, frame):
+        for s in taken:   # a second signal must not cut the way out short
+            signal.signal(s, signal.SIG_IGN)
+        got.append(signum)
+        raise KeyboardInterrupt
+    previous = {s: signal.signal(s, stop) for s in taken}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line entry point; returns the exit code (0 written, 2 bad arguments or input)."""
+    """Command line entry point; returns the exit code (0 written, 2 bad arguments or input, 128 + n where
+    signal n stopped it: every file then is whole, the old one or the new)."""
     args = _parser().parse_or_status(argv)
     if isinstance(args, int):
         return args
     prefix = args.prefix
+    stopped: list[int] = []
     try:
-        steps, runs = load(prefix)
-        report = build_report(steps, runs, load_peak(prefix))
-        text, written = write_outputs(prefix, report, build_scaling(steps, runs),
-                                      ablation_sets(report, steps, runs), peer_comparison(report, steps, runs))
+        with _stopped_on_the_way_out(stopped):
+            steps, runs = load(prefix)
+            report = build_report(steps, runs, load_peak(prefix))
+            text, written = write_outputs(prefix, report, build_scaling(steps, runs),
+                                          ablation_sets(report, steps, runs), peer_comparison(report, steps, runs))
+    except KeyboardInterrupt:
+        return 128 + (stopped[0] if stopped else signal.SIGINT)
     except ResultsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,13 +10,28 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from Utils.ladder.__main__ import table
-from Utils.ladder.registry import RUNGS
-from Utils.suite import folders, targets
-from Utils.suite.given import Given, parse
-from Utils.suite.process import Runner
-from Utils.suite.text import help_text, unknown_target
-from Utils.train.usage import UsageError, fail
+from Utils.results.store import STOPPING
+
+
+def _stopped_while_starting(signum: int, frame) -> None:
+    """Until main takes the signals (Runner.handle_signals) no child runs: a signal ends the driver at once, with
+    the line main would end with."""
+    command = sys.argv[1:2] + (sys.argv[2:3] if sys.argv[1:2] == ["run"] else [])
+    os.write(2, f"error: {' '.join(command) or 'help'} stopped by {signal.Signals(signum).name}\n".encode())
+    os._exit(128 + signum)
+
+
+if __name__ == "__main__":   # before the registry and the targets load: a Ctrl-C then is one line, no traceback
+    for _signum in STOPPING:
+        signal.signal(_signum, _stopped_while_starting)
+
+from Utils.ladder.__main__ import table  # noqa: E402
+from Utils.ladder.registry import RUNGS  # noqa: E402
+from Utils.suite import folders, targets  # noqa: E402
+from Utils.suite.given import Given, parse  # noqa: E402
+from Utils.suite.process import Runner  # noqa: E402
+from Utils.suite.text import help_text, unknown_target  # noqa: E402
+from Utils.train.usage import UsageError, fail  # noqa: E402
 
 COMMANDS: dict[str, Callable[[Given, Runner], int]] = {
     "all": targets.all_rungs, "custom": targets.custom, "scaling": targets.scaling, "ablation": targets.ablation,

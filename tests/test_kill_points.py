@@ -584,8 +584,6 @@ def test_a_signal_inside_the_append_leaves_whole_runs(tmp_path, sig, at):
     assert ("cut" in whole_runs(prefix)) == (sig != signal.SIGKILL or at == "second rename")
 
 
-@pytest.mark.xfail(strict=True, reason="load() reads results.csv as the cut append left it: step rows whose run row "
-                                       "never landed, until the next append undoes them")
 def test_a_reader_sees_whole_runs_while_an_append_cut_by_kill_9_waits_for_the_next(tmp_path):
     prefix = tmp_path / "out"
     _one_run(prefix)

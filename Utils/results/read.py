@@ -14,7 +14,7 @@ import pandas as pd
 from Utils.results.files import loop_error, split_bom
 from Utils.results.schema import (PEAK_COLUMNS, PEAK_FILE, PEAK_NUMERIC, RUN_COLUMNS, RUN_DEFAULTS, RUN_NUMERIC, RUNS_FILE,
                                   STEP_COLUMNS, STEP_NUMERIC, STEPS_FILE)
-from Utils.results.store import ResultsError, check_file
+from Utils.results.store import ResultsError, check_file, reading
 
 
 def read_table(path: str | os.PathLike, columns: Sequence[str], numeric: Sequence[str]) -> pd.DataFrame:
@@ -110,25 +110,26 @@ def load(prefix: str | os.PathLike, warn: Callable[[str], None] = _to_stderr) ->
     whole run is recorded. Step rows are not judged here: NaN or non-positive step times are the business of the
     report's run selection.
     """
-    steps_path = os.path.join(prefix, STEPS_FILE)
-    runs_path = os.path.join(prefix, RUNS_FILE)
     loop = loop_error(prefix)
     if loop:
         raise ResultsError(loop)
     if os.path.exists(prefix) and not os.path.isdir(prefix):
         raise ResultsError(f"PREFIX={prefix} is a file, not a folder: pass the folder the runs wrote into")
+    steps_path, runs_path = os.path.join(prefix, STEPS_FILE), os.path.join(prefix, RUNS_FILE)
     for path in (steps_path, runs_path):
         if os.path.exists(path) and not os.path.isfile(path):
             raise ResultsError(f"{path} is not a file: move it aside or use another PREFIX")
-    if not os.path.isfile(steps_path):
-        raise ResultsError(f"{steps_path} not found: {_first_run_hint(prefix)}")
-    if _empty(steps_path):
-        raise ResultsError(f"{steps_path} is empty: {_first_run_hint(prefix)}")
-    steps = read_table(steps_path, STEP_COLUMNS, STEP_NUMERIC)
-    if not os.path.isfile(runs_path):
-        raise ResultsError(f"{runs_path} not found: each run records itself there when it ends; "
-                           f"{_first_run_hint(prefix)}")
-    runs = read_table(runs_path, RUN_COLUMNS, RUN_NUMERIC)
+    with reading(prefix) as paths:   # an append cut between its two files is read as if it had not begun
+        steps_read, runs_read = paths[STEPS_FILE], paths[RUNS_FILE]
+        if steps_read is None or not os.path.isfile(steps_read):
+            raise ResultsError(f"{steps_path} not found: {_first_run_hint(prefix)}")
+        if _empty(steps_read):
+            raise ResultsError(f"{steps_path} is empty: {_first_run_hint(prefix)}")
+        steps = read_table(steps_read, STEP_COLUMNS, STEP_NUMERIC)
+        if runs_read is None or not os.path.isfile(runs_read):
+            raise ResultsError(f"{runs_path} not found: each run records itself there when it ends; "
+                               f"{_first_run_hint(prefix)}")
+        runs = read_table(runs_read, RUN_COLUMNS, RUN_NUMERIC)
     if runs.empty:
         raise ResultsError(f"{runs_path} records no runs: {_first_run_hint(prefix)}")
     steps, runs, partial = whole_runs(steps, runs)

@@ -270,6 +270,34 @@ def _finish_interrupted_append(paths: Sequence[str]) -> None:
           f"{'kept whole' if whole else 'undone'}", file=sys.stderr)
 
 
+@contextmanager
+def reading(prefix: str | os.PathLike) -> Iterator[dict[str, str | None]]:
+    """While a reader reads PREFIX's results: a live append finishes first (the lock, shared), and the path to read
+    for each of results.csv and runs.csv, or None where the file is to be read as absent. An append killed between
+    its renames (kill -9) leaves its backups until the next append settles it; where its last file had not landed,
+    the run is not whole, and each file is read as it was kept before the append."""
+    paths = [os.path.join(prefix, name) for name in (STEPS_FILE, RUNS_FILE)]
+    chosen: dict[str, str | None] = dict(zip((STEPS_FILE, RUNS_FILE), paths))
+    try:
+        fd = os.open(os.path.join(prefix, LOCK_FILE), os.O_RDONLY)
+    except OSError:   # no append ever took the lock here (or the folder is not one): nothing to wait for
+        fd = None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        cut = any(os.path.exists(_backup(p)) or os.path.exists(_backup(p) + ".absent") for p in paths)
+        if cut and not _landed(paths[-1]):
+            for name, path in zip((STEPS_FILE, RUNS_FILE), paths):
+                if os.path.exists(_backup(path) + ".absent"):
+                    chosen[name] = None
+                elif os.path.exists(_backup(path)):
+                    chosen[name] = _backup(path)
+        yield chosen
+    finally:
+        if fd is not None:
+            os.close(fd)   # closing the descriptor releases the lock
+
+
 def _replace_all(staged):
     """Rename each staged temporary file over its file, the files as they were kept first: a rename that fails
     (a file made append-only or immutable, a folder locked) puts back the ones already renamed, and a kill

@@ -296,3 +296,23 @@ def test_folders_over_different_process_counts_are_named_and_warned(tmp_path):
     row = [ln for ln in differs.splitlines() if ln.startswith("| parallel ")]
     assert [c.strip() for c in row[0].split("|")[2:4]] == ["none", "ddp"] and "parallel none in h200" in stdout
     assert "warning: the folders ran different work (" in stdout and "nproc 1 in h200, 2 in h100" in stdout
+
+
+def test_a_signal_while_compare_writes_its_chart_leaves_no_temporary_file_and_ends_128_plus_n(folders, tmp_path,
+                                                                                                monkeypatch):
+    import os
+    import signal
+    from matplotlib.figure import Figure
+    out = tmp_path / "out"
+    real_savefig = Figure.savefig
+
+    def savefig_then_stopped(self, *args, **kwargs):   # the driver's SIGTERM, midway through the chart's bytes
+        real_savefig(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(Figure, "savefig", savefig_then_stopped)
+    before = signal.getsignal(signal.SIGTERM)
+    rc, stdout, err = run_main(["--out", out, *folders])
+    assert rc == 128 + signal.SIGTERM and err == ""
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []   # no .tmp-* left behind
+    assert signal.getsignal(signal.SIGTERM) is before   # the handler is put back

@@ -19,8 +19,7 @@ import argparse
 import os
 import signal
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import NoReturn
 
 from Utils.report.ablation import ablation_sets
@@ -30,9 +29,10 @@ from Utils.report.figures import save_figure
 from Utils.report.peers import peer_comparison
 from Utils.report.scaling import SCALING_FILE, Scaling, build_scaling, plot_scaling
 from Utils.report.stats import Report, build_report
+from Utils.report.stopping import stopped_on_the_way_out
 from Utils.report.summary import SUMMARY_FILE, write_summary
 from Utils.results.read import load, load_peak
-from Utils.results.store import STOPPING, ResultsError
+from Utils.results.store import ResultsError
 
 OUTPUT_FILES = (*CHARTS, SCALING_FILE, SUMMARY_FILE)   # scaling.png only where a rung ran on several GPU counts
 
@@ -81,27 +81,6 @@ def _parser():
     return p
 
 
-@contextmanager
-def _stopped_on_the_way_out(got: list[int]) -> Iterator[None]:
-    """The signals that stop a run, those this process takes (the suite's driver starts the charts with the
-    terminal's ignored, and stops them with SIGTERM), raise KeyboardInterrupt, once, their number added to `got`:
-    a chart being written then removes its temporary file on the way out (Utils.results.files.write_atomic),
-    which the signal's default action would leave in PREFIX."""
-    taken = [s for s in STOPPING if signal.getsignal(s) is not signal.SIG_IGN]
-
-    def stop(signum, frame):
-        for s in taken:   # a second signal must not cut the way out short
-            signal.signal(s, signal.SIG_IGN)
-        got.append(signum)
-        raise KeyboardInterrupt
-    previous = {s: signal.signal(s, stop) for s in taken}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; returns the exit code (0 written, 2 bad arguments or input, 128 + n where
     signal n stopped it: every file then is whole, the old one or the new)."""
@@ -111,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefix = args.prefix
     stopped: list[int] = []
     try:
-        with _stopped_on_the_way_out(stopped):
+        with stopped_on_the_way_out(stopped):
             steps, runs = load(prefix)
             report = build_report(steps, runs, load_peak(prefix))
             text, written = write_outputs(prefix, report, build_scaling(steps, runs),

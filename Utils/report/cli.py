@@ -32,7 +32,7 @@ from Utils.report.stats import Report, build_report
 from Utils.report.stopping import stopped_on_the_way_out
 from Utils.report.summary import SUMMARY_FILE, write_summary
 from Utils.results.read import load, load_peak
-from Utils.results.store import ResultsError
+from Utils.results.store import ResultsError, writing
 
 OUTPUT_FILES = (*CHARTS, SCALING_FILE, SUMMARY_FILE)   # scaling.png only where a rung ran on several GPU counts
 
@@ -93,8 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with stopped_on_the_way_out(stopped):
             steps, runs = load(prefix)
             report = build_report(steps, runs, load_peak(prefix))
-            text, written = write_outputs(prefix, report, build_scaling(steps, runs),
-                                          ablation_sets(report, steps, runs), peer_comparison(report, steps, runs))
+            with writing(prefix):
+                text, written = write_outputs(prefix, report, build_scaling(steps, runs), ablation_sets(
+                    report, steps, runs), peer_comparison(report, steps, runs))
     except KeyboardInterrupt:
         return 128 + (stopped[0] if stopped else signal.SIGINT)
     except ResultsError as e:

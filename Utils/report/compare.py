@@ -38,7 +38,7 @@ from Utils.report.stopping import stopped_on_the_way_out
 from Utils.results.files import write_atomic
 from Utils.results.read import load
 from Utils.results.schema import RUN_DEFAULTS, step_timing
-from Utils.results.store import ResultsError
+from Utils.results.store import ResultsError, writing
 
 COMPARE_MD = "compare.md"
 COMPARE_PNG = "compare.png"
@@ -438,8 +438,9 @@ def write_compare(comparison: FolderComparison, out_dir: str | os.PathLike) -> s
     text = render_compare(comparison)
     fig = plot_compare(comparison)
     os.makedirs(out_dir, exist_ok=True)
-    save_figure(fig, os.path.join(out_dir, COMPARE_PNG))
-    write_atomic(os.path.join(out_dir, COMPARE_MD), lambda f: f.write(text.encode("utf-8")))
+    with writing(out_dir):
+        save_figure(fig, os.path.join(out_dir, COMPARE_PNG))
+        write_atomic(os.path.join(out_dir, COMPARE_MD), lambda f: f.write(text.encode("utf-8")))
     return text
 
 

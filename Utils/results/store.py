@@ -135,16 +135,29 @@ def check_files(prefix: str | os.PathLike) -> None:
 
 
 @contextmanager
-def _locked(prefix) -> Iterator[None]:
+def _locked(prefix, hold_signals: bool = True) -> Iterator[None]:
+    """PREFIX's lock, exclusive; hold_signals: the stopping signals held back meanwhile (an append's two files)."""
     fd = os.open(os.path.join(prefix, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOPPING)
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOPPING) if hold_signals else None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        if old_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+@contextmanager
+def writing(prefix: str | os.PathLike) -> Iterator[None]:
+    """While the report writes its files into PREFIX (the charts, summary.md, compare.md, the breakdown): the
+    folder's lock, so that no append and no other report writes meanwhile, and first every temporary file that a
+    write killed before its rename (kill -9) left there removed. Signals are not held back: a write they stop
+    removes its own temporary file (Utils.results.files.write_atomic)."""
+    with _locked(prefix, hold_signals=False):
+        _remove_stale_temporaries(prefix)
+        yield
 
 
 def _format(rows, columns):
@@ -335,10 +348,10 @@ def _append_all(appends):
 
 
 def _remove_stale_temporaries(prefix):
-    """Under the lock no one else is writing results: a temporary CSV there was left by a write killed before
-    its rename (kill -9). Removed, saying so."""
+    """Under the lock no one else is writing into PREFIX (every write there takes it: the appends, the report's
+    files): a temporary file there was left by a write killed before its rename (kill -9). Removed, saying so."""
     for name in sorted(os.listdir(prefix)):
-        if name.startswith(TEMPORARY_PREFIX) and name.endswith(".csv"):
+        if name.startswith(TEMPORARY_PREFIX):
             os.unlink(os.path.join(prefix, name))
             print(f"note: removed {os.path.join(prefix, name)}, left by a write that was killed", file=sys.stderr)
 

@@ -28,7 +28,7 @@ def main(argv: "Sequence[str] | None" = None) -> int:
         return 2
     stopped: list[int] = []
     try:
-        with stopped_on_the_way_out(stopped):
+        with stopped_on_the_way_out(stopped):   # breakdown.csv's append takes the folder's lock itself
             split, problems = add_traces(args.prefix)
     except KeyboardInterrupt:
         return 128 + (stopped[0] if stopped else signal.SIGINT)

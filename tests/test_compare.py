@@ -321,7 +321,7 @@ def test_a_signal_while_compare_writes_its_chart_leaves_no_temporary_file_and_en
 def test_a_chart_left_half_written_by_kill_9_is_removed_by_the_next_write_into_the_folder(folders, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / ".tmp-k9x2.png").write_bytes(b"\x89PNG half")   # what kill -9 inside a chart's write leaves
+    (out / ".tmp-gpt-suite-k9x2.png").write_bytes(b"\x89PNG half")   # what kill -9 inside a chart's write leaves
     rc, stdout, err = run_main(["--out", out, *folders])
-    assert rc == 0 and not (out / ".tmp-k9x2.png").exists()
-    assert f"note: removed {out / '.tmp-k9x2.png'}, left by a write that was killed" in err
+    assert rc == 0 and not (out / ".tmp-gpt-suite-k9x2.png").exists()
+    assert f"note: removed {out / '.tmp-gpt-suite-k9x2.png'}, left by a write that was killed" in err

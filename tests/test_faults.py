@@ -294,10 +294,10 @@ def test_a_write_that_fails_halfway_leaves_both_files_as_they_were(tmp_path, sui
 
 
 def test_a_temporary_file_left_by_a_killed_write_is_removed_saying_so(tmp_path, capsys):
-    (tmp_path / ".tmp-abc123.csv").write_text("run_id,optimiz")   # what kill -9 mid-write leaves
+    (tmp_path / ".tmp-gpt-suite-abc123.csv").write_text("run_id,optimiz")   # what kill -9 mid-write leaves
     assert run_in_process("baseline", tmp_path) == 0
-    assert not (tmp_path / ".tmp-abc123.csv").exists()
-    assert f"note: removed {tmp_path / '.tmp-abc123.csv'}, left by a write that was killed" in capsys.readouterr().err
+    assert not (tmp_path / ".tmp-gpt-suite-abc123.csv").exists()
+    assert f"note: removed {tmp_path / '.tmp-gpt-suite-abc123.csv'}, left by a write that was killed" in capsys.readouterr().err
     assert len(read_csv(tmp_path / "runs.csv")) == 1
 
 

@@ -124,16 +124,18 @@ def test_reset_removes_the_suites_files_only_and_clean_keeps_the_results(tmp_pat
     folder = tmp_path / "-name"
     folder.mkdir()
     monkeypatch.chdir(tmp_path)
-    names = ["results.csv", "runs.csv", "summary.md", "speedup.png", ".tmp-1", ".results.lock", "trace_a.json.gz",
-             "12-peer-llmc.log", ".before-append-runs.csv", "notes.txt", "data.csv"]
+    # .tmp-1: another program's temporary file, which the suite leaves alone
+    names = ["results.csv", "runs.csv", "summary.md", "speedup.png", ".tmp-gpt-suite-1", ".tmp-1", ".results.lock",
+             "trace_a.json.gz", "12-peer-llmc.log", ".before-append-runs.csv", "notes.txt", "data.csv"]
     for name in names:
         (folder / name).write_text("x")
     g = Given({"PREFIX": "-name" if relative else str(folder)}, dry_run=False)
     tmp_path = folder
     runner = Runner()
     assert folders.clean(g, runner) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(names) - {"summary.md", "speedup.png", ".tmp-1"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(names) - {"summary.md", "speedup.png",
+                                                                               ".tmp-gpt-suite-1"})
     assert folders.reset(g, runner) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.csv", "notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-1", "data.csv", "notes.txt"]
     assert folders.reset(Given({"PREFIX": str(tmp_path / "nowhere")}), runner) == 0
     assert "does not exist: nothing to remove" in capsys.readouterr().out

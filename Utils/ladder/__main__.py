@@ -13,9 +13,11 @@
 import signal
 import sys
 
-# make reads the rungs through $(shell) as it starts: a Ctrl-C then reaches this program too, which should end
-# as any short command does, silently, while make says it stopped (not with a KeyboardInterrupt traceback).
-signal.signal(signal.SIGINT, signal.SIG_DFL)
+if __name__ == "__main__":
+    # make reads the rungs through $(shell) as it starts: a Ctrl-C then reaches this program too, which should
+    # end as any short command does, silently, while make says it stopped (not with a KeyboardInterrupt
+    # traceback). Not where the driver imports this module: it handles its signals itself.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 from Utils.ladder.registry import (ABLATION, ADDITIONS, LEAVE_ONE_OUT, RUNGS, RegistryError, ablation_additions,
                                    check_ablation_base, resolve, run_name)

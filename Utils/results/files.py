@@ -8,7 +8,9 @@ import tempfile
 from collections.abc import Callable
 from typing import BinaryIO
 
-TEMPORARY_PREFIX = ".tmp-"   # what a write leaves behind if it is killed (kill -9) before its rename
+# What a write leaves behind if it is killed (kill -9) before its rename: named for the suite, so that removing
+# what the suite left (the next write under the folder's lock, make clean) never takes another program's file.
+TEMPORARY_PREFIX = ".tmp-gpt-suite-"
 
 
 def stage(path: str | os.PathLike, write: Callable[[BinaryIO], object], mode: int = 0o644) -> str:

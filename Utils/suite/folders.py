@@ -3,6 +3,7 @@ removing what the suite wrote (by name: anything else in PREFIX is left alone)."
 import glob
 import os
 
+from Utils.results.files import TEMPORARY_PREFIX
 from Utils.suite import checks, commands
 from Utils.suite.given import Given
 from Utils.suite.process import Runner
@@ -11,9 +12,9 @@ from Utils.train.usage import UsageError, fail
 # The charts and reports the suite draws into PREFIX; reset removes the results as well.
 CHARTS = ("speedup.png", "step_time.png", "throughput.png", "memory.png", "loss.png", "summary.md", "breakdown.md",
           "breakdown.png", "compare.md", "compare.png", "scaling.png")
-CLEAN = CHARTS + (".tmp-*",)
+CLEAN = CHARTS + (TEMPORARY_PREFIX + "*",)
 RESET = CHARTS + ("results.csv", "runs.csv", "breakdown.csv", "peak.csv", "trace_*.json.gz", "*.error.log",
-                  "[0-9]*-peer-*.log", "Optimizing_GPU_Utilization.ipynb", ".results.lock", ".tmp-*",
+                  "[0-9]*-peer-*.log", "Optimizing_GPU_Utilization.ipynb", ".results.lock", TEMPORARY_PREFIX + "*",
                   ".rank-failure-*", ".before-append-*")   # the last: an append killed midway (Utils.results.store)
 
 

@@ -24,6 +24,15 @@ _CHAINED = ("", "During handling of the above exception, another exception occur
             "The above exception was the direct cause of the following exception:")
 
 
+def _write(lines: list[str]) -> None:
+    """Lines to our stderr, where it still takes them (a closed terminal or a closed pipe does not)."""
+    try:
+        sys.stderr.writelines(lines)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def _ignore_terminal_signals() -> None:
     for signum in _FROM_TERMINAL:
         signal.signal(signum, signal.SIG_IGN)
@@ -82,27 +91,37 @@ class Runner:
             reader = threading.Thread(target=self._pass_on, args=(stream,), daemon=True)
             reader.start()
             rc = self._wait(child)[0]
-            reader.join()
+            # A worker that outlives torchrun (torchrun killed with -9) still holds the pipe: past a few seconds
+            # its lines go on being copied while the driver goes on.
+            reader.join(timeout=5)
         return rc
 
     def _pass_on(self, stream) -> None:
         """Copy torchrun's stderr (its workers' too) to ours line by line, holding each Python traceback, with those
         chained to it, until its last line: torchrun's own for a rendezvous that timed out or a signal is left out,
         since the driver says each in one line (Utils.suite.targets, Utils.suite.__main__); every other is passed
-        on whole."""
+        on whole. It reads to the end whatever becomes of our stderr, so that no worker blocks on a full pipe."""
         held: list[str] = []
-        ended = False   # held ends with an exception's own line: a chained traceback may follow
+        ended = chained = False   # held ends with an exception's own line; a chain's words came after it
         for line in stream:
-            if ended and not (line.strip() in _CHAINED or line.startswith(_TRACEBACK)):
+            if held and ended:
+                if not line.strip() or line.strip() in _CHAINED:
+                    held.append(line)
+                    chained = chained or bool(line.strip())
+                    continue
+                if line.startswith(_TRACEBACK) and chained:
+                    held.append(line)
+                    ended = chained = False
+                    continue
                 self._settle(held)
-                held, ended = [], False
-            if held or line.startswith(_TRACEBACK):
+                held, ended, chained = [], False, False
+            if held:
                 held.append(line)
-                ended = len(held) > 1 and bool(line.strip()) and not line[:1].isspace() and \
-                    line.strip() not in _CHAINED and not line.startswith(_TRACEBACK)
+                ended = bool(line.strip()) and not line[:1].isspace()   # the exception's own line
+            elif line.startswith(_TRACEBACK):
+                held = [line]
             else:
-                sys.stderr.write(line)
-            sys.stderr.flush()
+                _write([line])
         self._settle(held)
 
     def _settle(self, held: list[str]) -> None:
@@ -111,8 +130,7 @@ class Runner:
         if last.startswith(_RENDEZVOUS_TIMEOUT):
             self.rendezvous_timed_out = True
         elif not last.startswith(_SIGNALLED):
-            sys.stderr.writelines(held)
-        sys.stderr.flush()
+            _write(held)
 
     def capture(self, argv: list[str]) -> tuple[int, str]:
         """argv's exit status and stdout (stderr passes through); run under dry_run too: a check, not a run."""

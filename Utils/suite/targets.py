@@ -69,15 +69,17 @@ def _launched(g: Given, runner: Runner, target: list[str], args: list[str], limi
     - another node returns once node 0's rendezvous of the run just ended has closed (at most limit_s): one that
       started the next while node 0's torchrun still served the last would join a rendezvous that is closing."""
     waits = g.multinode() and not g.records() and not runner.dry_run
-    if waits and not _listening(g, float(_rdzv_timeout(g)), until=True):
+    if waits and not _listening(g, runner, float(_rdzv_timeout(g)), until=True):
+        if runner.interrupted:
+            return runner.stopped()
         return fail(f"node {g.stripped('NODE_RANK')}: nothing listened at RDZV_ENDPOINT={g.stripped('RDZV_ENDPOINT')} "
                     f"within RDZV_TIMEOUT={_rdzv_timeout(g)} s: start node 0 (NODE_RANK=0, on the host it names) with "
                     f"the same command", 1)
     rc = runner.run(commands.launch(g, target) + args, torchrun=g.distributed())
     if runner.rendezvous_timed_out:
         return _not_joined(g, runner, target, args)
-    if waits:
-        _listening(g, limit_s, until=False)
+    if waits and not runner.interrupted:
+        _listening(g, runner, limit_s, until=False)
     return rc
 
 
@@ -85,8 +87,9 @@ def _rdzv_timeout(g: Given) -> str:
     return g.stripped("RDZV_TIMEOUT") or commands.RDZV_TIMEOUT_S
 
 
-def _listening(g: Given, limit_s: float, until: bool) -> bool:
-    """Whether something listens at RDZV_ENDPOINT, once that is `until` (at most limit_s, asking every 0.2 s)."""
+def _listening(g: Given, runner: Runner, limit_s: float, until: bool) -> bool:
+    """Whether something listens at RDZV_ENDPOINT, once that is `until` (at most limit_s, asking every 0.2 s, and
+    no longer once a signal stopped the driver)."""
     host, _, port = g.stripped("RDZV_ENDPOINT").rpartition(":")
     deadline = time.monotonic() + limit_s
     while True:
@@ -95,7 +98,7 @@ def _listening(g: Given, limit_s: float, until: bool) -> bool:
             listening = True
         except OSError:
             listening = False
-        if listening == until or time.monotonic() >= deadline:
+        if listening == until or time.monotonic() >= deadline or runner.interrupted:
             return listening
         time.sleep(0.2)
 

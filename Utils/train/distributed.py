@@ -96,8 +96,15 @@ def init(dist: Dist, device_type: str) -> "torch.device":
                           **({"device_id": device} if device_type == "cuda" else {}))
     global _agreement_group
     # Its own group: after a signal, the default group may still hold a collective some rank left half-done,
-    # which a new collective there would be matched with.
-    _agreement_group = td.new_group(backend="gloo", timeout=timedelta(seconds=AGREE_TIMEOUT_S))
+    # which a new collective there would be matched with. Gloo finds its address from the host's name; where it
+    # cannot connect (a name that resolves to 127.0.1.1, hosts that reach each other over InfiniBand only: set
+    # GLOO_SOCKET_IFNAME), the run goes on without it, and a signal then keeps no step.
+    try:
+        _agreement_group = td.new_group(backend="gloo", timeout=timedelta(seconds=AGREE_TIMEOUT_S))
+    except Exception as e:   # noqa: BLE001 - whatever gloo raises, the training does not need this group
+        _agreement_group = None
+        print(f"note: rank {dist.rank}: no gloo group for agreeing on the steps after a signal ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+              file=sys.stderr)
     return device
 
 
@@ -151,6 +158,8 @@ def common_steps(step_ms: list, losses: list, window_s: float | None) -> tuple[l
     import torch.distributed as td
     if not td.is_initialized() or td.get_world_size() == 1:
         return step_ms, losses, window_s
+    if _agreement_group is None:
+        return None
     try:
         count = torch.tensor([len(step_ms)], dtype=torch.int64)
         td.all_reduce(count, op=td.ReduceOp.MIN, group=_agreement_group)

@@ -207,13 +207,13 @@ def _timed_steps(b: Build, cfg: RunConfig, run: Run, rows: list, step: Callable[
     no collective of the harness lands inside a timed step (the lines printed meanwhile are rank 0's own).
 
     A signal stops one process at once. Among several, a rank that stopped alone would leave the others inside
-    the next step's collectives, unable to answer: so each rank notes the signal, and every rank stops after the
-    step the first to note it named (distributed.stop_step); then they agree on the steps they all finished."""
+    the next step's collectives, unable to answer: so after the first step each rank notes the signal, and every
+    rank stops after the step the first to note it named (distributed.stop_step); then they agree on the steps
+    they all finished. Every rank must get the signal (torchrun passes it to its own; on several hosts, each
+    host's torchrun must get it, as a scheduler's does)."""
     watch = attention.Watch(b.device)
     stopped, stop_after = False, None   # by a signal; the step every rank stops after
     several = run.nproc > 1
-    if several:
-        interrupts.disarm()
     times = StepTimes(clock, b.sync_every, cfg.warmup, cfg.steps)
     try:
         watched = 1 if cfg.warmup >= 3 and not b.cudagraphs else 0
@@ -222,9 +222,13 @@ def _timed_steps(b: Build, cfg: RunConfig, run: Run, rows: list, step: Callable[
                 end, loss = step()
             if times.ended(i, end, loss, record) and sampler:
                 sampler.start()
+            if several and i == 0:
+                # The first step (the compilation) is left at once, as by one process: nothing is kept before it.
+                interrupts.disarm()
             if several and interrupts.requested:
-                # two steps on: every rank has noted the same signal by then, none has gone past it
-                stop_after = distributed.stop_step(run.run_id, i + 2) if stop_after is None else stop_after
+                # A rank's host runs up to sync_every steps ahead of its GPU, and so of the other ranks: past
+                # that, every rank has noted the same signal and none has gone beyond the step.
+                stop_after = stop_after if stop_after is not None else _stop_step(run, i + b.sync_every + 1)
                 if i >= stop_after:
                     raise KeyboardInterrupt("stopped with every rank")
         if times.window_wall_s is not None:
@@ -248,6 +252,14 @@ def _slowest_rank(rows: list, run: Run, device: torch.device) -> None:
     (nothing changes in a single process)."""
     _reduced(rows, run, distributed.reduce_steps([r["step_ms"] for r in rows], [r["loss"] for r in rows],
                                                  run.window_wall_s, device))
+
+
+def _stop_step(run: Run, proposed: int) -> int:
+    """distributed.stop_step; where the store does not answer, this rank stops now, and _common_steps decides."""
+    try:
+        return distributed.stop_step(run.run_id, proposed)
+    except Exception as e:   # noqa: BLE001 - any failure of the store ends the run the same way
+        raise KeyboardInterrupt(f"the store did not answer: {e}") from None
 
 
 def _common_steps(rows: list, run: Run) -> None:

@@ -18,7 +18,7 @@ from Utils.report.stats import provenance
 from Utils.results.files import write_atomic
 from Utils.results.read import read_table
 from Utils.results.schema import (BREAKDOWN_COLUMNS, BREAKDOWN_FILE, BREAKDOWN_NUMERIC, RUN_COLUMNS, RUNS_FILE)
-from Utils.results.store import ResultsError, append_rows, check_file
+from Utils.results.store import ResultsError, append_rows, check_file, writing
 
 REPORT_FILE = "breakdown.md"
 CHART_FILE = "breakdown.png"
@@ -185,6 +185,8 @@ def write_report(prefix: str | os.PathLike, context: "str | None" = None) -> lis
         context = _context(runs, breakdowns)
     text = render_report(df, breakdowns, context, notes, trace_files)
     md_path, png_path = os.path.join(prefix, REPORT_FILE), os.path.join(prefix, CHART_FILE)
-    write_atomic(md_path, lambda f: f.write(text.encode("utf-8")))
-    save_figure(plot_breakdown(df, context, _provenance(df, runs, breakdowns)), png_path)
+    fig = plot_breakdown(df, context, _provenance(df, runs, breakdowns))
+    with writing(prefix):   # as make plots writes: no append, no other report meanwhile
+        write_atomic(md_path, lambda f: f.write(text.encode("utf-8")))
+        save_figure(fig, png_path)
     return [md_path, png_path]

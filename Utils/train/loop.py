@@ -216,6 +216,9 @@ def _timed_steps(b: Build, cfg: RunConfig, run: Run, rows: list, step: Callable[
     several = run.nproc > 1
     times = StepTimes(clock, b.sync_every, cfg.warmup, cfg.steps)
     try:
+        # A warm-up step followed by another says which attention kernel ran: the second step where the warm-up
+        # has three (the first holds the compilation, whose time compile_s reports), else the first; under CUDA
+        # graphs the first, since the second replays graphs, which run no operator the host can see.
         watched = 1 if cfg.warmup >= 3 and not b.cudagraphs else 0
         for i in range(cfg.steps):
             with watch if i == watched else contextlib.nullcontext():

@@ -17,7 +17,6 @@ was, or new) and nothing said (make plots names the signal).
 """
 import argparse
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -29,7 +28,7 @@ from Utils.report.figures import save_figure
 from Utils.report.peers import peer_comparison
 from Utils.report.scaling import SCALING_FILE, Scaling, build_scaling, plot_scaling
 from Utils.report.stats import Report, build_report
-from Utils.report.stopping import stopped_on_the_way_out
+from Utils.report.stopping import Stopped, stopped_on_the_way_out
 from Utils.report.summary import SUMMARY_FILE, write_summary
 from Utils.results.read import load, load_peak
 from Utils.results.store import ResultsError, writing
@@ -88,16 +87,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(args, int):
         return args
     prefix = args.prefix
-    stopped: list[int] = []
     try:
-        with stopped_on_the_way_out(stopped):
+        with stopped_on_the_way_out():
             steps, runs = load(prefix)
             report = build_report(steps, runs, load_peak(prefix))
             with writing(prefix):
                 text, written = write_outputs(prefix, report, build_scaling(steps, runs), ablation_sets(
                     report, steps, runs), peer_comparison(report, steps, runs))
-    except KeyboardInterrupt:
-        return 128 + (stopped[0] if stopped else signal.SIGINT)
+    except Stopped as e:
+        return e.exit_status
     except ResultsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -17,7 +17,6 @@ Writes compare.md and compare.png into OUT (default: the first folder) and print
 import argparse
 import math
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from Utils.report.cli import Parser
 from Utils.report.figures import FOOTNOTE_SIZE, TITLE_SIZE, add_footnote, new_figure, save_figure, wrap
 from Utils.report.selection import steps_by_run
 from Utils.report.stats import BOOTSTRAP_RESAMPLES, Report, bootstrap_speedup, build_report, distinct, short_commit
-from Utils.report.stopping import stopped_on_the_way_out
+from Utils.report.stopping import Stopped, stopped_on_the_way_out
 from Utils.results.files import write_atomic
 from Utils.results.read import load
 from Utils.results.schema import RUN_DEFAULTS, step_timing
@@ -464,12 +463,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not out.strip():
             raise CompareError(f"OUT is empty: name the folder to write compare.md into, or leave OUT out to "
                                f"write into the first folder ({EXAMPLE})")
-        stopped: list[int] = []
-        with stopped_on_the_way_out(stopped):
+        with stopped_on_the_way_out():
             comparison = compare_folders(args.prefixes)
             text = write_compare(comparison, out)
-    except KeyboardInterrupt:
-        return 128 + (stopped[0] if stopped else signal.SIGINT)
+    except Stopped as e:
+        return e.exit_status
     except (CompareError, ResultsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,19 +7,26 @@ from contextlib import contextmanager
 from Utils.results.store import STOPPING
 
 
+class Stopped(KeyboardInterrupt):
+    """A stopping signal came; the program ends with exit_status, 128 + its number."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.exit_status = 128 + signum
+
+
 @contextmanager
-def stopped_on_the_way_out(got: list[int]) -> Iterator[None]:
+def stopped_on_the_way_out() -> Iterator[None]:
     """The signals that stop a run, those this process takes (the suite's driver starts the charts with the
-    terminal's ignored, and stops them with SIGTERM), raise KeyboardInterrupt, once, their number added to `got`:
-    a chart being written then removes its temporary file on the way out (Utils.results.files.write_atomic),
-    which the signal's default action would leave in PREFIX."""
+    terminal's ignored, and stops them with SIGTERM), raise Stopped, once: a chart being written then removes its
+    temporary file on the way out (Utils.results.files.write_atomic), which the signal's default action would
+    leave in PREFIX."""
     taken = [s for s in STOPPING if signal.getsignal(s) is not signal.SIG_IGN]
 
     def stop(signum, frame):
         for s in taken:   # a second signal must not cut the way out short
             signal.signal(s, signal.SIG_IGN)
-        got.append(signum)
-        raise KeyboardInterrupt
+        raise Stopped(signum)
     previous = {s: signal.signal(s, stop) for s in taken}
     try:
         yield

@@ -237,6 +237,19 @@ def _keep_before(path: str) -> None:
             os.replace(stage(backup, lambda f: shutil.copyfileobj(source, f)), backup)
 
 
+def _kept(path: str) -> str | None:
+    """Where the file at `path` is as its backup kept it: the backup, None where there was no file, or the file
+    itself where it has no backup."""
+    backup = _backup(path)
+    return None if os.path.exists(backup + ".absent") else backup if os.path.exists(backup) else path
+
+
+def _cut(paths: Sequence[str]) -> bool:
+    """Whether an append of these files left its backups: it was killed between its renames, and the next
+    append has not settled it yet (_finish_interrupted_append)."""
+    return any(os.path.exists(_backup(p)) or os.path.exists(_backup(p) + ".absent") for p in paths)
+
+
 def _restore(path: str) -> None:
     """Put the file at `path` back as its backup kept it."""
     target, backup = real_path(path), _backup(path)
@@ -274,7 +287,7 @@ def _same_bytes(a: str, b: str) -> bool:
 def _finish_interrupted_append(paths: Sequence[str]) -> None:
     """Under the lock, an append killed between its renames (kill -9, a lost host) left its backups: where its
     last file had landed the append was whole, and the backups go; else every file goes back as it was."""
-    if not any(os.path.exists(_backup(p)) or os.path.exists(_backup(p) + ".absent") for p in paths):
+    if not _cut(paths):
         return
     whole = _landed(paths[-1])
     for path in paths:
@@ -298,13 +311,8 @@ def reading(prefix: str | os.PathLike) -> Iterator[dict[str, str | None]]:
     try:
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_SH)
-        cut = any(os.path.exists(_backup(p)) or os.path.exists(_backup(p) + ".absent") for p in paths)
-        if cut and not _landed(paths[-1]):
-            for name, path in zip((STEPS_FILE, RUNS_FILE), paths):
-                if os.path.exists(_backup(path) + ".absent"):
-                    chosen[name] = None
-                elif os.path.exists(_backup(path)):
-                    chosen[name] = _backup(path)
+        if _cut(paths) and not _landed(paths[-1]):
+            chosen = {name: _kept(path) for name, path in chosen.items()}
         yield chosen
     finally:
         if fd is not None:

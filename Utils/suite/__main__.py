@@ -13,11 +13,16 @@ from collections.abc import Callable, Sequence
 from Utils.results.store import STOPPING
 
 
+def _stopped(target: str, signum: int) -> str:
+    """What the driver ends with where signal signum stopped `target` (its command, and the rung after run)."""
+    return f"{target} stopped by {signal.Signals(signum).name}"
+
+
 def _stopped_while_starting(signum: int, frame) -> None:
     """Until main takes the signals (Runner.handle_signals) no child runs: a signal ends the driver at once, with
     the line main would end with."""
     command = sys.argv[1:2] + (sys.argv[2:3] if sys.argv[1:2] == ["run"] else [])
-    os.write(2, f"error: {' '.join(command) or 'help'} stopped by {signal.Signals(signum).name}\n".encode())
+    os.write(2, f"error: {_stopped(' '.join(command) or 'help', signum)}\n".encode())
     os._exit(128 + signum)
 
 
@@ -70,8 +75,7 @@ def main(argv: Sequence[str]) -> int:
         if runner.interrupted is None:
             return rc
         # Whatever the child made of the SIGTERM passed on to it, the driver ends as the signal it got says.
-        return fail(f"{command}{' ' + name if name else ''} stopped by {signal.Signals(runner.interrupted).name}",
-                    runner.stopped())
+        return fail(_stopped(f"{command}{' ' + name if name else ''}", runner.interrupted), runner.stopped())
     except UsageError as e:
         return fail(str(e))
 

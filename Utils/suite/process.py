@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 
-from Utils.train.interrupts import STOPPING
+from Utils.results.store import STOPPING
 
 _FROM_TERMINAL = tuple(s for s in STOPPING if s != signal.SIGTERM)
 # The last lines of torchrun's own tracebacks that the driver says in one line instead: its rendezvous did not

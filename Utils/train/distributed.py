@@ -31,7 +31,6 @@ _agreement_group = None   # a gloo group of every rank, used by common_steps alo
 _store = None             # a client of torchrun's store, used by stop_step alone
 
 
-
 def timeout_s() -> float:
     """DIST_TIMEOUT_S from the environment where it is a positive number of seconds, else the default."""
     try:
@@ -102,8 +101,9 @@ def init(dist: Dist, device_type: str) -> "torch.device":
     try:
         _agreement_group = td.new_group(backend="gloo", timeout=timedelta(seconds=AGREE_TIMEOUT_S))
     except Exception as e:   # noqa: BLE001 - whatever gloo raises, the training does not need this group
+        from Utils.train.failures import first_line
         _agreement_group = None
-        print(f"note: rank {dist.rank}: no gloo group for agreeing on the steps after a signal ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+        print(f"note: rank {dist.rank}: no gloo group for agreeing on the steps after a signal ({first_line(e)})",
               file=sys.stderr)
     return device
 

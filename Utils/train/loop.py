@@ -246,7 +246,7 @@ def _timed_steps(b: Build, cfg: RunConfig, run: Run, rows: list, step: Callable[
             run.clocks = sampler.stop()
         run.attention_kernel = watch.kernel()
         times.record_unread(record, {row["step"] for row in rows})
-        if stopped and run.nproc > 1:
+        if stopped and several:
             _common_steps(rows, run)
 
 

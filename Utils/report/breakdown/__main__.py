@@ -5,14 +5,13 @@ when there was nothing new; 2 for a missing folder, results that cannot be writt
 be split (the others are split all the same), with one "error: ..." line on stderr; 128 + n where signal n stopped
 it, every file whole (Utils.report.stopping)."""
 import os
-import signal
 import sys
 from collections.abc import Sequence
 
 from Utils.report.breakdown.files import REPORT_FILE, add_traces
 from Utils.report.breakdown.trace import TraceError
 from Utils.report.cli import Parser
-from Utils.report.stopping import stopped_on_the_way_out
+from Utils.report.stopping import Stopped, stopped_on_the_way_out
 from Utils.results.store import ResultsError
 
 
@@ -26,12 +25,11 @@ def main(argv: "Sequence[str] | None" = None) -> int:
         print(f"error: PREFIX={args.prefix} is not a folder: profile a rung into it first, e.g. "
               f"make fused PROFILE=1 STEPS=20 BATCH_SIZE=8 PREFIX={args.prefix}", file=sys.stderr)
         return 2
-    stopped: list[int] = []
     try:
-        with stopped_on_the_way_out(stopped):   # breakdown.csv's append takes the folder's lock itself
+        with stopped_on_the_way_out():   # breakdown.csv's append takes the folder's lock itself
             split, problems = add_traces(args.prefix)
-    except KeyboardInterrupt:
-        return 128 + (stopped[0] if stopped else signal.SIGINT)
+    except Stopped as e:
+        return e.exit_status
     except (ResultsError, TraceError, OSError, ValueError) as e:
         print(f"error: the profiles in {args.prefix} were not split: {e}", file=sys.stderr)
         return 2

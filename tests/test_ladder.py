@@ -576,6 +576,25 @@ def _fold_clip(b, base):
     assert norm > GRAD_CLIP and b.optimizer.grad_scale.item() == pytest.approx(norm.item() / GRAD_CLIP, rel=1e-5)
 
 
+def _master_weights(b, base):
+    norms = {id(p) for m in b.model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
+    assert norms and all((p.dtype == torch.float32) == (id(p) in norms) for p in b.model.parameters())
+    assert all(p.dtype == torch.float32 for p in base.model.parameters())
+    assert type(b.optimizer).__name__ == "MasterAdamW" and type(base.optimizer) is torch.optim.AdamW
+    idx = torch.randint(0, SMALL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with b.autocast():   # the embeddings' sum stays fp32, as with fp32 weights: the residual is bf16_residual's
+        assert b.model.transformer.wte(idx).dtype == torch.float32
+        loss = b.model(idx, idx)[1]
+    loss.backward()
+    assert all(p.grad.dtype == p.dtype for p in b.model.parameters())
+    weight = b.model.transformer.h[0].attn.c_attn.weight
+    before = weight.detach().clone()
+    b.update()
+    master = b.optimizer.state[weight]["master"]
+    assert master.dtype == torch.float32 and torch.equal(weight.detach(), master.to(torch.bfloat16))
+    assert not torch.equal(weight.detach(), before)
+
+
 def _compiled_update(b, base):
     assert hasattr(b.update, "_torchdynamo_orig_callable") and not hasattr(base.update, "_torchdynamo_orig_callable")
 
@@ -606,6 +625,7 @@ CPU_EFFECTS = {
     "fp8_qkv_fc": (r"FP8 GEMMs need an Ada or Hopper GPU .+: c_attn and c_fc in bf16 instead", _bf16_layers),
     "fp8": (None, None),   # refused on a CPU: test_fp8_is_refused_where_it_cannot_run
     "fold_norm": (None, _fold_norm),
+    "master_weights": (None, _master_weights),
     "torch_compile": (None, _torch_compile),
     "cudagraphs": (r"CUDA graphs need a GPU: compiled in the default mode", _compiled_as_torch_compile),
     "autotune": (r"max-autotune tunes GPU GEMMs: compiled in the default mode", _compiled_as_torch_compile),
@@ -955,4 +975,4 @@ def test_the_max_rung_and_fsdp_s_refusals_come_from_each_addition_s_facts():
     assert PARALLEL_EXCLUDES["fsdp"] == {a: ADDITIONS[a].fsdp for a in ADDITIONS if ADDITIONS[a].fsdp}
     assert set(PARALLEL_EXCLUDES["fsdp"]) == {"gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel",
                                               "fp8_head", "fp8_qkv_fc", "fold_clip", "fold_norm", "8bit",
-                                              "cudagraphs", "fp8"}
+                                              "cudagraphs", "fp8", "master_weights"}

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from Utils.kernels import cublaslt, fp8, fp8_linear, fp8_loss, gelu_epilogue, loss_kernel, packed_attention
+from Utils.kernels.master_adamw import MasterAdamW
 from Utils.ladder import modules
 from Utils.ladder.parallel import gradient_sync, wrap
 from Utils.ladder.registry import ADDITIONS, STAGES, check_parallel, resolve
@@ -124,7 +125,7 @@ def build(additions: Iterable[str], device: torch.device, config: GPTConfig, see
     b.module = wrap(b.model, parallel, device) if parallel else b.model   # before compile, as torchtitan does
     b.step_model = b.module
     stage("compile")
-    b.optimizer = torch.optim.AdamW(param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS)
+    b.optimizer = adamw(b.model)
     b.update = _clip_and_step(b)
     stage("optimizer")
     b.source = loader
@@ -306,6 +307,13 @@ def apply_fold_norm(b: Build) -> None:
         modules.fold_norm(block, "ln_2", modules.planned(block.mlp, "c_fc"))
 
 
+@applies("master_weights")
+def apply_master_weights(b: Build) -> None:
+    """The parameters in bf16, before any wrapper sees them: the GEMMs read them as they are, their gradients stay
+    bf16, and AdamW keeps the fp32 master weights (`adamw` picks MasterAdamW for them)."""
+    modules.store_in_bf16(b.model)
+
+
 # --- compile ---------------------------------------------------------------------------------------------
 
 def require_compiler(device: torch.device) -> None:
@@ -401,10 +409,19 @@ def _clip_and_step(b: Build) -> Callable[[], None]:
     return update
 
 
+def adamw(model: nn.Module, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters: torch's (foreach, or fused), or MasterAdamW, one compiled pass, where the
+    parameters are stored in bf16 (master_weights)."""
+    groups = param_groups(model)
+    if any(p.dtype == torch.bfloat16 for group in groups for p in group["params"]):
+        return MasterAdamW(groups, lr=LEARNING_RATE, betas=BETAS, eps=EPS)
+    return torch.optim.AdamW(groups, lr=LEARNING_RATE, betas=BETAS, eps=EPS, **({"fused": True} if fused else {}))
+
+
 @applies("fused")
 def apply_fused(b: Build) -> None:
     """torch's fused AdamW: one pass over parameters, gradients and states instead of a dozen multi-tensor ones."""
-    b.optimizer = torch.optim.AdamW(param_groups(b.model), lr=LEARNING_RATE, betas=BETAS, eps=EPS, fused=True)
+    b.optimizer = adamw(b.model, fused=True)
 
 
 @applies("8bit")

@@ -42,7 +42,8 @@ class Addition:
     matmuls: str = ""              # the format it runs the matmuls in: "tf32" or "bf16" (bf16 also halves activations)
     scores_on_chip: bool = False   # attention keeps each tile of the T x T scores on the chip: no passes over them
     compiled: bool = False         # torch.compile of the model: Inductor fuses the elementwise work into few kernels
-    optimizer: str = ""            # the optimizer step it runs: "fused" (one pass of AdamW) or "8bit" (AdamW8bit)
+    optimizer: str = ""            # the optimizer step it runs: "fused" (one pass of AdamW), "8bit" (AdamW8bit) or
+                                   # "master" (one pass over bf16 parameters and their fp32 master weights)
     clip_folded: bool = False      # the optimizer divides by the clip factor as it reads each gradient
     fp8_gemms: str = ""            # which GEMMs it runs in FP8: "head" (output layer), "qkv_fc" (c_attn's and
                                    # c_fc's forward) or "blocks" (every block's linear layers)
@@ -64,9 +65,9 @@ class Addition:
     def __post_init__(self):
         if self.stage not in STAGES or self.pillar not in PILLARS:
             raise ValueError(f"{self.name}: stage must be one of {STAGES} and pillar one of {PILLARS}")
-        if self.matmuls not in ("", "tf32", "bf16") or self.optimizer not in ("", "fused", "8bit") \
+        if self.matmuls not in ("", "tf32", "bf16") or self.optimizer not in ("", "fused", "8bit", "master") \
                 or self.fp8_gemms not in ("", "head", "qkv_fc", "blocks"):
-            raise ValueError(f"{self.name}: matmuls is '', tf32 or bf16; optimizer '', fused or 8bit; fp8_gemms '', "
+            raise ValueError(f"{self.name}: matmuls is '', tf32 or bf16; optimizer '', fused, 8bit or master; fp8_gemms '', "
                              f"head, qkv_fc or blocks")
 
 
@@ -192,6 +193,16 @@ _ADDITIONS = [
                  "the LayerNorm's weight gradients, sums over the 65,536 tokens of a batch-64 step that Inductor "
                  "finishes with a memset and an ATen reduction each, into sums over the layer's 2,304 or 3,072 rows, "
                  "out of the weight gradients the layer's GEMM already makes"),
+    Addition("master_weights", "model", "memory",
+             "parameters and gradients stored in bf16; AdamW updates fp32 master weights and writes the bf16 "
+             "parameters in the same compiled pass", requires=("bf16",), excludes=("8bit",), optimizer="master",
+             fsdp="its compiled update has not been tried on FSDP's DTensor shards",
+             phrase="the parameters stored in bf16, with fp32 master weights that AdamW updates and rounds to them in "
+                    "one compiled pass (`master_weights`)",
+             why="bf16 parameters spare each step the cast of every weight to bf16 and of every weight gradient "
+                 "back to fp32, and the update reads a 2-byte gradient and writes no gradient back: about 30 bytes "
+                 "a parameter outside the GEMMs instead of 44 (Utils.kernels.master_adamw counts them), which "
+                 "matters at gpt2-xl's 1.5B parameters"),
     # compile
     Addition("torch_compile", "compile", "overhead",
              "torch.compile: elementwise work fused into few kernels, far fewer launches",

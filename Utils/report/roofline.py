@@ -164,7 +164,7 @@ ATTENTION_WITHOUT_SCORES = frozenset(a for a in ADDITIONS if ADDITIONS[a].scores
 # torch.compile of the model (Inductor fuses scale, mask and softmax; an eager step's operations do not apply).
 COMPILED = frozenset(a for a in ADDITIONS if ADDITIONS[a].compiled)
 
-# Every rung keeps fp32 master weights: forward reads each weight, backward reads it again and writes its
+# The rungs keep fp32 parameters: forward reads each weight, backward reads it again and writes its
 # gradient, 4 bytes each.
 WEIGHT_BYTES = 4 + 4 + 4
 # clip_grad_norm_ on fp32 gradients, as counted: a foreach norm reads them (4 bytes a parameter), a handful
@@ -197,6 +197,14 @@ FUSED_ADAMW_BYTES = 7 * 4
 # least min_8bit_size = 4096 values: p read and written, g read, m and v read and written in a byte each.
 BNB_MIN_8BIT_SIZE = 4096
 EIGHT_BIT_BYTES = 4 + 4 + 4 + 1 + 1 + 1 + 1
+# Parameters stored in bf16 with fp32 master weights (Addition.optimizer "master", Utils.kernels.master_adamw):
+# forward and backward read each weight and backward writes its gradient in 2 bytes; the clip's norm reads the
+# gradient (and an unfolded clip's multiply reads and rewrites it); one pass reads the gradient, the master
+# weight, m and v, and writes the last three and the bf16 parameter.
+MASTER_WEIGHT_BYTES = 2 + 2 + 2
+MASTER_CLIP_BYTES, MASTER_FOLDED_CLIP_BYTES = 2 + 4, 2
+MASTER_ADAMW_BYTES = 2 + 3 * 4 + 3 * 4 + 2
+MASTER_OPTIMIZERS = frozenset(a for a in ADDITIONS if ADDITIONS[a].optimizer == "master")
 FUSED_OPTIMIZERS = frozenset(a for a in ADDITIONS if ADDITIONS[a].optimizer == "fused")
 EIGHT_BIT_OPTIMIZERS = frozenset(a for a in ADDITIONS if ADDITIONS[a].optimizer == "8bit")
 FOLDED_CLIPS = frozenset(a for a in ADDITIONS if ADDITIONS[a].clip_folded)
@@ -318,6 +326,8 @@ class Roofline:
     def optimizer_bytes_per_param(self, additions: Iterable[str]) -> float:
         """The optimizer step's bytes per parameter under these additions (the clip apart)."""
         chosen = set(additions)
+        if chosen & MASTER_OPTIMIZERS:
+            return MASTER_ADAMW_BYTES
         if chosen & EIGHT_BIT_OPTIMIZERS:
             return self.eight_bit_bytes_per_param()
         return FUSED_ADAMW_BYTES if chosen & FUSED_OPTIMIZERS else self.foreach_adamw_bytes_per_param()
@@ -336,10 +346,14 @@ class Roofline:
         chosen = set(additions)
         act = 2 if matmul_precision(chosen) == "bf16" else 4
         n_all = self.shape.n_params(exclude_position_embedding=False)
-        clip = FOLDED_CLIP_BYTES if chosen & FOLDED_CLIPS else CLIP_BYTES
+        folded = bool(chosen & FOLDED_CLIPS)
+        if chosen & MASTER_OPTIMIZERS:
+            weights = MASTER_WEIGHT_BYTES + (MASTER_FOLDED_CLIP_BYTES if folded else MASTER_CLIP_BYTES)
+        else:
+            weights = WEIGHT_BYTES + (FOLDED_CLIP_BYTES if folded else CLIP_BYTES)
         L = self.shape.n_layer
         return {
-            "weights+grads+clip": n_all * (WEIGHT_BYTES + clip),
+            "weights+grads+clip": n_all * weights,
             "optimizer": n_all * self.optimizer_bytes_per_param(chosen),
             "activations": self.tokens * L * self.activations_per_token_layer * ACTIVATION_ACCESSES * act,
             "logits": self.tokens * self.shape.vocab_size * ACTIVATION_ACCESSES * act,

@@ -580,6 +580,7 @@ def _master_weights(b, base):
     norms = {id(p) for m in b.model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
     assert norms and all((p.dtype == torch.float32) == (id(p) in norms) for p in b.model.parameters())
     assert all(p.dtype == torch.float32 for p in base.model.parameters())
+    assert b.model.lm_head.weight is b.model.transformer.wte.weight   # still tied
     assert type(b.optimizer).__name__ == "MasterAdamW" and type(base.optimizer) is torch.optim.AdamW
     idx = torch.randint(0, SMALL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with b.autocast():   # the embeddings' sum stays fp32, as with fp32 weights: the residual is bf16_residual's

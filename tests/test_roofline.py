@@ -172,6 +172,21 @@ def test_optimizer_bytes_per_parameter():
     assert len(roofline.foreach_adamw_ops(True)) == 9 and len(roofline.foreach_adamw_ops(False)) == 8
 
 
+def test_master_weights_bytes_per_parameter():
+    """bf16 parameters: 2-byte weights read twice and gradients written once, a 2-byte norm read under the
+    folded clip, and 28 bytes in the update (bf16 gradient in, fp32 master, m and v in and out, bf16 out)."""
+    roof = h200_roof()
+    n_all = GPT2.n_params(exclude_position_embedding=False)
+    max_ = RUNGS["max"].additions
+    before, after = roof.traffic(max_), roof.traffic(max_ + ("master_weights",))
+    assert before["weights+grads+clip"] == n_all * (12 + 8) and after["weights+grads+clip"] == n_all * (6 + 2)
+    assert roof.optimizer_bytes_per_param(max_ + ("master_weights",)) == 28
+    without_fold = tuple(a for a in max_ if a != "fold_clip") + ("master_weights",)
+    assert roof.traffic(without_fold)["weights+grads+clip"] == n_all * (6 + 6)
+    assert {k: v for k, v in after.items() if k != "weights+grads+clip"} == \
+        {k: v for k, v in before.items() if k != "weights+grads+clip"}
+
+
 def test_floors_frame():
     roof = h200_roof()
     floors = roof.floors({"baseline": 369.3, "tf32": 155.5, "max": 29.2, "fused+loss": 37.5, "mine": 1.0})

@@ -1,0 +1,86 @@
+"""Utils.kernels.master_adamw: AdamW for bf16 parameters from fp32 master weights, against its reference,
+torch.optim.AdamW on fp32 parameters fed the same bf16 gradients: the master weights follow it to fp32
+rounding, and each bf16 parameter is its master rounded to nearest, over param groups of their own weight decay,
+with a folded clip's grad_scale; compiled on a GPU as well."""
+import pytest
+import torch
+
+from Utils.kernels.master_adamw import MasterAdamW
+
+HYPER = dict(lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
+SHAPES = [(48, 32), (32,), (7, 5)]
+DECAYS = [0.1, 0.0, 0.1]
+
+
+def _pair(dtype=torch.bfloat16, device="cpu"):
+    """(MasterAdamW over parameters in dtype, torch's AdamW over fp32 copies of them): three tensors in two
+    groups, one decayed and one not, as the suite's parameter groups."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype).to(device)) for s in SHAPES]
+    copies = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+
+    def groups(ps):
+        return [{"params": [p for p, d in zip(ps, DECAYS) if d], "weight_decay": 0.1},
+                {"params": [p for p, d in zip(ps, DECAYS) if not d], "weight_decay": 0.0}]
+    return (params, MasterAdamW(groups(params), **HYPER)), (copies, torch.optim.AdamW(groups(copies), **HYPER,
+                                                                                      foreach=False))
+
+
+def _steps(pair, reference, n=6, scale=None, seed=1):
+    (params, opt), (copies, ref) = pair, reference
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        for p, c in zip(params, copies):
+            grad = (torch.randn(p.shape, generator=g) * 3).to(p.dtype).to(p.device)
+            p.grad, c.grad = grad, grad.float().cpu() / (scale if scale is not None else 1.0)
+        if scale is not None:
+            opt.grad_scale = torch.tensor(scale, device=params[0].device)
+        opt.step()
+        ref.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_masters_follow_fp32_adamw_and_parameters_are_them_rounded(dtype):
+    pair, reference = _pair(dtype)
+    _steps(pair, reference)
+    (params, opt), (copies, _) = pair, reference
+    for p, c in zip(params, copies):
+        master = opt.state[p]["master"]
+        assert master.dtype == torch.float32 and p.dtype == dtype
+        torch.testing.assert_close(master, c.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(p.detach(), master.to(dtype))
+
+
+def test_grad_scale_divides_each_gradient_as_the_folded_clip_asks():
+    pair, reference = _pair()
+    _steps(pair, reference, scale=4.0)
+    (params, opt), (copies, _) = pair, reference
+    for p, c in zip(params, copies):
+        torch.testing.assert_close(opt.state[p]["master"], c.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_parameter_without_a_gradient_is_left_alone():
+    (params, opt), _ = _pair()
+    before = [p.detach().clone() for p in params]
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()
+    assert not torch.equal(params[0], before[0])
+    assert all(torch.equal(p, b) for p, b in zip(params[1:], before[1:])) and len(opt.state) == 1
+
+
+def test_groups_that_differ_in_more_than_weight_decay_are_refused():
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="weight_decay only"):
+        MasterAdamW([{"params": [a]}, {"params": [b], "lr": 1e-3}], **HYPER)
+
+
+@pytest.mark.gpu
+def test_compiled_on_a_gpu_follows_fp32_adamw_too():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    on_gpu, reference = _pair(device="cuda")
+    _steps(on_gpu, reference, scale=2.0)
+    (params, opt), (copies, _) = on_gpu, reference
+    for p, c in zip(params, copies):
+        torch.testing.assert_close(opt.state[p]["master"].cpu(), c.detach(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(p.detach(), opt.state[p]["master"].to(torch.bfloat16))

@@ -17,7 +17,7 @@ def _pair(dtype=torch.bfloat16, device="cpu"):
     groups, one decayed and one not, as the suite's parameter groups."""
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype).to(device)) for s in SHAPES]
-    copies = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    copies = [torch.nn.Parameter(p.detach().float().cpu().clone()) for p in params]
 
     def groups(ps):
         return [{"params": [p for p, d in zip(ps, DECAYS) if d], "weight_decay": 0.1},
@@ -72,6 +72,27 @@ def test_groups_that_differ_in_more_than_weight_decay_are_refused():
     a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match="weight_decay only"):
         MasterAdamW([{"params": [a]}, {"params": [b], "lr": 1e-3}], **HYPER)
+
+
+def test_compiled_the_update_is_one_fused_kernel_with_no_aten_fallback():
+    """Inductor lowers every foreach operation of the update: an operation it cannot lower runs as an ATen kernel
+    of its own that writes a full copy of its output (the ScalarList multiply did, 0.5 ms a step at 124M)."""
+    import re
+    from torch._inductor.utils import run_and_get_code
+
+    from Utils.kernels import master_adamw
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=g).to(torch.bfloat16) for s in SHAPES]
+    grads = [torch.randn(s, generator=g).to(torch.bfloat16) for s in SHAPES]
+    masters = [p.float() for p in params]
+    states = [[torch.zeros(s) for s in SHAPES] for _ in range(2)]
+    with torch.no_grad():
+        _, code = run_and_get_code(torch.compile(master_adamw._update, dynamic=False), params, grads, masters,
+                                   *states, [d * HYPER["lr"] for d in DECAYS], torch.ones(()), torch.ones(()),
+                                   HYPER["lr"], *HYPER["betas"], HYPER["eps"])
+    source = "\n".join(code)
+    assert re.findall(r"aten\.\w+", source) == [] and len(set(re.findall(r"def (cpp_fused_\w+)", source))) <= 1
+    assert all(torch.equal(p, w.to(torch.bfloat16)) for p, w in zip(params, masters))
 
 
 @pytest.mark.gpu

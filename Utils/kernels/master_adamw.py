@@ -35,7 +35,11 @@ def _update(params: list[Tensor], grads: list[Tensor], masters: list[Tensor], ex
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denom, (1 - beta2 ** step).sqrt())
     torch._foreach_add_(denom, eps)
-    torch._foreach_mul_(masters, [1 - d for d in decays])
+    # One Scalar multiply per decay: Inductor has no lowering for _foreach_mul's ScalarList form, and its ATen
+    # fallback, an unfused pass that writes a copy of every master weight, cost 0.5 ms a step at 124M on an H100.
+    for decay in sorted(set(decays)):
+        if decay:
+            torch._foreach_mul_([w for w, d in zip(masters, decays) if d == decay], 1 - decay)
     change = torch._foreach_div(exp_avgs, denom)
     torch._foreach_mul_(change, lr / (1 - beta1 ** step))
     torch._foreach_sub_(masters, change)

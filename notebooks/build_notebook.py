@@ -271,7 +271,7 @@ CELLS = [
     """),
     code(r"""
     show(walkthrough.change("baseline"),
-         walkthrough.source("Utils/ladder/apply.py", "build", ("stage(", "GPT(", "AdamW(", "_clip_and_step(")),
+         walkthrough.source("Utils/ladder/apply.py", "build", ("stage(", "GPT(", "adamw(", "_clip_and_step(")),
          walkthrough.source("Utils/train/loop.py", "make_step", ("autocast", "step_model(", "backward", "update()")),
          *study.effect("baseline"))
     """),

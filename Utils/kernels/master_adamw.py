@@ -1,20 +1,22 @@
 """AdamW for parameters stored in bf16: fp32 master weights, m and v, updated in one compiled pass that also
 writes the bf16 parameters (llm.c's layout).
 
-Under bf16 autocast the parameters stay fp32, and a step moves about 44 bytes a parameter outside the GEMMs:
+Under bf16 autocast the parameters stay fp32, and a step moves 48 bytes a parameter outside the GEMMs:
 the forward casts each weight to bf16 (4 read, 2 written), backward's bf16 weight gradient is cast to the
 parameter's fp32 (2 + 4), the clip's norm reads it (4), and fused AdamW reads p, g, m and v and writes p, m, v
 and, with a folded clip, g (32). Stored in bf16, the parameters are what the GEMMs read, and their gradients
 stay as the GEMMs wrote them; the update reads the bf16 gradient (2), the fp32 master weight, m and v (12),
 writes those three (12) and the parameter (2), and the clip's norm reads the gradient (2): 30 bytes. At
-GPT-2 1.5B that is 22 GB a step less, some 7 ms at an H100's 3.35 TB/s (BENCHMARKS.md measures it).
+GPT-2 1.5B that is 28 GB a step less, some 8 ms at an H100's 3.35 TB/s (BENCHMARKS.md, "Parameters in bf16").
 
 Nothing is lost to bf16's 8-bit mantissa: the update is added to the fp32 master weight, and the parameter
 is the master rounded to nearest, the bf16 weight that autocast's cast of an fp32 parameter would have made.
 The gradients are bf16, as the GEMMs made them before the cast; they add up in bf16 across micro-batches.
 
-On a GPU the update is one torch.compile'd function of foreach operations, which Inductor fuses into a few
-kernels over all tensors; elsewhere the same function runs eagerly.
+On a GPU the update is one torch.compile'd function of foreach operations, which Inductor fuses into kernels
+that each take many tensors; elsewhere the same function runs eagerly. Every operation must be one Inductor
+lowers: one it does not runs as an ATen kernel of its own and writes its output whole (tests/test_master_adamw.py
+checks the compiled update for such fallbacks).
 """
 from collections.abc import Iterable
 

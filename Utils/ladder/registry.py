@@ -201,7 +201,7 @@ _ADDITIONS = [
                     "one compiled pass (`master_weights`)",
              why="bf16 parameters spare each step the cast of every weight to bf16 and of every weight gradient "
                  "back to fp32, and the update reads a 2-byte gradient and writes no gradient back: about 30 bytes "
-                 "a parameter outside the GEMMs instead of 44 (Utils.kernels.master_adamw counts them), which "
+                 "a parameter outside the GEMMs instead of 48 (Utils.kernels.master_adamw counts them), which "
                  "matters at gpt2-xl's 1.5B parameters"),
     # compile
     Addition("torch_compile", "compile", "overhead",

@@ -194,8 +194,8 @@ _ADDITIONS = [
                  "finishes with a memset and an ATen reduction each, into sums over the layer's 2,304 or 3,072 rows, "
                  "out of the weight gradients the layer's GEMM already makes"),
     Addition("master_weights", "model", "memory",
-             "parameters and gradients stored in bf16; AdamW updates fp32 master weights and writes the bf16 "
-             "parameters in the same compiled pass", requires=("bf16",), excludes=("8bit",), optimizer="master",
+             "linear and embedding parameters and their gradients stored in bf16; AdamW updates fp32 master "
+             "weights and writes the bf16 parameters in the same compiled pass", requires=("bf16",), excludes=("8bit",), optimizer="master",
              fsdp="its compiled update has not been tried on FSDP's DTensor shards",
              phrase="the parameters stored in bf16, with fp32 master weights that AdamW updates and rounds to them in "
                     "one compiled pass (`master_weights`)",

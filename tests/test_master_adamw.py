@@ -12,7 +12,7 @@ SHAPES = [(48, 32), (32,), (7, 5)]
 DECAYS = [0.1, 0.0, 0.1]
 
 
-def _pair(dtype=torch.bfloat16, device="cpu"):
+def _pair(dtype=torch.bfloat16, device="cpu", eps=HYPER["eps"]):
     """(MasterAdamW over parameters in dtype, torch's AdamW over fp32 copies of them): three tensors in two
     groups, one decayed and one not, as the suite's parameter groups."""
     g = torch.Generator().manual_seed(0)
@@ -22,41 +22,63 @@ def _pair(dtype=torch.bfloat16, device="cpu"):
     def groups(ps):
         return [{"params": [p for p, d in zip(ps, DECAYS) if d], "weight_decay": 0.1},
                 {"params": [p for p, d in zip(ps, DECAYS) if not d], "weight_decay": 0.0}]
-    return (params, MasterAdamW(groups(params), **HYPER)), (copies, torch.optim.AdamW(groups(copies), **HYPER,
+    hyper = {**HYPER, "eps": eps}
+    return (params, MasterAdamW(groups(params), **hyper)), (copies, torch.optim.AdamW(groups(copies), **hyper,
                                                                                       foreach=False))
 
 
-def _steps(pair, reference, n=6, scale=None, seed=1):
+def _steps(pair, reference, n=6, scales=None, seed=1, step=None):
+    """n steps of both on the same gradients; with scales, MasterAdamW's gradients are scales[i] times the
+    reference's and its grad_scale says so. step: how MasterAdamW's step is called (its own step by default)."""
     (params, opt), (copies, ref) = pair, reference
     g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
+    for i in range(n):
+        scale = scales[i] if scales else 1.0
         for p, c in zip(params, copies):
             grad = (torch.randn(p.shape, generator=g) * 3).to(p.dtype).to(p.device)
-            p.grad, c.grad = grad, grad.float().cpu() / (scale if scale is not None else 1.0)
-        if scale is not None:
+            p.grad, c.grad = grad, grad.float().cpu() / scale
+        if scales:
             opt.grad_scale = torch.tensor(scale, device=params[0].device)
-        opt.step()
+        (step or opt.step)()
         ref.step()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_masters_follow_fp32_adamw_and_parameters_are_them_rounded(dtype):
-    pair, reference = _pair(dtype)
-    _steps(pair, reference)
-    (params, opt), (copies, _) = pair, reference
+def _assert_follows(pair, reference, rtol=1e-6, atol=1e-7):
+    """MasterAdamW's masters, m and v are the reference's parameters and states; its parameters the masters
+    rounded."""
+    (params, opt), (copies, ref) = pair, reference
     for p, c in zip(params, copies):
-        master = opt.state[p]["master"]
-        assert master.dtype == torch.float32 and p.dtype == dtype
-        torch.testing.assert_close(master, c.detach(), rtol=1e-6, atol=1e-7)
-        assert torch.equal(p.detach(), master.to(dtype))
+        for mine, theirs in ((opt.state[p]["master"], c), (opt.state[p]["exp_avg"], ref.state[c]["exp_avg"]),
+                             (opt.state[p]["exp_avg_sq"], ref.state[c]["exp_avg_sq"])):
+            torch.testing.assert_close(mine.cpu(), theirs.detach(), rtol=rtol, atol=atol)
+        assert torch.equal(p.detach(), opt.state[p]["master"].to(p.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("eps", [1e-8, 1e-2])   # a large eps tells where it is added (after the bias correction)
+def test_masters_follow_fp32_adamw_and_parameters_are_them_rounded(dtype, eps):
+    pair, reference = _pair(dtype, eps=eps)
+    _steps(pair, reference)
+    params, opt = pair
+    assert all(opt.state[p]["master"].dtype == torch.float32 and p.dtype == dtype for p in params)
+    _assert_follows(pair, reference)
 
 
 def test_grad_scale_divides_each_gradient_as_the_folded_clip_asks():
+    """A scale that changes from step to step (AdamW would not see a constant one, but m and v do)."""
     pair, reference = _pair()
-    _steps(pair, reference, scale=4.0)
-    (params, opt), (copies, _) = pair, reference
-    for p, c in zip(params, copies):
-        torch.testing.assert_close(opt.state[p]["master"], c.detach(), rtol=1e-6, atol=1e-7)
+    _steps(pair, reference, scales=[1.0, 4.0, 0.5, 2.0, 8.0, 1.0])
+    _assert_follows(pair, reference)
+
+
+def test_a_step_traced_by_torch_compile_counts_its_steps():
+    """compiled_update wraps the update in torch.compile: the step count, kept in a tensor made when the optimizer
+    is, still advances (bias corrections of steps 1, 2, 3, ...)."""
+    pair, reference = _pair()
+    opt = pair[1]
+    _steps(pair, reference, n=4, step=torch.compile(lambda: opt.step()))
+    assert opt._step.item() == 4
+    _assert_follows(pair, reference)
 
 
 def test_a_parameter_without_a_gradient_is_left_alone():
@@ -100,8 +122,5 @@ def test_compiled_on_a_gpu_follows_fp32_adamw_too():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     on_gpu, reference = _pair(device="cuda")
-    _steps(on_gpu, reference, scale=2.0)
-    (params, opt), (copies, _) = on_gpu, reference
-    for p, c in zip(params, copies):
-        torch.testing.assert_close(opt.state[p]["master"].cpu(), c.detach(), rtol=1e-5, atol=1e-6)
-        assert torch.equal(p.detach(), opt.state[p]["master"].to(torch.bfloat16))
+    _steps(on_gpu, reference, scales=[1.0, 4.0, 0.5, 2.0, 8.0, 1.0])
+    _assert_follows(on_gpu, reference, rtol=1e-5, atol=1e-6)

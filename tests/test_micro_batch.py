@@ -326,6 +326,23 @@ def test_when_the_optimizer_leaves_no_room_the_hint_names_the_8bit_rung_then_a_s
     assert tried == [128, 64] and "not even one row at SEQ_LEN=64 fits (tried)" in message and "make 8bit" in message
 
 
+def test_the_hint_counts_bf16_weights_with_fp32_masters_under_master_weights():
+    # The same model as above with its weights in bf16 (0.25 GiB) and the fp32 master, m and v (1.5 GiB): 16 bytes
+    # a parameter, as fp32 weights with AdamW's states; the 8bit rung would hold the same 1.25 GiB as from there.
+    message, tried = _hint(("bf16", "master_weights"), 1024, 2.2, fits_up_to=1024, weights=0.25, states=1.5)
+    assert "take 2.00 GiB (measured)" in message and message.endswith(
+        "the 8bit rung's optimizer states take a quarter of AdamW's, 1.25 GiB in all: try it (make 8bit)")
+    # Not loaded: 2 bytes a parameter counted, and 16 with the gradients and states.
+    from dataclasses import replace
+
+    from Utils.train.run import _nothing_fits, _parameters
+    cfg = replace(parse_args(["--steps", "4", "--batch-size", "4", "--prefix", "p", "--model", "gpt2",
+                              "--data", "synthetic"]), gpu_memory_gib=1.0)
+    message = _nothing_fits(("bf16", "master_weights"), cfg, CPU, {}, lambda c: None, lambda line: None)
+    weights = 2 * _parameters("gpt2") / 2**30
+    assert f"the weights ({weights:.2f} GiB)" in message and f"take {8 * weights:.2f} GiB (estimated" in message
+
+
 @pytest.mark.parametrize("users, recorded", [("", "expandable_segments:True"),
                                              ("max_split_size_mb:64", "max_split_size_mb:64")])
 def test_the_allocator_grows_its_segments_unless_the_user_set_it_and_the_run_records_which(tmp_path, monkeypatch,

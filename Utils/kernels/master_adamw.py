@@ -6,12 +6,16 @@ the forward casts each weight to bf16 (4 read, 2 written), backward's bf16 weigh
 parameter's fp32 (2 + 4), the clip's norm reads it (4), and fused AdamW reads p, g, m and v and writes p, m, v
 and, with a folded clip, g (32). Stored in bf16, the parameters are what the GEMMs read, and their gradients
 stay as the GEMMs wrote them; the update reads the bf16 gradient (2), the fp32 master weight, m and v (12),
-writes those three (12) and the parameter (2), and the clip's norm reads the gradient (2): 30 bytes. At
+writes those three (12) and the parameter (2), and the clip's norm reads the gradient (2): 30 bytes. (Counted
+outside the GEMMs' own reads of the weights and writes of their gradients; the roofline, Utils.report.roofline,
+counts those instead of the casts, and goes from 48 to 36.) At
 GPT-2 1.5B that is 28 GB a step less, some 8 ms at an H100's 3.35 TB/s (BENCHMARKS.md, "Parameters in bf16").
 
 Nothing is lost to bf16's 8-bit mantissa: the update is added to the fp32 master weight, and the parameter
 is the master rounded to nearest, the bf16 weight that autocast's cast of an fp32 parameter would have made.
-The gradients are bf16, as the GEMMs made them before the cast; they add up in bf16 across micro-batches.
+The gradients are bf16, as the GEMMs made them before the cast, and so is what is done with them before the
+update: they add up in bf16 across micro-batches, DDP averages them in bf16 over the ranks, and the clip's norm
+is a norm of bf16 tensors, each tensor's rounded to bf16 (about 0.2% off the fp32 norm of the same values).
 
 On a GPU the update is one torch.compile'd function of foreach operations, which Inductor fuses into kernels
 that each take many tensors; elsewhere the same function runs eagerly. Every operation must be one Inductor
@@ -53,9 +57,12 @@ _compiled_update = torch.compile(_update, dynamic=False)
 
 class MasterAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update for bf16 (or fp16) parameters, from fp32 master weights that it keeps with m
-    and v. As fused AdamW, it divides each gradient by `grad_scale` where that is set (a 0-d tensor: the folded
-    clip, Utils.ladder.apply's fold_clip). Its parameter groups may differ in weight decay only; a changed
-    learning rate compiles the update again."""
+    and v. It divides each gradient by `grad_scale` where that is set (a 0-d tensor: the folded clip,
+    Utils.ladder.apply's fold_clip), as fused AdamW does, but leaves the gradient as it was. Its parameter groups
+    may differ in weight decay only; a changed learning rate compiles the update again. One step count serves
+    every parameter (every parameter of the suite's models gets a gradient every step; torch's AdamW counts each
+    parameter's own). Its state is not one to save and load: load_state_dict would cast the fp32 masters to the
+    parameters' dtype, and the step count is not in it."""
 
     def __init__(self, params: Iterable, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float = 0.0):
@@ -64,7 +71,11 @@ class MasterAdamW(torch.optim.Optimizer):
         if len(shared) > 1:
             raise ValueError("MasterAdamW's parameter groups may differ in weight_decay only")
         self.grad_scale: Tensor | None = None
-        self._step: Tensor | None = None
+        device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+        # Made here and advanced in place: a step traced by torch.compile (compiled_update) keeps in-place changes
+        # to an attribute's tensor, not an attribute set to a new tensor.
+        self._step = torch.zeros((), dtype=torch.float32, device=device)
+        self._one = torch.ones((), dtype=torch.float32, device=device)
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -85,13 +96,10 @@ class MasterAdamW(torch.optim.Optimizer):
                 state["master"] = p.detach().to(torch.float32, copy=True)
                 state["exp_avg"] = torch.zeros_like(state["master"])
                 state["exp_avg_sq"] = torch.zeros_like(state["master"])
-        device = params[0].device
-        if self._step is None:
-            self._step = torch.zeros((), dtype=torch.float32, device=device)
-        self._step += 1
-        scale = self.grad_scale if self.grad_scale is not None else torch.ones((), device=device)
+        self._step.add_(1)
         group = self.param_groups[0]
-        update = _compiled_update if device.type == "cuda" else _update
+        update = _compiled_update if params[0].device.type == "cuda" else _update
         update(params, [p.grad for p in params], *([self.state[p][k] for p in params]
                                                  for k in ("master", "exp_avg", "exp_avg_sq")),
-               decays, self._step, scale, group["lr"], *group["betas"], group["eps"])
+               decays, self._step, self.grad_scale if self.grad_scale is not None else self._one,
+               group["lr"], *group["betas"], group["eps"])

@@ -151,7 +151,7 @@ def store_in_bf16(model: GPT) -> None:
     """Store the model's linear and embedding parameters in bf16, and keep its embeddings' sum in fp32 as autocast
     leaves it with fp32 weights, so that the residual stream's dtype stays bf16_residual's to change (the lookup
     is no autocast operation: its output has its weight's dtype). The LayerNorms keep fp32 weights, as autocast
-    computes LayerNorm in fp32; they are 0.1% of the parameters."""
+    computes LayerNorm in fp32; they are under 0.1% of the parameters."""
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             module.to(torch.bfloat16)

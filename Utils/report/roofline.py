@@ -200,7 +200,9 @@ EIGHT_BIT_BYTES = 4 + 4 + 4 + 1 + 1 + 1 + 1
 # Parameters stored in bf16 with fp32 master weights (Addition.optimizer "master", Utils.kernels.master_adamw):
 # forward and backward read each weight and backward writes its gradient in 2 bytes; the clip's norm reads the
 # gradient (and an unfolded clip's multiply reads and rewrites it); one pass reads the gradient, the master
-# weight, m and v, and writes the last three and the bf16 parameter.
+# weight, m and v, and writes the last three and the bf16 parameter. With the folded clip, 36 bytes a parameter
+# against fp32 parameters' 48 here; Utils.kernels.master_adamw counts 48 against 30, autocast's casts in place of
+# the GEMMs' reads and writes, which this floor counts as fp32 (WEIGHT_BYTES).
 MASTER_WEIGHT_BYTES = 2 + 2 + 2
 MASTER_CLIP_BYTES, MASTER_FOLDED_CLIP_BYTES = 2 + 4, 2
 MASTER_ADAMW_BYTES = 2 + 3 * 4 + 3 * 4 + 2

@@ -285,14 +285,18 @@ def _nothing_fits(additions: tuple, cfg: RunConfig, device: torch.device, seen: 
     (try_row runs one row a micro-batch under a config), where the fixed part leaves room; else the 8bit rung or
     a smaller MODEL, their fixed part computed from the one measured here."""
     cap = cfg.gpu_memory_gib or torch.cuda.get_device_properties(device).total_memory / 2**30
+    # Bytes a parameter: 4 for a weight in fp32, 2 under master_weights (bf16, with an fp32 master in the
+    # optimizer). Weights, gradients and AdamW's states come to 16 either way: 4 + 4 + 8, or 2 + 2 + 4 + 8.
+    weight_bytes = 2 if any(ADDITIONS[a].optimizer == "master" for a in additions) else 4
     if "weights" in seen:
         weights = seen["weights"] / 2**30
-    else:   # the model itself did not fit: its fp32 weights, counted
-        weights = 4 * _parameters(cfg.model) / 2**30
+    else:   # the model itself did not fit: its weights, counted
+        weights = weight_bytes * _parameters(cfg.model) / 2**30
+    params = weights / weight_bytes   # in 2**30 parameters
     if "after_step" in seen:   # weights and states measured; the gradients are as large as the weights
         fixed, how = seen["after_step"] / 2**30 + (0 if seen.get("grads_kept") else weights), "measured"
-    else:                      # no step finished: AdamW's two fp32 states and the gradients, each the weights' size
-        fixed, how = 4 * weights, "estimated from the weights"
+    else:                      # no step finished: weights, gradients and AdamW's two fp32 states, counted
+        fixed, how = 16 * params, "estimated from the weights"
     start = (f"out of memory at MICRO_BATCH=1: of {cap:.1f} GiB, the weights ({weights:.2f} GiB), their gradients "
              f"and the optimizer's states take {fixed:.2f} GiB ({how}) before any activation")
     if fixed < ROOM * cap:
@@ -304,9 +308,11 @@ def _nothing_fits(additions: tuple, cfg: RunConfig, device: torch.device, seen: 
                         f"SEQ_LEN={cfg.seq_len}; one row at SEQ_LEN={seq_len} fits (tried): run with SEQ_LEN={seq_len}")
             seq_len //= 2
         start += f"; not even one row at SEQ_LEN={seq_len * 2} fits (tried)"
-    # AdamW keeps two fp32 states a parameter (twice the weights); bitsandbytes' AdamW8bit one byte each.
-    if all(ADDITIONS[a].optimizer != "8bit" for a in additions) and fixed - 1.5 * weights < ROOM * cap:
-        return start + (f"; the 8bit rung's optimizer states take a quarter of AdamW's, {fixed - 1.5 * weights:.2f} GiB "
+    # AdamW keeps two fp32 states a parameter (8 bytes); bitsandbytes' AdamW8bit one byte each (2). The 8bit rung
+    # keeps fp32 weights and gradients: against master_weights' bf16 ones and fp32 master, as many bytes (+4 - 4).
+    eight_bit = fixed - 6 * params
+    if all(ADDITIONS[a].optimizer != "8bit" for a in additions) and eight_bit < ROOM * cap:
+        return start + (f"; the 8bit rung's optimizer states take a quarter of AdamW's, {eight_bit:.2f} GiB "
                         f"in all: try it (make 8bit)")
     sizes = {m: _parameters(m) for m in PRESETS}
     smaller = [m for m in PRESETS if sizes[m] < sizes[cfg.model] and fixed * sizes[m] / sizes[cfg.model] < ROOM * cap]

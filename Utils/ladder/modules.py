@@ -146,7 +146,6 @@ def cast_residual_to_bf16(model: GPT) -> None:
     blocks(model)[0].register_forward_pre_hook(cast)
 
 
-
 def store_in_bf16(model: GPT) -> None:
     """Store the model's linear and embedding parameters in bf16, and keep its embeddings' sum in fp32 as autocast
     leaves it with fp32 weights, so that the residual stream's dtype stays bf16_residual's to change (the lookup

@@ -67,8 +67,8 @@ class Addition:
             raise ValueError(f"{self.name}: stage must be one of {STAGES} and pillar one of {PILLARS}")
         if self.matmuls not in ("", "tf32", "bf16") or self.optimizer not in ("", "fused", "8bit", "master") \
                 or self.fp8_gemms not in ("", "head", "qkv_fc", "blocks"):
-            raise ValueError(f"{self.name}: matmuls is '', tf32 or bf16; optimizer '', fused, 8bit or master; fp8_gemms '', "
-                             f"head, qkv_fc or blocks")
+            raise ValueError(f"{self.name}: matmuls is '', tf32 or bf16; optimizer '', fused, 8bit or master; "
+                             f"fp8_gemms '', head, qkv_fc or blocks")
 
 
 _ADDITIONS = [
@@ -195,7 +195,8 @@ _ADDITIONS = [
                  "out of the weight gradients the layer's GEMM already makes"),
     Addition("master_weights", "model", "memory",
              "linear and embedding parameters and their gradients stored in bf16; AdamW updates fp32 master "
-             "weights and writes the bf16 parameters in the same compiled pass", requires=("bf16",), excludes=("8bit",), optimizer="master",
+             "weights and writes the bf16 parameters in the same compiled pass",
+             requires=("bf16",), excludes=("8bit",), optimizer="master",
              fsdp="its compiled update has not been tried on FSDP's DTensor shards",
              phrase="the parameters stored in bf16, with fp32 master weights that AdamW updates and rounds to them in "
                     "one compiled pass (`master_weights`)",

@@ -17,52 +17,156 @@ The gradients are bf16, as the GEMMs made them before the cast, and so is what i
 update: they add up in bf16 across micro-batches, DDP averages them in bf16 over the ranks, and the clip's norm
 is a norm of bf16 tensors, each tensor's rounded to bf16 (about 0.2% off the fp32 norm of the same values).
 
-On a GPU the update is one torch.compile'd function of foreach operations, which Inductor fuses into kernels
-that each take many tensors; elsewhere the same function runs eagerly. Every operation must be one Inductor
-lowers: one it does not runs as an ATen kernel of its own and writes its output whole (tests/test_master_adamw.py
-checks the compiled update for such fallbacks).
+On a GPU the update is one Triton kernel for all the tensors of a dtype (apex's multi-tensor apply, with the
+tensors' addresses in a table): the fp32 masters, m and v lie in flat buffers, each tensor at a multiple of BLOCK
+elements, and a program updates one BLOCK of one tensor, reading its gradient and writing its parameter through
+the addresses. torch.compile of foreach operations did the same work at the same rate at 124M, but Inductor took
+over five minutes to compile it for GPT-2 1.5B's 580 tensors on a fresh H100 (BENCHMARKS.md); the kernel
+compiles once, whatever the model. Elsewhere the same arithmetic runs as foreach operations (_update).
 """
+import os
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor
 
+try:
+    import triton
+    import triton.language as tl
+except Exception:   # absent, or broken: foreach operations instead
+    triton = None
+
+# Elements a program updates: 8 a thread with 8 warps. Each tensor starts at a multiple of it in the flat
+# buffers, so that a program's elements are of one tensor; the padding is under BLOCK elements a tensor.
+BLOCK, NUM_WARPS = 2048, 8
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def _update(params: list[Tensor], grads: list[Tensor], masters: list[Tensor], exp_avgs: list[Tensor],
-            exp_avg_sqs: list[Tensor], decays: list[float], step: Tensor, grad_scale: Tensor, lr: float,
-            beta1: float, beta2: float, eps: float) -> None:
-    """One AdamW step (torch.optim.AdamW's arithmetic) on the fp32 masters from the bf16 grads divided by
-    grad_scale, then params = masters rounded to bf16. decays[i] = lr × weight decay of tensor i; step is the
-    step's number (1 on the first), a 0-d fp32 tensor, so that a compiled update is not compiled again each step."""
+            exp_avg_sqs: list[Tensor], keeps: list[float], grad_scale: Tensor, step_size: float,
+            bias_correction2_sqrt: float, beta1: float, beta2: float, eps: float) -> None:
+    """One AdamW step (torch.optim.AdamW's arithmetic) on the fp32 masters from the grads divided by grad_scale,
+    then params = masters rounded to their dtype. keeps[i] = 1 - lr × weight decay of tensor i."""
     g = torch._foreach_div([grad.float() for grad in grads], grad_scale)
     torch._foreach_lerp_(exp_avgs, g, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, g, g, 1 - beta2)
     denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, (1 - beta2 ** step).sqrt())
+    torch._foreach_div_(denom, bias_correction2_sqrt)
     torch._foreach_add_(denom, eps)
-    # One Scalar multiply per decay: Inductor has no lowering for _foreach_mul's ScalarList form, and its ATen
-    # fallback, an unfused pass that writes a copy of every master weight, cost 0.5 ms a step at 124M on an H100.
-    for decay in sorted(set(decays)):
-        if decay:
-            torch._foreach_mul_([w for w, d in zip(masters, decays) if d == decay], 1 - decay)
-    change = torch._foreach_div(exp_avgs, denom)
-    torch._foreach_mul_(change, lr / (1 - beta1 ** step))
-    torch._foreach_sub_(masters, change)
+    torch._foreach_mul_(masters, keeps)
+    torch._foreach_addcdiv_(masters, exp_avgs, denom, -step_size)
     torch._foreach_copy_(params, masters)
 
 
-_compiled_update = torch.compile(_update, dynamic=False)
+def _define_triton():
+    @triton.jit
+    def _update_kernel(grad_addrs, param_addrs, tensor_of_block, starts, numels, keeps, masters, exp_avgs,
+                       exp_avg_sqs, grad_scale, step_size, bias_correction2_sqrt, beta1, one_minus_beta1, beta2,
+                       one_minus_beta2, eps, GRAD: tl.constexpr, PARAM: tl.constexpr, BLOCK: tl.constexpr):
+        # Block b of the flat buffers belongs to tensor t; the tensor's own element i is the buffers' start + i.
+        b = tl.program_id(0)
+        t = tl.load(tensor_of_block + b)
+        start = tl.load(starts + t)
+        grad_addr = tl.load(grad_addrs + t)          # 0: no gradient this step, the tensor is left as it is
+        local = b.to(tl.int64) * BLOCK - start + tl.arange(0, BLOCK)
+        mask = (local < tl.load(numels + t)) & (grad_addr != 0)
+        flat = start + local
+        g = tl.load(grad_addr.to(tl.pointer_type(GRAD)) + local, mask=mask, other=0.0).to(tl.float32)
+        g = g / tl.load(grad_scale)
+        m = tl.load(exp_avgs + flat, mask=mask)
+        v = tl.load(exp_avg_sqs + flat, mask=mask)
+        w = tl.load(masters + flat, mask=mask)
+        m = m + one_minus_beta1 * (g - m)            # torch's lerp for a weight under 0.5
+        v = v * beta2 + one_minus_beta2 * g * g
+        w = w * tl.load(keeps + t) - step_size * (m / (tl.sqrt(v) / bias_correction2_sqrt + eps))
+        tl.store(exp_avgs + flat, m, mask=mask)
+        tl.store(exp_avg_sqs + flat, v, mask=mask)
+        tl.store(masters + flat, w, mask=mask)
+        param = tl.load(param_addrs + t).to(tl.pointer_type(PARAM))
+        tl.store(param + local, w.to(PARAM), mask=mask)
+
+    return _update_kernel
+
+
+_kernel = None
+if triton is not None:
+    try:
+        _kernel = _define_triton()
+    except Exception:   # a broken Triton: as if it were absent
+        pass
+
+
+def _addresses(tensors: list[Tensor | None], device: torch.device) -> Tensor:
+    """The tensors' addresses (0 for None) in an int64 tensor on device, copied from pinned memory without
+    waiting: the caching host allocator keeps the pinned block until the copy has run."""
+    table = torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
+    if device.type == "cuda":
+        return table.pin_memory().to(device, non_blocking=True)
+    return table
+
+
+class _Bucket:
+    """The parameters of one dtype: their fp32 masters, m and v in flat buffers, each tensor at a multiple of
+    BLOCK, and the tables the kernel reads (block -> tensor, each tensor's start, size, decay and address)."""
+
+    def __init__(self, params: list[Tensor], keeps: list[float]):
+        self.params = params
+        self.device = params[0].device
+        sizes = [-(-p.numel() // BLOCK) * BLOCK for p in params]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        total = sum(sizes)
+        self.masters, self.exp_avgs, self.exp_avg_sqs = (torch.zeros(total, dtype=torch.float32, device=self.device)
+                                                         for _ in range(3))
+        # (masters, m, v) of each parameter: views into the flat buffers, the optimizer's state
+        self.views = [[flat[s:s + p.numel()].view_as(p) for p, s in zip(params, starts)]
+                      for flat in (self.masters, self.exp_avgs, self.exp_avg_sqs)]
+        for master, p in zip(self.views[0], params):
+            master.copy_(p.detach())
+        self.keeps = keeps
+        long = dict(dtype=torch.int64, device=self.device)
+        self.starts = torch.tensor(starts, **long)
+        self.numels = torch.tensor([p.numel() for p in params], **long)
+        self.keep_table = torch.tensor(keeps, dtype=torch.float32, device=self.device)
+        self.tensor_of_block = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32),
+                                                       torch.tensor(sizes) // BLOCK).to(self.device)
+        self.param_addrs = _addresses(params, self.device)
+        self._grads: tuple = ()
+        self._grad_addrs: Tensor | None = None
+
+    def grad_addrs(self, grads: list[Tensor | None]) -> Tensor:
+        """The gradients' address table, made again only where an address changed since the last step."""
+        key = tuple(0 if g is None else g.data_ptr() for g in grads)
+        if key != self._grads:
+            self._grads, self._grad_addrs = key, _addresses(grads, self.device)
+        return self._grad_addrs
+
+    def update(self, grad_scale: Tensor, step_size: float, bias_correction2_sqrt: float, beta1: float, beta2: float,
+               eps: float) -> None:
+        grads = [None if p.grad is None else p.grad.contiguous() for p in self.params]
+        if _kernel is not None and (self.device.type == "cuda" or INTERPRETED):
+            dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+            _kernel[(len(self.tensor_of_block),)](
+                self.grad_addrs(grads), self.param_addrs, self.tensor_of_block, self.starts, self.numels,
+                self.keep_table, self.masters, self.exp_avgs, self.exp_avg_sqs, grad_scale, step_size,
+                bias_correction2_sqrt, beta1, 1 - beta1, beta2, 1 - beta2, eps,
+                GRAD=dtype[self.params[0].dtype], PARAM=dtype[self.params[0].dtype], BLOCK=BLOCK,
+                num_warps=NUM_WARPS)
+            return
+        have = [i for i, g in enumerate(grads) if g is not None]
+        _update([self.params[i] for i in have], [grads[i] for i in have],
+                *([views[i] for i in have] for views in self.views), [self.keeps[i] for i in have], grad_scale,
+                step_size, bias_correction2_sqrt, beta1, beta2, eps)
 
 
 class MasterAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update for bf16 (or fp16) parameters, from fp32 master weights that it keeps with m
     and v. It divides each gradient by `grad_scale` where that is set (a 0-d tensor: the folded clip,
     Utils.ladder.apply's fold_clip), as fused AdamW does, but leaves the gradient as it was. Its parameter groups
-    may differ in weight decay only; a changed learning rate compiles the update again. One step count serves
-    every parameter (every parameter of the suite's models gets a gradient every step; torch's AdamW counts each
-    parameter's own). Its state is not one to save and load: load_state_dict would cast the fp32 masters to the
-    parameters' dtype, and the step count is not in it."""
+    may differ in weight decay only, read with the learning rate at the first step, which lays out the state of
+    every parameter. One step count serves every parameter (every parameter of the suite's models gets a gradient
+    every step; torch's AdamW counts each parameter's own). Its state is not one to save and load:
+    load_state_dict would cast the fp32 masters to the parameters' dtype, and the step count is not in it."""
 
     def __init__(self, params: Iterable, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float = 0.0):
@@ -71,35 +175,42 @@ class MasterAdamW(torch.optim.Optimizer):
         if len(shared) > 1:
             raise ValueError("MasterAdamW's parameter groups may differ in weight_decay only")
         self.grad_scale: Tensor | None = None
+        self.steps = 0
+        self._buckets: list[_Bucket] = []
         device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
-        # Made here and advanced in place: a step traced by torch.compile (compiled_update) keeps in-place changes
-        # to an attribute's tensor, not an attribute set to a new tensor.
-        self._step = torch.zeros((), dtype=torch.float32, device=device)
         self._one = torch.ones((), dtype=torch.float32, device=device)
 
+    # The kernel reads the gradients' addresses, which torch.compile cannot trace: under compiled_update the step
+    # runs as it is, and the clip before it is compiled.
+    @torch._dynamo.disable
     @torch.no_grad()
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("MasterAdamW takes no closure")
-        # Every group in one call: one compiled update, whose kernels each take tensors of both groups.
-        params, decays = [], []
+        if not any(p.grad is not None for group in self.param_groups for p in group["params"]):
+            return
+        if not self._buckets:
+            self._buckets = self._lay_out()
+        self.steps += 1
+        group = self.param_groups[0]
+        beta1, beta2 = group["betas"]
+        step_size = group["lr"] / (1 - beta1 ** self.steps)
+        bias_correction2_sqrt = (1 - beta2 ** self.steps) ** 0.5
+        grad_scale = self.grad_scale if self.grad_scale is not None else self._one
+        for bucket in self._buckets:
+            bucket.update(grad_scale, step_size, bias_correction2_sqrt, beta1, beta2, group["eps"])
+
+    def _lay_out(self) -> list[_Bucket]:
+        """A bucket for each dtype of parameter (bf16 weights, fp32 LayerNorms), every group in it: one launch
+        updates them all. Their masters, m and v become the optimizer's state."""
+        by_dtype: dict[torch.dtype, tuple[list, list]] = {}
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    params.append(p)
-                    decays.append(group["lr"] * group["weight_decay"])
-        if not params:
-            return
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["master"] = p.detach().to(torch.float32, copy=True)
-                state["exp_avg"] = torch.zeros_like(state["master"])
-                state["exp_avg_sq"] = torch.zeros_like(state["master"])
-        self._step.add_(1)
-        group = self.param_groups[0]
-        update = _compiled_update if params[0].device.type == "cuda" else _update
-        update(params, [p.grad for p in params], *([self.state[p][k] for p in params]
-                                                 for k in ("master", "exp_avg", "exp_avg_sq")),
-               decays, self._step, self.grad_scale if self.grad_scale is not None else self._one,
-               group["lr"], *group["betas"], group["eps"])
+                params, keeps = by_dtype.setdefault(p.dtype, ([], []))
+                params.append(p)
+                keeps.append(1 - group["lr"] * group["weight_decay"])
+        buckets = [_Bucket(params, keeps) for params, keeps in by_dtype.values()]
+        for bucket in buckets:
+            for p, master, exp_avg, exp_avg_sq in zip(bucket.params, *bucket.views):
+                self.state[p] = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        return buckets

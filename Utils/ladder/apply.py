@@ -410,7 +410,7 @@ def _clip_and_step(b: Build) -> Callable[[], None]:
 
 
 def adamw(model: nn.Module, fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW over the model's parameters: torch's (foreach, or fused), or MasterAdamW, one compiled pass, where the
+    """AdamW over the model's parameters: torch's (foreach, or fused), or MasterAdamW, one Triton kernel, where the
     parameters are stored in bf16 (master_weights)."""
     groups = param_groups(model)
     if any(p.dtype == torch.bfloat16 for group in groups for p in group["params"]):

@@ -195,11 +195,11 @@ _ADDITIONS = [
                  "out of the weight gradients the layer's GEMM already makes"),
     Addition("master_weights", "model", "memory",
              "linear and embedding parameters and their gradients stored in bf16; AdamW updates fp32 master "
-             "weights and writes the bf16 parameters in the same compiled pass",
+             "weights and writes the bf16 parameters in the same kernel",
              requires=("bf16",), excludes=("8bit",), optimizer="master",
-             fsdp="its compiled update has not been tried on FSDP's DTensor shards",
+             fsdp="its update kernel reads whole tensors by address, not FSDP's DTensor shards",
              phrase="the parameters stored in bf16, with fp32 master weights that AdamW updates and rounds to them in "
-                    "one compiled pass (`master_weights`)",
+                    "one kernel (`master_weights`)",
              why="bf16 parameters spare each step the cast of every weight to bf16 and of every weight gradient "
                  "back to fp32, and the update reads a 2-byte gradient and writes no gradient back: about 30 bytes "
                  "a parameter outside the GEMMs instead of 48 (Utils.kernels.master_adamw counts them), which "

@@ -596,6 +596,20 @@ def _master_weights(b, base):
     assert not torch.equal(weight.detach(), before)
 
 
+def _stochastic_rounding(b, base):
+    weight = b.model.transformer.h[0].attn.c_attn.weight
+    assert weight.dtype == torch.bfloat16 and type(b.optimizer).__name__ == "MasterAdamW" and not b.optimizer.masters
+    idx = torch.randint(0, SMALL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with b.autocast():
+        loss = b.model(idx, idx)[1]
+    loss.backward()
+    before = weight.detach().clone()
+    b.update()
+    state = b.optimizer.state[weight]
+    assert "master" not in state and state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    assert not torch.equal(weight.detach(), before)
+
+
 def _compiled_update(b, base):
     assert hasattr(b.update, "_torchdynamo_orig_callable") and not hasattr(base.update, "_torchdynamo_orig_callable")
 
@@ -634,6 +648,7 @@ CPU_EFFECTS = {
     "fused": (None, _fused),
     "8bit": (None, _8bit),
     "fold_clip": (None, _fold_clip),
+    "stochastic_rounding": (None, _stochastic_rounding),
     "compiled_update": (None, _compiled_update),
     "prefetch": (r"prefetch has no effect on a CPU", _prefetch),
     "sync_every": (r"deferred synchronization has no effect on a CPU.*", _sync_every),
@@ -976,4 +991,5 @@ def test_the_max_rung_and_fsdp_s_refusals_come_from_each_addition_s_facts():
     assert PARALLEL_EXCLUDES["fsdp"] == {a: ADDITIONS[a].fsdp for a in ADDITIONS if ADDITIONS[a].fsdp}
     assert set(PARALLEL_EXCLUDES["fsdp"]) == {"gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel",
                                               "fp8_head", "fp8_qkv_fc", "fold_clip", "fold_norm", "8bit",
-                                              "cudagraphs", "fp8", "master_weights"}
+                                              "cudagraphs", "fp8", "master_weights",
+                                              "stochastic_rounding"}

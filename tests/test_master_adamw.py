@@ -103,6 +103,45 @@ def test_groups_that_differ_in_more_than_weight_decay_are_refused():
         MasterAdamW([{"params": [a]}, {"params": [b], "lr": 1e-3}], **HYPER)
 
 
+def test_stochastic_rounding_picks_a_neighbour_with_the_probability_of_the_remainder():
+    from Utils.kernels.master_adamw import _random_bits, round_stochastically
+    n = 200_000
+    below, above = 1.0, 1.0 + 2 ** -7                     # neighbouring bf16 values
+    for fraction in (0.25, 0.8):
+        x = torch.full((n,), below + fraction * (above - below))
+        for sign in (1, -1):
+            r = round_stochastically(sign * x, _random_bits(torch.arange(n), seed=12345)).float()
+            assert set(r.abs().unique().tolist()) == {below, above}
+            assert (r.abs() == above).float().mean().item() == pytest.approx(fraction, abs=0.01)
+    exact = torch.tensor([1.0, -3.5, 0.0])                # already bf16: unchanged whatever the bits
+    assert torch.equal(round_stochastically(exact, torch.full((3,), 0xFFFF)).float(), exact)
+
+
+def test_without_masters_updates_under_half_a_bf16_step_still_move_the_parameters():
+    """Each update is about a tenth of a bf16 step: rounded to nearest the parameters would never move; rounded
+    stochastically they follow fp32 AdamW on average, each element within a bf16 step or so of it."""
+    n, steps, lr = 4096, 40, 1e-4
+    start = torch.full((n,), 1.0)
+    p, ref = torch.nn.Parameter(start.to(torch.bfloat16)), torch.nn.Parameter(start.clone())
+    opt = MasterAdamW([p], lr=lr, betas=(0.9, 0.95), eps=1e-8, masters=False)
+    reference = torch.optim.AdamW([ref], lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        grad = 1 + 0.1 * torch.randn(n, generator=g)
+        p.grad, ref.grad = grad.to(torch.bfloat16), grad.to(torch.bfloat16).float()
+        opt.step()
+        reference.step()
+    assert "master" not in opt.state[p] and opt.state[p]["exp_avg"].dtype == torch.bfloat16
+    moved, expected = (start - p.detach().float()).mean().item(), (start - ref.detach()).mean().item()
+    assert expected == pytest.approx(steps * lr, rel=0.05) and moved == pytest.approx(expected, rel=0.1)
+    assert (p.detach().float() - ref.detach()).abs().mean().item() <= 2 ** -8   # a random walk about it
+
+
+def test_fp16_parameters_need_masters():
+    with pytest.raises(ValueError, match="bf16 only"):
+        MasterAdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))], **HYPER, masters=False)
+
+
 # The Triton kernel under Triton's interpreter, in a fresh process: the same steps as above, with parameters of
 # two dtypes (two buckets, two launches) and a parameter left without a gradient. The interpreter rounds fp32 to
 # bf16 toward zero, so the parameters are checked against their masters to one bf16 step there.
@@ -110,6 +149,7 @@ KERNEL_CHECK = """
 import json, torch
 import test_master_adamw as t
 from Utils.kernels import master_adamw
+from Utils.kernels.master_adamw import MasterAdamW
 pair, reference = t._pair()
 params, opt = pair
 extra = torch.nn.Parameter(torch.randn(3000))
@@ -117,7 +157,21 @@ opt.add_param_group({"params": [extra], "weight_decay": 0.0})
 t._steps(pair, reference, scales=[1.0, 4.0, 0.5, 2.0, 8.0, 1.0])
 t._assert_follows(pair, reference, exact_params=False)
 ran = master_adamw._kernel is not None and master_adamw.INTERPRETED and len(opt._buckets) == 2
-print(json.dumps(dict(ran=ran, extra_untouched=bool(not opt.state[extra]["exp_avg"].any()))))
+# Without masters the kernel and the foreach operations round alike, the same 16 bits an element: one step, since
+# the interpreter's truncated bf16 m and v would part the two afterwards.
+pairs = []
+for kernel in (master_adamw._kernel, None):
+    master_adamw._kernel = kernel
+    w = torch.nn.Parameter(torch.randn(5000, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16))
+    o = MasterAdamW([w], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, masters=False)
+    w.grad = torch.randn(5000, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    o.step()
+    pairs.append((w.detach().float(), o.state[w]["exp_avg_sq"].float()))
+(kw, kv), (ew, ev) = pairs
+same = (kw == ew).float().mean().item()
+close = bool(torch.allclose(kv, ev, rtol=2 ** -7, atol=0)) and bool(((kw - ew).abs() <= 2 ** -6 * ew.abs()).all())
+print(json.dumps(dict(ran=ran, extra_untouched=bool(not opt.state[extra]["exp_avg"].any()), same=same > 0.999,
+                      close=close)))
 """
 
 
@@ -125,7 +179,7 @@ def test_the_triton_kernel_follows_fp32_adamw_under_the_interpreter(repo_root):
     from conftest import run_interpreted
     tests = os.path.join(repo_root, "tests")
     r = run_interpreted(f"import sys; sys.path.insert(0, {tests!r})\n" + KERNEL_CHECK, repo_root)
-    assert r == {"ran": True, "extra_untouched": True}
+    assert r == {"ran": True, "extra_untouched": True, "same": True, "close": True}
 
 
 @pytest.mark.gpu

@@ -343,6 +343,18 @@ def test_the_hint_counts_bf16_weights_with_fp32_masters_under_master_weights():
     assert f"the weights ({weights:.2f} GiB)" in message and f"take {8 * weights:.2f} GiB (estimated" in message
 
 
+def test_the_hint_counts_8_bytes_a_parameter_without_masters():
+    """stochastic_rounding: bf16 weights, gradients, m and v, 8 bytes a parameter, half of master_weights' 16."""
+    from dataclasses import replace
+
+    from Utils.train.run import _nothing_fits, _parameters
+    cfg = replace(parse_args(["--steps", "4", "--batch-size", "4", "--prefix", "p", "--model", "gpt2",
+                              "--data", "synthetic"]), gpu_memory_gib=1.0)
+    message = _nothing_fits(("bf16", "stochastic_rounding"), cfg, CPU, {}, lambda c: None, lambda line: None)
+    weights = 2 * _parameters("gpt2") / 2**30
+    assert f"the weights ({weights:.2f} GiB)" in message and f"take {4 * weights:.2f} GiB (estimated" in message
+
+
 @pytest.mark.parametrize("users, recorded", [("", "expandable_segments:True"),
                                              ("max_split_size_mb:64", "max_split_size_mb:64")])
 def test_the_allocator_grows_its_segments_unless_the_user_set_it_and_the_run_records_which(tmp_path, monkeypatch,

@@ -187,6 +187,16 @@ def test_master_weights_bytes_per_parameter():
         {k: v for k, v in before.items() if k != "weights+grads+clip"}
 
 
+def test_stochastic_rounding_bytes_per_parameter():
+    """No masters: the update reads the bf16 gradient, parameter, m and v and writes the last three, 14 bytes; the
+    weights' and gradients' traffic is master_weights'."""
+    roof = h200_roof()
+    max_ = RUNGS["max"].additions
+    assert roof.optimizer_bytes_per_param(max_ + ("stochastic_rounding",)) == 14
+    assert roof.traffic(max_ + ("stochastic_rounding",))["weights+grads+clip"] == \
+        roof.traffic(max_ + ("master_weights",))["weights+grads+clip"]
+
+
 def test_floors_frame():
     roof = h200_roof()
     floors = roof.floors({"baseline": 369.3, "tf32": 155.5, "max": 29.2, "fused+loss": 37.5, "mine": 1.0})

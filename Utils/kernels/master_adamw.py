@@ -1,5 +1,5 @@
-"""AdamW for parameters stored in bf16: fp32 master weights, m and v, updated in one compiled pass that also
-writes the bf16 parameters (llm.c's layout).
+"""AdamW for parameters stored in bf16: fp32 master weights, m and v, updated in one kernel that also writes the
+bf16 parameters (llm.c's layout); or, with masters=False, no master weights at all (torchao's bf16 AdamW recipe).
 
 Under bf16 autocast the parameters stay fp32, and a step moves 48 bytes a parameter outside the GEMMs:
 the forward casts each weight to bf16 (4 read, 2 written), backward's bf16 weight gradient is cast to the
@@ -23,6 +23,13 @@ elements, and a program updates one BLOCK of one tensor, reading its gradient an
 the addresses. torch.compile of foreach operations did the same work at the same rate at 124M, but Inductor took
 over five minutes to compile it for GPT-2 1.5B's 580 tensors on a fresh H100 (BENCHMARKS.md); the kernel
 compiles once, whatever the model. Elsewhere the same arithmetic runs as foreach operations (_update).
+
+With masters=False the bf16 parameter is the only copy of a weight, and m and v are bf16 too: 8 bytes a parameter
+held instead of 16, and the update moves 14 bytes a parameter instead of 28. An update smaller than half a bf16
+step would be lost to rounding to nearest, so the parameter is rounded stochastically, up with the probability of
+the distance to the value below (Gupta et al. 2015, "Deep learning with limited numerical precision"): in
+expectation the parameter follows the fp32 update. The 16 random bits an element come from a hash of its place
+and the step (murmur3's 32-bit finalizer), the same in the kernel and in _update, so the two round alike.
 """
 import os
 from collections.abc import Iterable
@@ -42,28 +49,58 @@ BLOCK, NUM_WARPS = 2048, 8
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _update(params: list[Tensor], grads: list[Tensor], masters: list[Tensor], exp_avgs: list[Tensor],
+def _random_bits(index: Tensor, seed: int) -> Tensor:
+    """16 random bits for each element index (an int64 tensor) at a step's seed: murmur3's finalizer of
+    index × 0x9E3779B1 + seed, modulo 2**32, as the kernel computes it in uint32."""
+    m = 0xFFFFFFFF
+    x = ((index & m) * 0x9E3779B1 + seed) & m
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & m
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & m
+    return (x ^ (x >> 16)) >> 16
+
+
+def round_stochastically(x: Tensor, bits: Tensor) -> Tensor:
+    """fp32 x rounded to bf16, away from zero where bits (16 random bits an element) are under x's lower 16 bits:
+    adding them to the bit pattern carries into the bf16 part with the probability of that remainder."""
+    return ((x.view(torch.int32) + bits.to(torch.int32)) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def _update(params: list[Tensor], grads: list[Tensor], masters: list[Tensor] | None, exp_avgs: list[Tensor],
             exp_avg_sqs: list[Tensor], keeps: list[float], grad_scale: Tensor, step_size: float,
-            bias_correction2_sqrt: float, beta1: float, beta2: float, eps: float) -> None:
-    """One AdamW step (torch.optim.AdamW's arithmetic) on the fp32 masters from the grads divided by grad_scale,
-    then params = masters rounded to their dtype. keeps[i] = 1 - lr × weight decay of tensor i."""
+            bias_correction2_sqrt: float, beta1: float, beta2: float, eps: float,
+            starts: list[int] | None = None, seed: int = 0) -> None:
+    """One AdamW step (torch.optim.AdamW's arithmetic) in fp32 from the grads divided by grad_scale, on the masters
+    (then params = masters rounded to nearest), or without them on the params themselves (bf16 ones rounded
+    stochastically, each element's bits from its index in the bucket, starts[i] + its place, and seed).
+    keeps[i] = 1 - lr × weight decay of tensor i; m and v are fp32, or bf16 without masters."""
+    weights = masters if masters is not None else [p.float() for p in params]
+    m, v = [t.float() for t in exp_avgs], [t.float() for t in exp_avg_sqs]   # the same tensors where fp32
     g = torch._foreach_div([grad.float() for grad in grads], grad_scale)
-    torch._foreach_lerp_(exp_avgs, g, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, g, g, 1 - beta2)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_lerp_(m, g, 1 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, g, g, 1 - beta2)
+    denom = torch._foreach_sqrt(v)
     torch._foreach_div_(denom, bias_correction2_sqrt)
     torch._foreach_add_(denom, eps)
-    torch._foreach_mul_(masters, keeps)
-    torch._foreach_addcdiv_(masters, exp_avgs, denom, -step_size)
-    torch._foreach_copy_(params, masters)
+    torch._foreach_mul_(weights, keeps)
+    torch._foreach_addcdiv_(weights, m, denom, -step_size)
+    for state, work in ((exp_avgs, m), (exp_avg_sqs, v)):
+        if state[0] is not work[0]:
+            torch._foreach_copy_(state, work)
+    if masters is not None or params[0].dtype != torch.bfloat16:
+        torch._foreach_copy_(params, weights)
+        return
+    for p, w, start in zip(params, weights, starts):
+        index = start + torch.arange(w.numel(), device=w.device)
+        p.copy_(round_stochastically(w, _random_bits(index, seed).view_as(w)))
 
 
 def _define_triton():
-    @triton.jit
+    @triton.jit(do_not_specialize=["seed"])
     def _update_kernel(grad_addrs, param_addrs, tensor_of_block, starts, numels, keeps, masters, exp_avgs,
                        exp_avg_sqs, grad_scale, step_size, bias_correction2_sqrt, beta1, one_minus_beta1, beta2,
-                       one_minus_beta2, eps, GRAD: tl.constexpr, PARAM: tl.constexpr, BLOCK: tl.constexpr):
+                       one_minus_beta2, eps, seed, GRAD: tl.constexpr, PARAM: tl.constexpr, MASTERS: tl.constexpr,
+                       STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
         # Block b of the flat buffers belongs to tensor t; the tensor's own element i is the buffers' start + i.
         b = tl.program_id(0)
         t = tl.load(tensor_of_block + b)
@@ -72,18 +109,28 @@ def _define_triton():
         local = b.to(tl.int64) * BLOCK - start + tl.arange(0, BLOCK)
         mask = (local < tl.load(numels + t)) & (grad_addr != 0)
         flat = start + local
+        param = tl.load(param_addrs + t).to(tl.pointer_type(PARAM))
         g = tl.load(grad_addr.to(tl.pointer_type(GRAD)) + local, mask=mask, other=0.0).to(tl.float32)
         g = g / tl.load(grad_scale)
-        m = tl.load(exp_avgs + flat, mask=mask)
-        v = tl.load(exp_avg_sqs + flat, mask=mask)
-        w = tl.load(masters + flat, mask=mask)
+        m = tl.load(exp_avgs + flat, mask=mask).to(tl.float32)
+        v = tl.load(exp_avg_sqs + flat, mask=mask).to(tl.float32)
+        if MASTERS:
+            w = tl.load(masters + flat, mask=mask)
+        else:
+            w = tl.load(param + local, mask=mask).to(tl.float32)
         m = m + one_minus_beta1 * (g - m)            # torch's lerp for a weight under 0.5
         v = v * beta2 + one_minus_beta2 * g * g
         w = w * tl.load(keeps + t) - step_size * (m / (tl.sqrt(v) / bias_correction2_sqrt + eps))
-        tl.store(exp_avgs + flat, m, mask=mask)
-        tl.store(exp_avg_sqs + flat, v, mask=mask)
-        tl.store(masters + flat, w, mask=mask)
-        param = tl.load(param_addrs + t).to(tl.pointer_type(PARAM))
+        tl.store(exp_avgs + flat, m.to(exp_avgs.dtype.element_ty), mask=mask)
+        tl.store(exp_avg_sqs + flat, v.to(exp_avg_sqs.dtype.element_ty), mask=mask)
+        if MASTERS:
+            tl.store(masters + flat, w, mask=mask)
+        if STOCHASTIC:   # _random_bits and round_stochastically: the low 16 bits become zero, the cast exact
+            x = flat.to(tl.uint32) * 0x9E3779B1 + seed.to(tl.uint32)
+            x = (x ^ (x >> 16)) * 0x85EBCA6B
+            x = (x ^ (x >> 13)) * 0xC2B2AE35
+            bits = ((x ^ (x >> 16)) >> 16).to(tl.int32)
+            w = ((w.to(tl.int32, bitcast=True) + bits) & -65536).to(tl.float32, bitcast=True)
         tl.store(param + local, w.to(PARAM), mask=mask)
 
     return _update_kernel
@@ -107,25 +154,30 @@ def _addresses(tensors: list[Tensor | None], device: torch.device) -> Tensor:
 
 
 class _Bucket:
-    """The parameters of one dtype: their fp32 masters, m and v in flat buffers, each tensor at a multiple of
-    BLOCK, and the tables the kernel reads (block -> tensor, each tensor's start, size, decay and address)."""
+    """The parameters of one dtype: their fp32 masters (for bf16 and fp16 parameters with masters), m and v (fp32,
+    or the parameters' bf16 without masters) in flat buffers, each tensor at a multiple of BLOCK, and the tables
+    the kernel reads (block -> tensor, each tensor's start, size, decay and address)."""
 
-    def __init__(self, params: list[Tensor], keeps: list[float]):
+    def __init__(self, params: list[Tensor], keeps: list[float], masters: bool):
         self.params = params
-        self.device = params[0].device
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.has_masters = masters and self.dtype != torch.float32
+        self.stochastic = not masters and self.dtype == torch.bfloat16
         sizes = [-(-p.numel() // BLOCK) * BLOCK for p in params]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.start_list = [sum(sizes[:i]) for i in range(len(sizes))]
         total = sum(sizes)
-        self.masters, self.exp_avgs, self.exp_avg_sqs = (torch.zeros(total, dtype=torch.float32, device=self.device)
-                                                         for _ in range(3))
-        # (masters, m, v) of each parameter: views into the flat buffers, the optimizer's state
-        self.views = [[flat[s:s + p.numel()].view_as(p) for p, s in zip(params, starts)]
-                      for flat in (self.masters, self.exp_avgs, self.exp_avg_sqs)]
-        for master, p in zip(self.views[0], params):
+        state = dict(dtype=torch.float32 if masters else self.dtype, device=self.device)
+        self.exp_avgs, self.exp_avg_sqs = torch.zeros(total, **state), torch.zeros(total, **state)
+        self.masters = torch.zeros(total, dtype=torch.float32, device=self.device) if self.has_masters else None
+        flats = (self.masters, self.exp_avgs, self.exp_avg_sqs)
+        # (masters or None, m, v) of each parameter: views into the flat buffers, the optimizer's state
+        self.views = [None if flat is None else [flat[s:s + p.numel()].view_as(p)
+                                                 for p, s in zip(params, self.start_list)] for flat in flats]
+        for master, p in zip(self.views[0] or [], params):
             master.copy_(p.detach())
         self.keeps = keeps
         long = dict(dtype=torch.int64, device=self.device)
-        self.starts = torch.tensor(starts, **long)
+        self.starts = torch.tensor(self.start_list, **long)
         self.numels = torch.tensor([p.numel() for p in params], **long)
         self.keep_table = torch.tensor(keeps, dtype=torch.float32, device=self.device)
         self.tensor_of_block = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32),
@@ -142,26 +194,29 @@ class _Bucket:
         return self._grad_addrs
 
     def update(self, grad_scale: Tensor, step_size: float, bias_correction2_sqrt: float, beta1: float, beta2: float,
-               eps: float) -> None:
+               eps: float, seed: int) -> None:
         grads = [None if p.grad is None else p.grad.contiguous() for p in self.params]
         if _kernel is not None and (self.device.type == "cuda" or INTERPRETED):
-            dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+            dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[self.dtype]
             _kernel[(len(self.tensor_of_block),)](
                 self.grad_addrs(grads), self.param_addrs, self.tensor_of_block, self.starts, self.numels,
-                self.keep_table, self.masters, self.exp_avgs, self.exp_avg_sqs, grad_scale, step_size,
-                bias_correction2_sqrt, beta1, 1 - beta1, beta2, 1 - beta2, eps,
-                GRAD=dtype[self.params[0].dtype], PARAM=dtype[self.params[0].dtype], BLOCK=BLOCK,
-                num_warps=NUM_WARPS)
+                self.keep_table, self.masters if self.has_masters else self.exp_avgs, self.exp_avgs,
+                self.exp_avg_sqs, grad_scale, step_size, bias_correction2_sqrt, beta1, 1 - beta1, beta2, 1 - beta2,
+                eps, seed, GRAD=dtype, PARAM=dtype, MASTERS=self.has_masters, STOCHASTIC=self.stochastic,
+                BLOCK=BLOCK, num_warps=NUM_WARPS)
             return
         have = [i for i, g in enumerate(grads) if g is not None]
         _update([self.params[i] for i in have], [grads[i] for i in have],
-                *([views[i] for i in have] for views in self.views), [self.keeps[i] for i in have], grad_scale,
-                step_size, bias_correction2_sqrt, beta1, beta2, eps)
+                None if self.views[0] is None else [self.views[0][i] for i in have],
+                *([views[i] for i in have] for views in self.views[1:]), [self.keeps[i] for i in have],
+                grad_scale, step_size, bias_correction2_sqrt, beta1, beta2, eps,
+                [self.start_list[i] for i in have], seed)
 
 
 class MasterAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update for bf16 (or fp16) parameters, from fp32 master weights that it keeps with m
-    and v. It divides each gradient by `grad_scale` where that is set (a 0-d tensor: the folded clip,
+    and v; with masters=False, on the bf16 parameters themselves, rounded stochastically, with bf16 m and v (fp32
+    parameters, such as LayerNorm's, keep fp32 m and v and are their own masters either way). It divides each gradient by `grad_scale` where that is set (a 0-d tensor: the folded clip,
     Utils.ladder.apply's fold_clip), as fused AdamW does, but leaves the gradient as it was. Its parameter groups
     may differ in weight decay only, read with the learning rate at the first step, which lays out the state of
     every parameter. One step count serves every parameter (every parameter of the suite's models gets a gradient
@@ -169,8 +224,11 @@ class MasterAdamW(torch.optim.Optimizer):
     load_state_dict would cast the fp32 masters to the parameters' dtype, and the step count is not in it."""
 
     def __init__(self, params: Iterable, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, masters: bool = True):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.masters = masters
+        if not masters and any(p.dtype == torch.float16 for g in self.param_groups for p in g["params"]):
+            raise ValueError("MasterAdamW rounds stochastically to bf16 only: fp16 parameters need masters=True")
         shared = {(g["lr"], tuple(g["betas"]), g["eps"]) for g in self.param_groups}
         if len(shared) > 1:
             raise ValueError("MasterAdamW's parameter groups may differ in weight_decay only")
@@ -198,7 +256,9 @@ class MasterAdamW(torch.optim.Optimizer):
         bias_correction2_sqrt = (1 - beta2 ** self.steps) ** 0.5
         grad_scale = self.grad_scale if self.grad_scale is not None else self._one
         for bucket in self._buckets:
-            bucket.update(grad_scale, step_size, bias_correction2_sqrt, beta1, beta2, group["eps"])
+            # A seed for each step; the hash spreads consecutive ones.
+            bucket.update(grad_scale, step_size, bias_correction2_sqrt, beta1, beta2, group["eps"],
+                          (self.steps * 0x632BE5AB) & 0x7FFFFFFF)
 
     def _lay_out(self) -> list[_Bucket]:
         """A bucket for each dtype of parameter (bf16 weights, fp32 LayerNorms), every group in it: one launch
@@ -209,8 +269,9 @@ class MasterAdamW(torch.optim.Optimizer):
                 params, keeps = by_dtype.setdefault(p.dtype, ([], []))
                 params.append(p)
                 keeps.append(1 - group["lr"] * group["weight_decay"])
-        buckets = [_Bucket(params, keeps) for params, keeps in by_dtype.values()]
+        buckets = [_Bucket(params, keeps, self.masters) for params, keeps in by_dtype.values()]
         for bucket in buckets:
-            for p, master, exp_avg, exp_avg_sq in zip(bucket.params, *bucket.views):
-                self.state[p] = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+            for i, p in enumerate(bucket.params):
+                self.state[p] = {k: views[i] for k, views in zip(("master", "exp_avg", "exp_avg_sq"), bucket.views)
+                                 if views is not None}
         return buckets

@@ -69,6 +69,7 @@ class Build:
     compile_options: dict = field(default_factory=dict)   # the step model's Inductor options, each compile
                                                           # addition's merged (compile_with)
     optimizer: torch.optim.Optimizer | None = None
+    masters: bool = True                          # bf16 parameters get fp32 master weights (stochastic_rounding: no)
     update: Callable[[], None] | None = None       # clips the gradients and steps the optimizer
     source: object = None                          # where batches come from: next_batch() -> token window
     sync_every: int = 1
@@ -125,7 +126,7 @@ def build(additions: Iterable[str], device: torch.device, config: GPTConfig, see
     b.module = wrap(b.model, parallel, device) if parallel else b.model   # before compile, as torchtitan does
     b.step_model = b.module
     stage("compile")
-    b.optimizer = adamw(b.model)
+    b.optimizer = adamw(b.model, masters=b.masters)
     b.update = _clip_and_step(b)
     stage("optimizer")
     b.source = loader
@@ -314,6 +315,14 @@ def apply_master_weights(b: Build) -> None:
     modules.store_in_bf16(b.model)
 
 
+@applies("stochastic_rounding")
+def apply_stochastic_rounding(b: Build) -> None:
+    """The parameters in bf16 as under master_weights, and AdamW without fp32 masters: bf16 m and v, and each
+    parameter rounded stochastically (`adamw` with b.masters off)."""
+    modules.store_in_bf16(b.model)
+    b.masters = False
+
+
 # --- compile ---------------------------------------------------------------------------------------------
 
 def require_compiler(device: torch.device) -> None:
@@ -409,19 +418,19 @@ def _clip_and_step(b: Build) -> Callable[[], None]:
     return update
 
 
-def adamw(model: nn.Module, fused: bool = False) -> torch.optim.Optimizer:
+def adamw(model: nn.Module, fused: bool = False, masters: bool = True) -> torch.optim.Optimizer:
     """AdamW over the model's parameters: torch's (foreach, or fused), or MasterAdamW, one Triton kernel, where the
-    parameters are stored in bf16 (master_weights)."""
+    parameters are stored in bf16 (master_weights; without fp32 masters under stochastic_rounding)."""
     groups = param_groups(model)
     if any(p.dtype == torch.bfloat16 for group in groups for p in group["params"]):
-        return MasterAdamW(groups, lr=LEARNING_RATE, betas=BETAS, eps=EPS)
+        return MasterAdamW(groups, lr=LEARNING_RATE, betas=BETAS, eps=EPS, masters=masters)
     return torch.optim.AdamW(groups, lr=LEARNING_RATE, betas=BETAS, eps=EPS, **({"fused": True} if fused else {}))
 
 
 @applies("fused")
 def apply_fused(b: Build) -> None:
     """torch's fused AdamW: one pass over parameters, gradients and states instead of a dozen multi-tensor ones."""
-    b.optimizer = adamw(b.model, fused=True)
+    b.optimizer = adamw(b.model, fused=True, masters=b.masters)
 
 
 @applies("8bit")

@@ -42,7 +42,8 @@ class Addition:
     matmuls: str = ""              # the format it runs the matmuls in: "tf32" or "bf16" (bf16 also halves activations)
     scores_on_chip: bool = False   # attention keeps each tile of the T x T scores on the chip: no passes over them
     compiled: bool = False         # torch.compile of the model: Inductor fuses the elementwise work into few kernels
-    optimizer: str = ""            # the optimizer step it runs: "fused" (one pass of AdamW), "8bit" (AdamW8bit) or
+    optimizer: str = ""            # the optimizer step it runs: "fused" (one pass of AdamW), "8bit" (AdamW8bit),
+                                   # "stochastic" (bf16 parameters and states rounded stochastically, no masters) or
                                    # "master" (one pass over bf16 parameters and their fp32 master weights)
     clip_folded: bool = False      # the optimizer divides by the clip factor as it reads each gradient
     fp8_gemms: str = ""            # which GEMMs it runs in FP8: "head" (output layer), "qkv_fc" (c_attn's and
@@ -65,10 +66,10 @@ class Addition:
     def __post_init__(self):
         if self.stage not in STAGES or self.pillar not in PILLARS:
             raise ValueError(f"{self.name}: stage must be one of {STAGES} and pillar one of {PILLARS}")
-        if self.matmuls not in ("", "tf32", "bf16") or self.optimizer not in ("", "fused", "8bit", "master") \
-                or self.fp8_gemms not in ("", "head", "qkv_fc", "blocks"):
-            raise ValueError(f"{self.name}: matmuls is '', tf32 or bf16; optimizer '', fused, 8bit or master; "
-                             f"fp8_gemms '', head, qkv_fc or blocks")
+        if self.matmuls not in ("", "tf32", "bf16") or self.fp8_gemms not in ("", "head", "qkv_fc", "blocks") \
+                or self.optimizer not in ("", "fused", "8bit", "master", "stochastic"):
+            raise ValueError(f"{self.name}: matmuls is '', tf32 or bf16; optimizer '', fused, 8bit, master or "
+                             f"stochastic; fp8_gemms '', head, qkv_fc or blocks")
 
 
 _ADDITIONS = [
@@ -204,6 +205,17 @@ _ADDITIONS = [
                  "back to fp32, and the update reads a 2-byte gradient and writes no gradient back: about 30 bytes "
                  "a parameter outside the GEMMs instead of 48 (Utils.kernels.master_adamw counts them), which "
                  "matters at gpt2-xl's 1.5B parameters"),
+    Addition("stochastic_rounding", "model", "memory",
+             "linear and embedding parameters stored in bf16 without fp32 master weights: AdamW keeps m and v in "
+             "bf16 and rounds each updated bf16 parameter stochastically",
+             requires=("bf16",), excludes=("master_weights", "8bit"), optimizer="stochastic",
+             fsdp="its update kernel reads whole tensors by address, not FSDP's DTensor shards",
+             phrase="the parameters stored in bf16 without fp32 master weights, with bf16 m and v and each parameter "
+                    "rounded stochastically (`stochastic_rounding`)",
+             why="without master weights and with bf16 states, the weights, gradients and AdamW's states hold 8 bytes "
+                 "a parameter instead of master_weights' 16, and the update moves 14 instead of 28; rounding at "
+                 "random, up with the probability of the remainder, keeps updates smaller than half a bf16 step in "
+                 "expectation"),
     # compile
     Addition("torch_compile", "compile", "overhead",
              "torch.compile: elementwise work fused into few kernels, far fewer launches",

@@ -206,7 +206,11 @@ EIGHT_BIT_BYTES = 4 + 4 + 4 + 1 + 1 + 1 + 1
 MASTER_WEIGHT_BYTES = 2 + 2 + 2
 MASTER_CLIP_BYTES, MASTER_FOLDED_CLIP_BYTES = 2 + 4, 2
 MASTER_ADAMW_BYTES = 2 + 3 * 4 + 3 * 4 + 2
-MASTER_OPTIMIZERS = frozenset(a for a in ADDITIONS if ADDITIONS[a].optimizer == "master")
+# Without masters (Addition.optimizer "stochastic"): the bf16 gradient, parameter, m and v read, the last three
+# written.
+STOCHASTIC_ADAMW_BYTES = 2 + 3 * 2 + 3 * 2
+MASTER_OPTIMIZERS = frozenset(a for a in ADDITIONS if ADDITIONS[a].optimizer in ("master", "stochastic"))
+STOCHASTIC_OPTIMIZERS = frozenset(a for a in ADDITIONS if ADDITIONS[a].optimizer == "stochastic")
 FUSED_OPTIMIZERS = frozenset(a for a in ADDITIONS if ADDITIONS[a].optimizer == "fused")
 EIGHT_BIT_OPTIMIZERS = frozenset(a for a in ADDITIONS if ADDITIONS[a].optimizer == "8bit")
 FOLDED_CLIPS = frozenset(a for a in ADDITIONS if ADDITIONS[a].clip_folded)
@@ -328,6 +332,8 @@ class Roofline:
     def optimizer_bytes_per_param(self, additions: Iterable[str]) -> float:
         """The optimizer step's bytes per parameter under these additions (the clip apart)."""
         chosen = set(additions)
+        if chosen & STOCHASTIC_OPTIMIZERS:
+            return STOCHASTIC_ADAMW_BYTES
         if chosen & MASTER_OPTIMIZERS:
             return MASTER_ADAMW_BYTES
         if chosen & EIGHT_BIT_OPTIMIZERS:

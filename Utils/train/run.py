@@ -286,8 +286,11 @@ def _nothing_fits(additions: tuple, cfg: RunConfig, device: torch.device, seen: 
     a smaller MODEL, their fixed part computed from the one measured here."""
     cap = cfg.gpu_memory_gib or torch.cuda.get_device_properties(device).total_memory / 2**30
     # Bytes a parameter: 4 for a weight in fp32, 2 under master_weights (bf16, with an fp32 master in the
-    # optimizer). Weights, gradients and AdamW's states come to 16 either way: 4 + 4 + 8, or 2 + 2 + 4 + 8.
-    weight_bytes = 2 if any(ADDITIONS[a].optimizer == "master" for a in additions) else 4
+    # optimizer). Weights, gradients and AdamW's states come to 16 either way: 4 + 4 + 8, or 2 + 2 + 4 + 8; to 8
+    # without masters and with bf16 states (stochastic_rounding).
+    kinds = {ADDITIONS[a].optimizer for a in additions}
+    weight_bytes = 2 if kinds & {"master", "stochastic"} else 4
+    held = 8 if "stochastic" in kinds else 16
     if "weights" in seen:
         weights = seen["weights"] / 2**30
     else:   # the model itself did not fit: its weights, counted
@@ -296,7 +299,7 @@ def _nothing_fits(additions: tuple, cfg: RunConfig, device: torch.device, seen: 
     if "after_step" in seen:   # weights and states measured; the gradients are as large as the weights
         fixed, how = seen["after_step"] / 2**30 + (0 if seen.get("grads_kept") else weights), "measured"
     else:                      # no step finished: weights, gradients and AdamW's two fp32 states, counted
-        fixed, how = 16 * params, "estimated from the weights"
+        fixed, how = held * params, "estimated from the weights"
     start = (f"out of memory at MICRO_BATCH=1: of {cap:.1f} GiB, the weights ({weights:.2f} GiB), their gradients "
              f"and the optimizer's states take {fixed:.2f} GiB ({how}) before any activation")
     if fixed < ROOM * cap:
@@ -309,8 +312,9 @@ def _nothing_fits(additions: tuple, cfg: RunConfig, device: torch.device, seen: 
             seq_len //= 2
         start += f"; not even one row at SEQ_LEN={seq_len * 2} fits (tried)"
     # AdamW keeps two fp32 states a parameter (8 bytes); bitsandbytes' AdamW8bit one byte each (2). The 8bit rung
-    # keeps fp32 weights and gradients: against master_weights' bf16 ones and fp32 master, as many bytes (+4 - 4).
-    eight_bit = fixed - 6 * params
+    # keeps fp32 weights and gradients: against master_weights' bf16 ones and fp32 master, as many bytes (+4 - 4);
+    # 10 bytes in all, against stochastic_rounding's 8.
+    eight_bit = fixed - (held - 10) * params
     if all(ADDITIONS[a].optimizer != "8bit" for a in additions) and eight_bit < ROOM * cap:
         return start + (f"; the 8bit rung's optimizer states take a quarter of AdamW's, {eight_bit:.2f} GiB "
                         f"in all: try it (make 8bit)")

@@ -31,6 +31,7 @@ the distance to the value below (Gupta et al. 2015, "Deep learning with limited 
 expectation the parameter follows the fp32 update. The 16 random bits an element come from a hash of its place
 and the step (murmur3's 32-bit finalizer), the same in the kernel and in _update, so the two round alike.
 """
+import contextlib
 import os
 from collections.abc import Iterable
 
@@ -53,16 +54,22 @@ def _random_bits(index: Tensor, seed: int) -> Tensor:
     """16 random bits for each element index (an int64 tensor) at a step's seed: murmur3's finalizer of
     index × 0x9E3779B1 + seed, modulo 2**32, as the kernel computes it in uint32."""
     m = 0xFFFFFFFF
-    x = ((index & m) * 0x9E3779B1 + seed) & m
-    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & m
-    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & m
+
+    def times(x: Tensor, c: int) -> Tensor:   # x × c modulo 2**32, each product under 2**48: no int64 overflow
+        return (x * (c & 0xFFFF) + ((x * (c >> 16)) << 16)) & m
+
+    x = (times(index & m, 0x9E3779B1) + seed) & m
+    x = times(x ^ (x >> 16), 0x85EBCA6B)
+    x = times(x ^ (x >> 13), 0xC2B2AE35)
     return (x ^ (x >> 16)) >> 16
 
 
 def round_stochastically(x: Tensor, bits: Tensor) -> Tensor:
     """fp32 x rounded to bf16, away from zero where bits (16 random bits an element) are under x's lower 16 bits:
-    adding them to the bit pattern carries into the bf16 part with the probability of that remainder."""
-    return ((x.view(torch.int32) + bits.to(torch.int32)) & -65536).view(torch.float32).to(torch.bfloat16)
+    adding them to the bit pattern carries into the bf16 part with the probability of that remainder. A NaN stays
+    NaN (its pattern could carry into the sign and become zero)."""
+    rounded = ((x.view(torch.int32) + bits.to(torch.int32)) & -65536).view(torch.float32)
+    return torch.where(x.isnan(), x, rounded).to(torch.bfloat16)
 
 
 def _update(params: list[Tensor], grads: list[Tensor], masters: list[Tensor] | None, exp_avgs: list[Tensor],
@@ -130,7 +137,8 @@ def _define_triton():
             x = (x ^ (x >> 16)) * 0x85EBCA6B
             x = (x ^ (x >> 13)) * 0xC2B2AE35
             bits = ((x ^ (x >> 16)) >> 16).to(tl.int32)
-            w = ((w.to(tl.int32, bitcast=True) + bits) & -65536).to(tl.float32, bitcast=True)
+            rounded = ((w.to(tl.int32, bitcast=True) + bits) & -65536).to(tl.float32, bitcast=True)
+            w = tl.where(w == w, rounded, w)         # a NaN stays NaN
         tl.store(param + local, w.to(PARAM), mask=mask)
 
     return _update_kernel
@@ -159,6 +167,9 @@ class _Bucket:
     the kernel reads (block -> tensor, each tensor's start, size, decay and address)."""
 
     def __init__(self, params: list[Tensor], keeps: list[float], masters: bool):
+        if not all(p.is_contiguous() for p in params):
+            raise ValueError("MasterAdamW writes each parameter through its address: the parameters must be "
+                             "contiguous")
         self.params = params
         self.dtype, self.device = params[0].dtype, params[0].device
         self.has_masters = masters and self.dtype != torch.float32
@@ -198,14 +209,17 @@ class _Bucket:
         grads = [None if p.grad is None else p.grad.contiguous() for p in self.params]
         if _kernel is not None and (self.device.type == "cuda" or INTERPRETED):
             dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[self.dtype]
-            _kernel[(len(self.tensor_of_block),)](
-                self.grad_addrs(grads), self.param_addrs, self.tensor_of_block, self.starts, self.numels,
-                self.keep_table, self.masters if self.has_masters else self.exp_avgs, self.exp_avgs,
-                self.exp_avg_sqs, grad_scale, step_size, bias_correction2_sqrt, beta1, 1 - beta1, beta2, 1 - beta2,
-                eps, seed, GRAD=dtype, PARAM=dtype, MASTERS=self.has_masters, STOCHASTIC=self.stochastic,
-                BLOCK=BLOCK, num_warps=NUM_WARPS)
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                _kernel[(len(self.tensor_of_block),)](
+                    self.grad_addrs(grads), self.param_addrs, self.tensor_of_block, self.starts, self.numels,
+                    self.keep_table, self.masters if self.has_masters else self.exp_avgs, self.exp_avgs,
+                    self.exp_avg_sqs, grad_scale, step_size, bias_correction2_sqrt, beta1, 1 - beta1, beta2,
+                    1 - beta2, eps, seed, GRAD=dtype, PARAM=dtype, MASTERS=self.has_masters,
+                    STOCHASTIC=self.stochastic, BLOCK=BLOCK, num_warps=NUM_WARPS)
             return
         have = [i for i, g in enumerate(grads) if g is not None]
+        if not have:
+            return
         _update([self.params[i] for i in have], [grads[i] for i in have],
                 None if self.views[0] is None else [self.views[0][i] for i in have],
                 *([views[i] for i in have] for views in self.views[1:]), [self.keeps[i] for i in have],
@@ -237,6 +251,11 @@ class MasterAdamW(torch.optim.Optimizer):
         self._buckets: list[_Bucket] = []
         device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
         self._one = torch.ones((), dtype=torch.float32, device=device)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_buckets", None):
+            raise ValueError("MasterAdamW lays out its state at the first step: add parameter groups before it")
+        super().add_param_group(param_group)
 
     # The kernel reads the gradients' addresses, which torch.compile cannot trace: under compiled_update the step
     # runs as it is, and the clip before it is compiled.

@@ -315,7 +315,7 @@ def _nothing_fits(additions: tuple, cfg: RunConfig, device: torch.device, seen: 
     # keeps fp32 weights and gradients: against master_weights' bf16 ones and fp32 master, as many bytes (+4 - 4);
     # 10 bytes in all, against stochastic_rounding's 8.
     eight_bit = fixed - (held - 10) * params
-    if all(ADDITIONS[a].optimizer != "8bit" for a in additions) and eight_bit < ROOM * cap:
+    if all(ADDITIONS[a].optimizer != "8bit" for a in additions) and eight_bit < min(fixed, ROOM * cap):
         return start + (f"; the 8bit rung's optimizer states take a quarter of AdamW's, {eight_bit:.2f} GiB "
                         f"in all: try it (make 8bit)")
     sizes = {m: _parameters(m) for m in PRESETS}

@@ -107,24 +107,35 @@ def _define_triton():
     def _update_kernel(grad_addrs, param_addrs, tensor_of_block, starts, numels, keeps, masters, exp_avgs,
                        exp_avg_sqs, grad_scale, step_size, bias_correction2_sqrt, beta1, one_minus_beta1, beta2,
                        one_minus_beta2, eps, seed, GRAD: tl.constexpr, PARAM: tl.constexpr, MASTERS: tl.constexpr,
-                       STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
+                       STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
         # Block b of the flat buffers belongs to tensor t; the tensor's own element i is the buffers' start + i.
         b = tl.program_id(0)
         t = tl.load(tensor_of_block + b)
-        start = tl.load(starts + t)
+        # What the compiler cannot see in values read from the tables: each start is a multiple of BLOCK and, where
+        # ALIGNED, each size one of 8 elements and each address one of 16 bytes. Without these it reads and writes
+        # an element at a time, not 16 bytes.
+        start = tl.multiple_of(tl.load(starts + t), BLOCK)
+        numel = tl.load(numels + t)
         grad_addr = tl.load(grad_addrs + t)          # 0: no gradient this step, the tensor is left as it is
-        local = b.to(tl.int64) * BLOCK - start + tl.arange(0, BLOCK)
-        mask = (local < tl.load(numels + t)) & (grad_addr != 0)
-        flat = start + local
-        param = tl.load(param_addrs + t).to(tl.pointer_type(PARAM))
-        g = tl.load(grad_addr.to(tl.pointer_type(GRAD)) + local, mask=mask, other=0.0).to(tl.float32)
+        param_addr = tl.load(param_addrs + t)
+        if ALIGNED:
+            numel = tl.multiple_of(numel, 8)
+        flat = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        local = flat - start
+        mask = (local < numel) & (grad_addr != 0)
+        grad = grad_addr.to(tl.pointer_type(GRAD)) + local
+        param = param_addr.to(tl.pointer_type(PARAM)) + local
+        if ALIGNED:
+            grad = tl.max_contiguous(tl.multiple_of(grad, 16), 8)
+            param = tl.max_contiguous(tl.multiple_of(param, 16), 8)
+        g = tl.load(grad, mask=mask, other=0.0).to(tl.float32)
         g = g / tl.load(grad_scale)
         m = tl.load(exp_avgs + flat, mask=mask).to(tl.float32)
         v = tl.load(exp_avg_sqs + flat, mask=mask).to(tl.float32)
         if MASTERS:
             w = tl.load(masters + flat, mask=mask)
         else:
-            w = tl.load(param + local, mask=mask).to(tl.float32)
+            w = tl.load(param, mask=mask).to(tl.float32)
         m = m + one_minus_beta1 * (g - m)            # torch's lerp for a weight under 0.5
         v = v * beta2 + one_minus_beta2 * g * g
         w = w * tl.load(keeps + t) - step_size * (m / (tl.sqrt(v) / bias_correction2_sqrt + eps))
@@ -139,7 +150,7 @@ def _define_triton():
             bits = ((x ^ (x >> 16)) >> 16).to(tl.int32)
             rounded = ((w.to(tl.int32, bitcast=True) + bits) & -65536).to(tl.float32, bitcast=True)
             w = tl.where(w == w, rounded, w)         # a NaN stays NaN
-        tl.store(param + local, w.to(PARAM), mask=mask)
+        tl.store(param, w.to(PARAM), mask=mask)
 
     return _update_kernel
 
@@ -194,6 +205,9 @@ class _Bucket:
         self.tensor_of_block = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32),
                                                        torch.tensor(sizes) // BLOCK).to(self.device)
         self.param_addrs = _addresses(params, self.device)
+        # The kernel's ALIGNED: every size a multiple of 8 elements and every address of 16 bytes (GPT-2's tensors
+        # and the caching allocator's blocks are; a view into a larger gradient bucket need not be).
+        self.aligned = all(p.numel() % 8 == 0 and p.data_ptr() % 16 == 0 for p in params)
         self._grads: tuple = ()
         self._grad_addrs: Tensor | None = None
 
@@ -209,13 +223,16 @@ class _Bucket:
         grads = [None if p.grad is None else p.grad.contiguous() for p in self.params]
         if _kernel is not None and (self.device.type == "cuda" or INTERPRETED):
             dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[self.dtype]
+            grad_addrs = self.grad_addrs(grads)
+            aligned = self.aligned and all(a % 16 == 0 for a in self._grads)
             with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 _kernel[(len(self.tensor_of_block),)](
-                    self.grad_addrs(grads), self.param_addrs, self.tensor_of_block, self.starts, self.numels,
+                    grad_addrs, self.param_addrs, self.tensor_of_block, self.starts, self.numels,
                     self.keep_table, self.masters if self.has_masters else self.exp_avgs, self.exp_avgs,
                     self.exp_avg_sqs, grad_scale, step_size, bias_correction2_sqrt, beta1, 1 - beta1, beta2,
                     1 - beta2, eps, seed, GRAD=dtype, PARAM=dtype, MASTERS=self.has_masters,
-                    STOCHASTIC=self.stochastic, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                    STOCHASTIC=self.stochastic, ALIGNED=aligned,
+                    BLOCK=BLOCK, num_warps=NUM_WARPS)
             return
         have = [i for i, g in enumerate(grads) if g is not None]
         if not have:

@@ -226,7 +226,8 @@ nan = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
 o = t.MasterAdamW([nan], **t.HYPER, masters=False)
 nan.grad = torch.tensor([1.0, float("nan"), 1.0, 1.0], dtype=torch.bfloat16)
 o.step()
-print(json.dumps(dict(ran=ran and not any(b.aligned for b in opt._buckets), fp32_follows=fp32_follows, idle=bool(not opt.state[idle]["exp_avg"].any()),
+print(json.dumps(dict(ran=ran and not any(b.aligned for b in opt._buckets), fp32_follows=fp32_follows,
+                      idle=bool(not opt.state[idle]["exp_avg"].any()),
                       padding=t._padding_is_zero(opt), same=bool(torch.equal(kw, ew)),
                       v=bool(torch.allclose(kv, ev, rtol=2 ** -7, atol=0)),
                       nan=[bool(x) for x in nan.detach().isnan()])))

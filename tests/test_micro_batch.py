@@ -326,6 +326,16 @@ def test_when_the_optimizer_leaves_no_room_the_hint_names_the_8bit_rung_then_a_s
     assert tried == [128, 64] and "not even one row at SEQ_LEN=64 fits (tried)" in message and "make 8bit" in message
 
 
+def _unloaded(additions):
+    """The advice where gpt2 did not even load on a 1 GiB card: its weights counted, not measured."""
+    from dataclasses import replace
+
+    from Utils.train.run import _nothing_fits
+    cfg = replace(parse_args(["--steps", "4", "--batch-size", "4", "--prefix", "p", "--model", "gpt2",
+                              "--data", "synthetic"]), gpu_memory_gib=1.0)
+    return _nothing_fits(additions, cfg, CPU, {}, lambda c: None, lambda line: None)
+
+
 def test_the_hint_counts_bf16_weights_with_fp32_masters_under_master_weights():
     # The same model as above with its weights in bf16 (0.25 GiB) and the fp32 master, m and v (1.5 GiB): 16 bytes
     # a parameter, as fp32 weights with AdamW's states; the 8bit rung would hold the same 1.25 GiB as from there.
@@ -333,24 +343,16 @@ def test_the_hint_counts_bf16_weights_with_fp32_masters_under_master_weights():
     assert "take 2.00 GiB (measured)" in message and message.endswith(
         "the 8bit rung's optimizer states take a quarter of AdamW's, 1.25 GiB in all: try it (make 8bit)")
     # Not loaded: 2 bytes a parameter counted, and 16 with the gradients and states.
-    from dataclasses import replace
-
-    from Utils.train.run import _nothing_fits, _parameters
-    cfg = replace(parse_args(["--steps", "4", "--batch-size", "4", "--prefix", "p", "--model", "gpt2",
-                              "--data", "synthetic"]), gpu_memory_gib=1.0)
-    message = _nothing_fits(("bf16", "master_weights"), cfg, CPU, {}, lambda c: None, lambda line: None)
+    from Utils.train.run import _parameters
+    message = _unloaded(("bf16", "master_weights"))
     weights = 2 * _parameters("gpt2") / 2**30
     assert f"the weights ({weights:.2f} GiB)" in message and f"take {8 * weights:.2f} GiB (estimated" in message
 
 
 def test_the_hint_counts_8_bytes_a_parameter_without_masters():
     """stochastic_rounding: bf16 weights, gradients, m and v, 8 bytes a parameter, half of master_weights' 16."""
-    from dataclasses import replace
-
-    from Utils.train.run import _nothing_fits, _parameters
-    cfg = replace(parse_args(["--steps", "4", "--batch-size", "4", "--prefix", "p", "--model", "gpt2",
-                              "--data", "synthetic"]), gpu_memory_gib=1.0)
-    message = _nothing_fits(("bf16", "stochastic_rounding"), cfg, CPU, {}, lambda c: None, lambda line: None)
+    from Utils.train.run import _parameters
+    message = _unloaded(("bf16", "stochastic_rounding"))
     weights = 2 * _parameters("gpt2") / 2**30
     assert f"the weights ({weights:.2f} GiB)" in message and f"take {4 * weights:.2f} GiB (estimated" in message
 
@@ -374,12 +376,8 @@ def test_the_hint_counts_gradients_kept_between_steps_once_and_counts_weights_th
     message, _ = _hint(("tf32",), 1024, 3.5, fits_up_to=256, grads_kept=True, states=1.5)
     assert "take 2.00 GiB (measured)" in message
     # The model itself did not load: its fp32 weights counted (gpt2: 124.4M parameters x 4 bytes), AdamW's on top.
-    from dataclasses import replace
-
-    from Utils.train.run import _nothing_fits, _parameters
-    cfg = replace(parse_args(["--steps", "4", "--batch-size", "4", "--prefix", "p", "--model", "gpt2",
-                              "--data", "synthetic"]), gpu_memory_gib=1.0)
-    message = _nothing_fits(("tf32",), cfg, CPU, {}, lambda c: None, lambda line: None)
+    from Utils.train.run import _parameters
+    message = _unloaded(("tf32",))
     weights = 4 * _parameters("gpt2") / 2**30
     assert f"the weights ({weights:.2f} GiB)" in message and f"take {4 * weights:.2f} GiB (estimated" in message
     assert "MODEL=tiny" in message

@@ -210,28 +210,30 @@ class _Bucket:
         self.aligned = all(p.numel() % 8 == 0 and p.data_ptr() % 16 == 0 for p in params)
         self._grads: tuple = ()
         self._grad_addrs: Tensor | None = None
+        self._grads_aligned = False
 
-    def grad_addrs(self, grads: list[Tensor | None]) -> Tensor:
-        """The gradients' address table, made again only where an address changed since the last step."""
+    def grad_addrs(self, grads: list[Tensor | None]) -> tuple[Tensor, bool]:
+        """The gradients' address table and whether every address is of 16 bytes, made again only where an
+        address changed since the last step."""
         key = tuple(0 if g is None else g.data_ptr() for g in grads)
         if key != self._grads:
             self._grads, self._grad_addrs = key, _addresses(grads, self.device)
-        return self._grad_addrs
+            self._grads_aligned = all(a % 16 == 0 for a in key)
+        return self._grad_addrs, self._grads_aligned
 
     def update(self, grad_scale: Tensor, step_size: float, bias_correction2_sqrt: float, beta1: float, beta2: float,
                eps: float, seed: int) -> None:
         grads = [None if p.grad is None else p.grad.contiguous() for p in self.params]
         if _kernel is not None and (self.device.type == "cuda" or INTERPRETED):
             dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[self.dtype]
-            grad_addrs = self.grad_addrs(grads)
-            aligned = self.aligned and all(a % 16 == 0 for a in self._grads)
+            grad_addrs, grads_aligned = self.grad_addrs(grads)
             with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 _kernel[(len(self.tensor_of_block),)](
                     grad_addrs, self.param_addrs, self.tensor_of_block, self.starts, self.numels,
                     self.keep_table, self.masters if self.has_masters else self.exp_avgs, self.exp_avgs,
                     self.exp_avg_sqs, grad_scale, step_size, bias_correction2_sqrt, beta1, 1 - beta1, beta2,
                     1 - beta2, eps, seed, GRAD=dtype, PARAM=dtype, MASTERS=self.has_masters,
-                    STOCHASTIC=self.stochastic, ALIGNED=aligned,
+                    STOCHASTIC=self.stochastic, ALIGNED=self.aligned and grads_aligned,
                     BLOCK=BLOCK, num_warps=NUM_WARPS)
             return
         have = [i for i, g in enumerate(grads) if g is not None]
@@ -247,8 +249,9 @@ class _Bucket:
 class MasterAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update for bf16 (or fp16) parameters, from fp32 master weights that it keeps with m
     and v; with masters=False, on the bf16 parameters themselves, rounded stochastically, with bf16 m and v (fp32
-    parameters, such as LayerNorm's, keep fp32 m and v and are their own masters either way). It divides each gradient by `grad_scale` where that is set (a 0-d tensor: the folded clip,
-    Utils.ladder.apply's fold_clip), as fused AdamW does, but leaves the gradient as it was. Its parameter groups
+    parameters, such as LayerNorm's, keep fp32 m and v and are their own masters either way). It divides each
+    gradient by `grad_scale` where that is set (a 0-d tensor: the folded clip, Utils.ladder.apply's fold_clip), as
+    fused AdamW does, but leaves the gradient as it was. Its parameter groups
     may differ in weight decay only, read with the learning rate at the first step, which lays out the state of
     every parameter. One step count serves every parameter (every parameter of the suite's models gets a gradient
     every step; torch's AdamW counts each parameter's own). Its state is not one to save and load:

@@ -77,7 +77,8 @@ def test_the_ladder_is_cumulative_one_change_per_rung():
 def test_max_is_the_fused_rung_and_what_measured_faster_on_the_h200():
     assert set(MAX_ADDITIONS) == {"vocab_multiple", "fp8_head", "prefetch", "sync_every", "cudagraphs",
                                   "bf16_residual", "gelu_epilogue", "fold_clip", "packed_attention",
-                                  "gemm_bias_grad", "fp8_qkv_fc", "combo_kernels", "fold_norm"}
+                                  "gemm_bias_grad", "fp8_qkv_fc", "combo_kernels", "fold_norm",
+                                  "stochastic_rounding"}
     # Pinned: max's additions are a measured result (BENCHMARKS.md gives each one's gain); a new addition joins it
     # only by changing this set. What max leaves out is every other one, and needs no list here.
     assert set(MAX_ADDITIONS) < set(ABLATION)
@@ -466,13 +467,15 @@ def test_combo_kernels_share_one_block_shape_where_inductor_has_no_other(monkeyp
 
 
 def test_every_rung_starts_from_the_same_weights():
-    # The seed is the only source of the initial weights: swaps, settings and padding draw nothing.
+    # The seed is the only source of the initial weights: swaps, settings and padding draw nothing. A rung that
+    # stores parameters in bf16 (max, through stochastic_rounding) holds the same weights rounded.
     plain = make(()).model.state_dict()
     for rung in ("flash", "max"):
         state = make(RUNGS[rung].additions).model.state_dict()
         assert state.keys() == plain.keys(), rung
         for key, value in plain.items():
-            assert torch.equal(state[key][:value.shape[0]], value), (rung, key)
+            assert torch.equal(state[key][:value.shape[0]], value.to(state[key].dtype)), (rung, key)
+    assert make(RUNGS["max"].additions).model.transformer.wte.weight.dtype == torch.bfloat16
 
 
 def test_build_turns_tf32_off_unless_it_is_asked_for():
@@ -946,7 +949,8 @@ def _sdpa_kernel_spy(monkeypatch):
 
 SWAPS = [("gemm_bias_grad",), ("gelu_epilogue",), ("gemm_bias_grad", "gelu_epilogue"), ("packed_attention",),
          ("gemm_bias_grad", "packed_attention"), ("cudnn_attention",), ("loss",), ("vocab_multiple", "loss"),
-         MAX_MODEL_STAGE]
+         # max's swaps; its parameters' storage in bf16 (an optimizer's layout, not a module) cannot be float64
+         tuple(a for a in MAX_MODEL_STAGE if not ADDITIONS[a].optimizer)]
 
 
 @pytest.mark.parametrize("additions", SWAPS, ids=["+".join(a) for a in SWAPS])
@@ -986,7 +990,8 @@ def test_the_max_rung_and_fsdp_s_refusals_come_from_each_addition_s_facts():
     assert MAX_ADDITIONS == tuple(a for a in ADDITIONS if ADDITIONS[a].in_max)
     assert set(RUNGS["max"].additions) == set(RUNGS["fused"].additions) | {
         "vocab_multiple", "fp8_head", "prefetch", "sync_every", "cudagraphs", "bf16_residual", "gelu_epilogue",
-        "fold_clip", "packed_attention", "gemm_bias_grad", "fp8_qkv_fc", "combo_kernels", "fold_norm"}
+        "fold_clip", "packed_attention", "gemm_bias_grad", "fp8_qkv_fc", "combo_kernels", "fold_norm",
+        "stochastic_rounding"}
     assert PARALLEL_EXCLUDES["ddp"] == {}
     assert PARALLEL_EXCLUDES["fsdp"] == {a: ADDITIONS[a].fsdp for a in ADDITIONS if ADDITIONS[a].fsdp}
     assert set(PARALLEL_EXCLUDES["fsdp"]) == {"gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel",

@@ -153,7 +153,8 @@ def test_traffic_follows_the_additions():
     assert base["scores"] == 16 * 12 * 1024 * 1024 * 12 * roofline.EAGER_SCORE_PASSES * 4
     assert max(base, key=base.get) == "scores"
     optimizer = {r: roof.traffic(RUNGS[r].additions)["optimizer"] for r in ("flash", "fused", "8bit", "max")}
-    assert optimizer["8bit"] < optimizer["fused"] == optimizer["max"] < optimizer["flash"]
+    # max stores the parameters in bf16 with bf16 states (stochastic_rounding): half the fused update's bytes
+    assert optimizer["max"] == optimizer["fused"] / 2 < optimizer["8bit"] < optimizer["fused"] < optimizer["flash"]
     assert roof.traffic(RUNGS["max"].additions)["weights+grads+clip"] < flash["weights+grads+clip"]
     for name in ("packed_attention", "cudnn_attention"):
         assert roof.score_passes(("bf16", name)) == 0
@@ -177,7 +178,7 @@ def test_master_weights_bytes_per_parameter():
     folded clip, and 28 bytes in the update (bf16 gradient in, fp32 master, m and v in and out, bf16 out)."""
     roof = h200_roof()
     n_all = GPT2.n_params(exclude_position_embedding=False)
-    max_ = RUNGS["max"].additions
+    max_ = tuple(a for a in RUNGS["max"].additions if a != "stochastic_rounding")   # fp32 parameters
     before, after = roof.traffic(max_), roof.traffic(max_ + ("master_weights",))
     assert before["weights+grads+clip"] == n_all * (12 + 8) and after["weights+grads+clip"] == n_all * (6 + 2)
     assert roof.optimizer_bytes_per_param(max_ + ("master_weights",)) == 28
@@ -192,9 +193,11 @@ def test_stochastic_rounding_bytes_per_parameter():
     weights' and gradients' traffic is master_weights'."""
     roof = h200_roof()
     max_ = RUNGS["max"].additions
-    assert roof.optimizer_bytes_per_param(max_ + ("stochastic_rounding",)) == 14
-    assert roof.traffic(max_ + ("stochastic_rounding",))["weights+grads+clip"] == \
-        roof.traffic(max_ + ("master_weights",))["weights+grads+clip"]
+    assert "stochastic_rounding" in max_
+    fp32_max = tuple(a for a in max_ if a != "stochastic_rounding")
+    assert roof.optimizer_bytes_per_param(max_) == 14
+    mw = roof.traffic(fp32_max + ("master_weights",))
+    assert roof.traffic(max_)["weights+grads+clip"] == mw["weights+grads+clip"]
 
 
 def test_floors_frame():

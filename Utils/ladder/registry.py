@@ -35,8 +35,8 @@ class Addition:
     needs: str = ""                # what the machine must have; without it the run says what ran instead
     requires: tuple = ()           # additions it builds on
     excludes: tuple = ()           # additions it cannot run with
-    in_max: bool = False           # the max rung takes it beyond the fused rung's: it measured faster on an H200
-                                   # and kept the loss (BENCHMARKS.md gives each one's gain, and why others did not)
+    in_max: bool = False           # the max rung takes it beyond the fused rung's: it measured faster on an H100 or
+                                   # H200 and kept the loss (BENCHMARKS.md gives each one's gain, and why others not)
     fsdp: str = ""                 # why it cannot run under PARALLEL=fsdp; "" where it can
     # What the roofline (Utils.report.roofline) counts differently under it; its numbers stay there:
     matmuls: str = ""              # the format it runs the matmuls in: "tf32" or "bf16" (bf16 also halves activations)
@@ -208,7 +208,7 @@ _ADDITIONS = [
     Addition("stochastic_rounding", "model", "memory",
              "linear and embedding parameters stored in bf16 without fp32 master weights: AdamW keeps m and v in "
              "bf16 and rounds each updated bf16 parameter stochastically",
-             requires=("bf16",), excludes=("master_weights", "8bit"), optimizer="stochastic",
+             requires=("bf16",), excludes=("master_weights", "8bit"), optimizer="stochastic", in_max=True,
              fsdp="its update kernel reads whole tensors by address, not FSDP's DTensor shards",
              phrase="the parameters stored in bf16 without fp32 master weights, with bf16 m and v and each parameter "
                     "rounded stochastically (`stochastic_rounding`)",

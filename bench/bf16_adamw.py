@@ -25,7 +25,10 @@ STEPS, WARMUP = 20, 3
 
 
 def torchao_adamw(groups: list) -> torch.optim.Optimizer:
-    from torchao.optim import AdamW
+    try:
+        from torchao.optim import AdamW
+    except ImportError:   # torchao 0.18 keeps it only as _AdamW, for its own quantized training
+        from torchao.optim import _AdamW as AdamW
     return AdamW(groups, lr=LEARNING_RATE, betas=BETAS, eps=EPS, bf16_stochastic_round=True)
 
 

@@ -118,11 +118,14 @@ def _define_triton():
         numel = tl.load(numels + t)
         grad_addr = tl.load(grad_addrs + t)          # 0: no gradient this step, the tensor is left as it is
         param_addr = tl.load(param_addrs + t)
+        # A tensor without a gradient gets no element: its limit is 0. (One comparison makes the mask; a block
+        # of bools and'ed with a scalar bool is a mask Triton 3.9's interpreter refuses.)
+        limit = tl.where(grad_addr != 0, numel, 0)
         if ALIGNED:
-            numel = tl.multiple_of(numel, 8)
+            limit = tl.multiple_of(limit, 8)
         flat = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         local = flat - start
-        mask = (local < numel) & (grad_addr != 0)
+        mask = local < limit
         grad = grad_addr.to(tl.pointer_type(GRAD)) + local
         param = param_addr.to(tl.pointer_type(PARAM)) + local
         if ALIGNED:

@@ -162,10 +162,10 @@ CELLS = [
 
     This is an estimate of a floor, not a measurement. Its assumptions:
 
-    1. **Weights, gradients, clipping.** Every rung keeps FP32 master weights. Forward reads each weight
-       once, backward reads it again and writes its gradient (4 bytes each); gradient clipping reads the
-       gradients for their norm, then reads and rewrites them scaled. The optimizer's traffic is counted
-       below by running it.
+    1. **Weights, gradients, clipping.** Every rung but `max` keeps FP32 parameters. Forward reads each
+       weight once, backward reads it again and writes its gradient (4 bytes each; 2 for `max`'s bf16
+       parameters); gradient clipping reads the gradients for their norm, then reads and rewrites them
+       scaled. The optimizer's traffic is counted below by running it.
     2. **Activations.** Per layer and token, backward needs the tensors listed in `roofline.ACTIVATIONS`
        (16 values per channel). Each is written once in forward and read once in backward; its gradient is
        written once and read once: 4 accesses, at 4 bytes per value on the FP32 rungs and 2 on the BF16
@@ -308,9 +308,10 @@ CELLS = [
     """),
     md(prose.paragraphs(
         "### max: beyond the seven",
-        f"**What changes.** The fused rung plus the further additions that measured faster or lighter on an H200, "
-        f"did not slow the others down, and keep the model's mathematics (bf16 rounding aside, and FP8's in the "
-        f"output layer and the two forward GEMMs of `fp8_qkv_fc`): {prose.listing(MAX_ADDITIONS)}. `make ablation` "
+        f"**What changes.** The fused rung plus the further additions that measured faster or lighter on an H100 "
+        f"or H200, did not slow the others down, and keep the model's mathematics (bf16 rounding aside, the "
+        f"stochastic rounding of the bf16 parameters and states, and FP8's in the output layer and the two forward "
+        f"GEMMs of `fp8_qkv_fc`): {prose.listing(MAX_ADDITIONS)}. `make ablation` "
         f"runs each addition alone on the fused rung, together with the ones that were tried and left out or "
         f"superseded: {prose.listing(a for a in ABLATION if a not in MAX_ADDITIONS)}.",
         f"**Why it can help.** Each addition removes a different cost: {prose.reasons(ABLATION)}.")),

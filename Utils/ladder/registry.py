@@ -310,7 +310,7 @@ class Rung:
 
 _FLASH = ("tf32", "bf16", "torch_compile", "flash")
 _FUSED = _FLASH + ("fused",)
-# The fused rung plus every addition that measured faster on an H200 and kept the loss (Addition.in_max), in
+# The fused rung plus every addition that measured faster on an H100 or H200 and kept the loss (Addition.in_max), in
 # the registry's order.
 MAX_ADDITIONS = tuple(name for name, a in ADDITIONS.items() if a.in_max)
 RUNGS = {r.name: r for r in [

@@ -164,8 +164,8 @@ ATTENTION_WITHOUT_SCORES = frozenset(a for a in ADDITIONS if ADDITIONS[a].scores
 # torch.compile of the model (Inductor fuses scale, mask and softmax; an eager step's operations do not apply).
 COMPILED = frozenset(a for a in ADDITIONS if ADDITIONS[a].compiled)
 
-# The rungs keep fp32 parameters: forward reads each weight, backward reads it again and writes its
-# gradient, 4 bytes each.
+# fp32 parameters (every rung but max, which stores them in bf16: MASTER_WEIGHT_BYTES below): forward reads
+# each weight, backward reads it again and writes its gradient, 4 bytes each.
 WEIGHT_BYTES = 4 + 4 + 4
 # clip_grad_norm_ on fp32 gradients, as counted: a foreach norm reads them (4 bytes a parameter), a handful
 # of scalar operations combine the norms, and a foreach multiply reads and rewrites them (8).

@@ -117,6 +117,39 @@ def test_stochastic_rounding_picks_a_neighbour_with_the_probability_of_the_remai
     assert torch.equal(round_stochastically(exact, torch.full((3,), 0xFFFF)).float(), exact)
 
 
+@pytest.mark.parametrize("seed", [0, 12345, 0x7FFFFFFF])
+def test_the_random_bits_are_murmur3s_finalizer_of_the_index_modulo_2_to_the_32(seed):
+    """The CPU path's int32 arithmetic against the hash written out on Python's integers, for indices past 2**31
+    and 2**32 too (gpt2-xl's buckets pass 2**30 elements)."""
+    from Utils.kernels.master_adamw import _random_bits
+
+    def murmur(i: int) -> int:
+        x = (i * 0x9E3779B1 + seed) % 2**32
+        x = ((x ^ (x >> 16)) * 0x85EBCA6B) % 2**32
+        x = ((x ^ (x >> 13)) * 0xC2B2AE35) % 2**32
+        return (x ^ (x >> 16)) >> 16
+
+    index = torch.tensor([0, 1, 2, 1000, 2**31 - 1, 2**31, 2**31 + 7, 2**32 - 1, 2**32, 2**32 + 5, 3 * 2**32 + 11])
+    assert _random_bits(index, seed).tolist() == [murmur(i) for i in index.tolist()]
+
+
+def test_the_cpu_path_rounds_a_slice_at_a_time_as_it_would_all_at_once(monkeypatch):
+    """Each slice's random bits continue the tensor's and the bucket's element index: slicing changes nothing."""
+    from Utils.kernels import master_adamw
+
+    def one_step(slice_: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(master_adamw, "_CPU_SLICE", slice_)
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n).to(torch.bfloat16)) for n in (40, 64)]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        MasterAdamW(params, **HYPER, masters=False).step()
+        return [p.detach().clone() for p in params]
+
+    whole, sliced = one_step(2**17), one_step(7)
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
+
+
 def test_without_masters_updates_under_half_a_bf16_step_still_move_the_parameters():
     """Each update is about a tenth of a bf16 step: rounded to nearest the parameters would never move; rounded
     stochastically they follow fp32 AdamW on average, each element within a bf16 step or so of it."""

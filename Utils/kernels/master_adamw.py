@@ -53,8 +53,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _CPU_SLICE = 2**17   # elements the CPU path rounds at a time
 
 
-def _int32(c: int) -> int:
-    """The int32 whose bits are c's lowest 32."""
+def _int32(c: int | Tensor) -> int | Tensor:
+    """The int32 whose bits are c's lowest 32 (of each element, for an integer tensor)."""
     return (c + 2**31) % 2**32 - 2**31
 
 
@@ -63,7 +63,7 @@ def _random_bits(index: Tensor, seed: int) -> Tensor:
     finalizer of index × 0x9E3779B1 + seed, modulo 2**32, as the kernel computes it in uint32. Computed in int32,
     whose products and sums keep the same low 32 bits (4-byte passes, where int64 would need each constant split
     to stay clear of overflow); a right shift then masks off the copies of the sign bit."""
-    x = index.clone() if index.dtype == torch.int32 else ((index + 2**31) % 2**32 - 2**31).to(torch.int32)
+    x = index.clone() if index.dtype == torch.int32 else _int32(index).to(torch.int32)
     x.mul_(_int32(0x9E3779B1)).add_(_int32(seed))
     x ^= (x >> 16) & 0xFFFF
     x.mul_(_int32(0x85EBCA6B))

@@ -161,6 +161,7 @@ REAL_KERNELS = [
     ("_grad_fp8_kernel", "memory", "cross-entropy loss"),
     ("cross_entropy_grad_rows_e5m2", "memory", "cross-entropy loss"),   # and the CUDA pass with the transpose after it
     ("_transpose_kernel", "memory", "transpose"),
+    ("_update_kernel", "memory", "AdamW (master_adamw)"),
     ("memcpy128", "memory", "copy"),                               # as the H200's traces of the max rung name it
     # embedding, indexing, sort, cat, the causal mask
     ("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int, 2, 2, -2, true>(at::"

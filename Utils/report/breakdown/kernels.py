@@ -40,6 +40,7 @@ KERNEL_CLASSES = [
     (r"multi_tensor_apply_kernel<.*LpNorm|lpnorm_cleanup", MEMORY, "gradient norm (clip)"),
     (r"multi_tensor_apply_kernel", MEMORY, "foreach (multi-tensor)"),  # AdamW's default foreach implementation
     (r"^kOptimizer|^kPreconditionOptimizer", MEMORY, "8-bit AdamW (bitsandbytes)"),
+    (r"^_update_kernel$", MEMORY, "AdamW (master_adamw)"),           # Utils.kernels.master_adamw's Triton update
     (r"SoftMax\w*<.*LogSoftMax", MEMORY, "log-softmax (loss)"),       # cross-entropy = log_softmax + nll_loss
     (r"softmax", MEMORY, "softmax"),                                  # cunn_SoftMax*, softmax_warp_*
     (r"layer_norm|LayerNorm|GammaBeta|RowwiseMoments", MEMORY, "layer norm"),

@@ -641,7 +641,6 @@ CPU_EFFECTS = {
     "fp8_head": (r"FP8 matmuls are fast on an Ada or Hopper GPU only .+: the output layer in bf16 instead; "
                  r"the loss kernel needs .+: the plain chunked loss instead", _chunked_loss),
     "fp8_qkv_fc": (r"FP8 GEMMs need an Ada or Hopper GPU .+: c_attn and c_fc in bf16 instead", _bf16_layers),
-    "fp8_dgelu": (r".+: the plain MLP instead, its input gradients in bf16", _plain_mlp),
     "fp8": (None, None),   # refused on a CPU: test_fp8_is_refused_where_it_cannot_run
     "fold_norm": (None, _fold_norm),
     "master_weights": (None, _master_weights),
@@ -775,22 +774,6 @@ def test_where_fp8_runs_fp8_qkv_fc_names_each_layernorm_to_the_layer_that_reads_
             assert type(layer) is modules.PlannedLinear and layer.norm is norm
             assert layer.plan == LinearPlan(bias_grad=bool(bases), fp8_forward=True)
     assert set(b.model.state_dict()) == set(make(("bf16",) + bases).model.state_dict())
-
-
-@pytest.mark.parametrize("bases", [(), ("gemm_bias_grad", "gelu_epilogue")], ids=["alone", "max"])
-def test_fp8_dgelu_runs_in_gelu_epilogues_mlp_whether_or_not_the_run_names_it(kernels_available, monkeypatch, bases):
-    b = make(("bf16",) + bases + ("fp8_dgelu",))   # cuBLASLt, but no FP8: the epilogue MLP in bf16
-    assert b.notes == ["FP8 GEMMs need an Ada or Hopper GPU (compute capability 8.9 or newer): c_proj's input "
-                       "gradient in bf16 instead"]
-    assert all(type(block.mlp) is modules.EpilogueMLP and not block.mlp.c_fc.plan.fp8_dgelu
-               for block in b.model.transformer.h)
-    monkeypatch.setattr(fp8_linear, "unavailable", lambda device: None)
-    b = make(("bf16",) + bases + ("fp8_dgelu",))
-    assert b.notes == [] and ("cublaslt", CPU) in kernels_available
-    for block in b.model.transformer.h:
-        assert type(block.mlp) is modules.EpilogueMLP and type(block.mlp.c_fc) is modules.PlannedLinear
-        assert block.mlp.c_fc.plan == LinearPlan(bias_grad=bool(bases), fp8_dgelu=True)
-    assert set(b.model.state_dict()) == set(make(("bf16",)).model.state_dict())
 
 
 def test_where_fp8_cannot_run_fp8_head_is_the_loss_kernel_in_bf16(kernels_available, monkeypatch):
@@ -1012,6 +995,6 @@ def test_the_max_rung_and_fsdp_s_refusals_come_from_each_addition_s_facts():
     assert PARALLEL_EXCLUDES["ddp"] == {}
     assert PARALLEL_EXCLUDES["fsdp"] == {a: ADDITIONS[a].fsdp for a in ADDITIONS if ADDITIONS[a].fsdp}
     assert set(PARALLEL_EXCLUDES["fsdp"]) == {"gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel",
-                                              "fp8_head", "fp8_qkv_fc", "fp8_dgelu", "fold_clip", "fold_norm", "8bit",
+                                              "fp8_head", "fp8_qkv_fc", "fold_clip", "fold_norm", "8bit",
                                               "cudagraphs", "fp8", "master_weights",
                                               "stochastic_rounding"}

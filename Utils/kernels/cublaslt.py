@@ -22,7 +22,7 @@ from Utils.kernels.native import INT, INT64, POINTER, SIZE, UINT64
 
 # Enum values, each under its name in cublasLt.h, cublas_api.h or library_types.h.
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1                        # cublasOperation_t
-CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3, CUDA_R_8F_E5M2 = 0, 2, 14, 28, 29   # cudaDataType_t
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 2, 14, 28   # cudaDataType_t
 CUBLAS_COMPUTE_32F = 68                                # cublasComputeType_t
 # cublasLtMatmulDescAttributes_t
 CUBLASLT_MATMUL_DESC_TRANSA = 3
@@ -47,8 +47,7 @@ CUBLASLT_EPILOGUE_DGELU_BGRAD = CUBLASLT_EPILOGUE_DGELU | 16                  # 
 
 CANDIDATES = 8                 # up to this many heuristic algorithms are timed on a shape's first call
 WORKSPACE_BYTES = 32 << 20     # what cuBLAS asks for on Hopper
-_DTYPES = {torch.bfloat16: CUDA_R_16BF, torch.float16: CUDA_R_16F, torch.float8_e4m3fn: CUDA_R_8F_E4M3,
-           torch.float8_e5m2: CUDA_R_8F_E5M2}
+_DTYPES = {torch.bfloat16: CUDA_R_16BF, torch.float16: CUDA_R_16F, torch.float8_e4m3fn: CUDA_R_8F_E4M3}
 
 
 class _HeuristicResult(ctypes.Structure):
@@ -125,12 +124,11 @@ def _layout(lib, dtype, rows, cols, ld):
     return layout
 
 
-def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dtype, b_dtype=None):
-    """Descriptors and the heuristic's algorithms for column-major D[m, n] = op(A) @ op(B), A of dtype, B of
-    b_dtype (dtype where None), D of out_dtype, B's columns ld_b elements apart, made once per shape: the bias,
-    auxiliary and scale pointers are set on the descriptor at each call."""
-    b_dtype = dtype if b_dtype is None else b_dtype
-    key = device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dtype, b_dtype
+def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dtype):
+    """Descriptors and the heuristic's algorithms for column-major D[m, n] = op(A) @ op(B), A and B of dtype,
+    D of out_dtype, B's columns ld_b elements apart, made once per shape: the bias, auxiliary and scale
+    pointers are set on the descriptor at each call."""
+    key = device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dtype
     if key in _plans:
         return _plans[key]
     lib, (handle, _) = _library(), _handle(device_index)
@@ -141,12 +139,12 @@ def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dt
     _set(lib, desc, CUBLASLT_MATMUL_DESC_TRANSB, ctypes.c_int32(trans_b))
     _set(lib, desc, CUBLASLT_MATMUL_DESC_EPILOGUE, ctypes.c_int32(epilogue))
     _set(lib, desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ctypes.c_int64(m))
-    if dtype == CUDA_R_8F_E4M3:   # and B in e4m3 or e5m2
+    if dtype == CUDA_R_8F_E4M3:
         # Hopper's fast FP8 accumulation never promotes partial sums to fp32: fine for sums over a layer's
         # 768 features, as the FP8 output layer's logits GEMM takes it (fp8_loss).
         _set(lib, desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, ctypes.c_int8(1))
     a = _layout(lib, dtype, k, m, k) if trans_a == CUBLAS_OP_T else _layout(lib, dtype, m, k, m)
-    b = _layout(lib, b_dtype, n, k, ld_b) if trans_b == CUBLAS_OP_T else _layout(lib, b_dtype, k, n, ld_b)
+    b = _layout(lib, dtype, n, k, ld_b) if trans_b == CUBLAS_OP_T else _layout(lib, dtype, k, n, ld_b)
     d = _layout(lib, out_dtype, m, n, m)
     preference = ctypes.c_void_p()
     native.check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "cublasLtMatmulPreferenceCreate")
@@ -185,12 +183,12 @@ def _shape(x: Tensor, y: Tensor, out: Tensor, bias: Tensor | None, aux: Tensor |
     """(rows, columns, k) of _matmul's product, after checking what cuBLASLt takes: dtypes, layout, alignment,
     shapes and device; a ValueError names what does not fit."""
     tensors = [t for t in (x, y, out, bias, aux) if t is not None]
-    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        if (y.dtype != torch.float8_e4m3fn or any(t.dtype != torch.bfloat16 for t in (out, bias, aux) if t is not None)
+    if x.dtype == torch.float8_e4m3fn:
+        if (y.dtype != x.dtype or any(t.dtype != torch.bfloat16 for t in (out, bias, aux) if t is not None)
                 or scales is None or any(s.dtype != torch.float32 or s.numel() != 1 for s in scales)
                 or x_t or not y_t):
-            raise ValueError("cuBLASLt FP8 GEMMs take e4m3 or e5m2 x and e4m3 y.T, bf16 out, bias and auxiliary, "
-                             "and two fp32 scales")
+            raise ValueError("cuBLASLt FP8 GEMMs take e4m3 x and y.T, bf16 out, bias and auxiliary, and two "
+                             "fp32 scales")
     elif x.dtype not in _DTYPES or any(t.dtype != x.dtype for t in tensors) or scales is not None:
         raise ValueError(f"cuBLASLt epilogue GEMMs take bf16 or fp16 tensors of one dtype, got "
                          f"{', '.join(str(t.dtype) for t in tensors)}")
@@ -226,9 +224,9 @@ def _matmul(epilogue: int, x: Tensor, y: Tensor, out: Tensor, bias: Tensor | Non
     """out = op(x) @ op(y), op transposing where x_t / y_t, with `epilogue`; `bias` (one entry per column of
     out) and `aux` (out's shape) as the epilogue uses them. `algo` picks a heuristic candidate; by default,
     the one found fastest on the shape's first call (the heuristic's first while a CUDA graph is captured).
-    With FP8 x (e4m3, or e5m2 for a gradient) and e4m3 y, `scales` are x's and y's inverse scales (0-d fp32
-    tensors that the product is multiplied by), out, bias and aux are bf16, and y must be transposed (Hopper's
-    FP8 GEMMs read both operands along the summed dimension; it has no e5m2 x e5m2 GEMM).
+    With e4m3 x and y, `scales` are x's and y's inverse scales (0-d fp32 tensors that the product is
+    multiplied by), out, bias and aux are bf16, and y must be transposed (Hopper's FP8 GEMMs read both
+    operands along the summed dimension).
     """
     rows, columns, k = _shape(x, y, out, bias, aux, x_t, y_t, scales)
     if _library() is None:
@@ -237,7 +235,7 @@ def _matmul(epilogue: int, x: Tensor, y: Tensor, out: Tensor, bias: Tensor | Non
     device_index = x.device.index
     ld_x = x.stride(0) if x.size(0) > 1 else x.size(1)   # a 1-row x's stride is arbitrary
     plan = _plan(device_index, epilogue, CUBLAS_OP_T if y_t else CUBLAS_OP_N, CUBLAS_OP_T if x_t else CUBLAS_OP_N,
-                 columns, rows, k, _DTYPES[y.dtype], ld_x, _DTYPES[out.dtype], _DTYPES[x.dtype])
+                 columns, rows, k, _DTYPES[x.dtype], ld_x, _DTYPES[out.dtype])
     desc, a_layout, b_layout, d_layout, results, fastest = plan
     lib, (handle, workspace) = _library(), _handle(device_index)
     _set(lib, desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr() if bias is not None else 0))
@@ -284,12 +282,11 @@ def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor,
 # --- DGELU: fuses GELU's derivative at the stored pre-activation into the input-gradient GEMM's epilogue,
 # so that no separate pass reads the GEMM's output and the pre-activation. Not DGELU_BGRAD, which would
 # also sum the bias gradient: its kernels were slower than this GEMM and a separate sum (BENCHMARKS.md).
-def linear_dgelu(grad: Tensor, weight: Tensor, h: Tensor, scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
+def linear_dgelu(grad: Tensor, weight: Tensor, h: Tensor) -> Tensor:
     """grad_h = (grad @ weight) * gelu'(h) in one GEMM, the gradient through a = gelu(h) and y = a @ weight.T;
-    grad [M, N2], weight [N2, N], h [M, N]. In FP8, `scales` given: grad in e5m2, and `weight` its transpose
-    [N, N2] in e4m3 (the layout FP8 GEMMs read), with their inverse scales; grad_h in h's dtype (bf16)."""
+    grad [M, N2], weight [N2, N], h [M, N]."""
     grad_h = torch.empty_like(h)
-    _matmul(CUBLASLT_EPILOGUE_DGELU, grad, weight, grad_h, None, h, y_t=scales is not None, scales=scales)
+    _matmul(CUBLASLT_EPILOGUE_DGELU, grad, weight, grad_h, None, h)
     return grad_h
 
 

@@ -1,5 +1,4 @@
-"""The forward GEMMs that read a LayerNorm's output (c_attn's, and c_fc's with its GELU epilogue) in FP8; and
-the MLP c_proj's input-gradient GEMM, with GELU's derivative in its epilogue, in FP8.
+"""The forward GEMMs that read a LayerNorm's output (c_attn's, and c_fc's with its GELU epilogue) in FP8.
 
 Hopper's tensor cores multiply e4m3 at twice bf16's rate, but a cast to FP8 needs a scale, and a scale
 from the tensor's amax costs a reduction over it before the cast can start: at GPT-2's width that pass
@@ -18,12 +17,6 @@ The weights' scales come from their amax (fp8.to_e4m3): 2.4M elements, a few mic
 The backward pass stays in bf16, from the saved bf16 input and weight: its GEMMs would need FP8 copies
 of the gradients in both layouts (Hopper's FP8 GEMMs read both operands along the summed dimension).
 Accumulation is Hopper's fast FP8 mode, as for the output layer's logits: the sums run over 768 features.
-
-The MLP c_proj's input-gradient GEMM is the one backward GEMM that needs no transposed copy of an activation:
-grad_h = (grad @ W) * gelu'(h) sums over c_proj's C outputs, along which the output gradient grad [M, C] is
-already laid out, and W's transpose is a copy of 4C x C weights. grad goes to e5m2 (2 mantissa bits, the range
-a gradient needs: Transformer Engine's "hybrid" split) with a scale from its amax, a pass over M x C values,
-where the GEMM reads and writes M x 4C: its epilogue still reads h and writes grad_h in bf16.
 
 Reference: `reference`, the same GEMMs on the dequantized FP8 operands in fp32 (tests/test_fp8_linear.py).
 """
@@ -91,34 +84,3 @@ def reference_gelu(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, bias: T
     """What `linear_gelu` computes, GELU applied to the fp32 sum as the epilogue applies it."""
     h = x8.float() @ w8.float().t() * (x_inv * w_inv) + bias.float()
     return F.gelu(h, approximate="tanh").to(bias.dtype), h.to(bias.dtype)
-
-
-@torch.library.custom_op("gpt_suite::fp8_linear_dgelu", mutates_args=())
-def linear_dgelu(g8: Tensor, g_inv: Tensor, wt8: Tensor, w_inv: Tensor, h: Tensor) -> Tensor:
-    """grad_h = (grad @ w) * gelu'(h), the gradient through a = gelu(h) and y = a @ w.T + b, from e5m2 g8 [M, N2]
-    and the transposed weight wt8 [N, N2] in e4m3 with their inverse scales, in h's dtype. On a GPU, one
-    cuBLASLt GEMM with the DGELU epilogue (cublaslt.linear_dgelu); elsewhere, `reference_dgelu`."""
-    return reference_dgelu(g8, g_inv, wt8, w_inv, h)
-
-
-@linear_dgelu.register_kernel("cuda")
-def _(g8, g_inv, wt8, w_inv, h):
-    return cublaslt.linear_dgelu(g8, wt8, h, scales=(g_inv, w_inv))
-
-
-@linear_dgelu.register_fake
-def _(g8, g_inv, wt8, w_inv, h):
-    return torch.empty_like(h)
-
-
-def linear_dgelu_e5m2(grad: Tensor, weight: Tensor, h: Tensor) -> Tensor:
-    """grad_h = (grad @ weight) * gelu'(h) for bf16 grad [M, N2], weight [N2, N] and h [M, N], the GEMM in FP8:
-    grad cast to e5m2 with a scale from its amax, weight transposed and cast to e4m3."""
-    return linear_dgelu(*fp8.to_fp8(grad, fp8.E5M2), *fp8.to_e4m3(weight.t().contiguous()), h)
-
-
-def reference_dgelu(g8: Tensor, g_inv: Tensor, wt8: Tensor, w_inv: Tensor, h: Tensor) -> Tensor:
-    """What `linear_dgelu` computes: the product of the dequantized operands in fp32, times GELU's derivative
-    (tanh approximation, as GPT-2's) at h, in h's dtype."""
-    grad_a = g8.float() @ wt8.float().t() * (g_inv * w_inv)
-    return torch.ops.aten.gelu_backward(grad_a, h.float(), approximate="tanh").to(h.dtype)

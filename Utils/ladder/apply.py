@@ -191,18 +191,12 @@ def apply_gemm_bias_grad(b: Build) -> None:
 def apply_gelu_epilogue(b: Build) -> str | None:
     """c_fc's GEMM writes the GELU and its input; c_proj's input-gradient GEMM applies GELU's derivative: two
     passes over a tokens x 3072 tensor per layer gone."""
-    return _epilogue_mlps(b)
-
-
-def _epilogue_mlps(b: Build) -> str | None:
-    """apply_gelu_epilogue's swap, which fp8_dgelu makes too (once: a block's MLP already swapped stays)."""
     why = gelu_epilogue.unavailable(b.device)
     if why:
         return f"{why}: the plain MLP instead"
     cublaslt.prepare(b.device)
     for block in modules.blocks(b.model):
-        if not isinstance(block.mlp, modules.EpilogueMLP):
-            block.mlp = modules.EpilogueMLP(block.mlp)
+        block.mlp = modules.EpilogueMLP(block.mlp)
     return None
 
 
@@ -285,22 +279,6 @@ def apply_fp8_qkv_fc(b: Build) -> str | None:
     for block in modules.blocks(b.model):
         modules.add_feature(modules.planned(block.attn, "c_attn"), block.ln_1, fp8_forward=True)
         modules.add_feature(modules.planned(block.mlp, "c_fc"), block.ln_2, fp8_forward=True)
-    return None
-
-
-@applies("fp8_dgelu")
-def apply_fp8_dgelu(b: Build) -> str | None:
-    """gelu_epilogue's MLP (swapped in here where the run lacks gelu_epilogue, as fp8_head swaps in the loss
-    kernel's chunked loss), its c_proj's input-gradient GEMM, GELU's derivative in the epilogue, in FP8: the output
-    gradient cast to e5m2 with a scale from its amax, c_proj's weight transposed to e4m3."""
-    why = _epilogue_mlps(b)
-    if why:
-        return f"{why}, its input gradients in bf16"
-    why = fp8_linear.unavailable(b.device) or fp8.width_problem(b.config.n_embd)
-    if why:
-        return f"{why}: c_proj's input gradient in bf16 instead"
-    for block in modules.blocks(b.model):
-        modules.add_feature(block.mlp.c_fc, fp8_dgelu=True)
     return None
 
 

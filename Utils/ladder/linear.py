@@ -10,11 +10,9 @@ input-gradient GEMM. A feature replaces the plain layer's piece at the stages it
   fp8_forward   fp8_linear       the forward GEMM in FP8, x's scale bounded by its LayerNorm (linear_normed)
   gelu          gelu_epilogue    the GEMM writes gelu(h) and h (linear_gelu); the next layer's input-gradient
                                  GEMM applies GELU's derivative (linear_dgelu, in `_AfterGelu`)
-  fp8_dgelu     fp8_linear       with gelu: that input-gradient GEMM in FP8 (linear_dgelu_e5m2, in `_AfterGelu`)
 
 Two features meet at one stage only where fp8_forward and gelu both change the forward GEMM, which
-fp8_linear provides whole (linear_gelu_normed); fp8_dgelu is gelu's input-gradient GEMM, which fp8_linear
-provides whole too (linear_dgelu_e5m2).
+fp8_linear provides whole (linear_gelu_normed).
 """
 from dataclasses import dataclass, replace
 
@@ -33,7 +31,6 @@ class LinearPlan:
     fold: bool = False          # x is a LayerNorm's x̂ alone, and this layer applies that LayerNorm's γ and β
     fp8_forward: bool = False   # its forward GEMM in FP8 wherever fp8.fits(x); the backward stays bf16
     gelu: bool = False          # its GEMM writes gelu(h) and h: an MLP's c_fc, as `gelu_mlp` runs it
-    fp8_dgelu: bool = False     # with gelu: the next layer's input-gradient GEMM in FP8 wherever fp8.fits(grad)
 
 
 class _Linear(torch.autograd.Function):
@@ -78,17 +75,15 @@ class _AfterGelu(torch.autograd.Function):
     it stores its tiles, so the gradient goes to h and no pass of its own reads the tokens x 3072 activations."""
 
     @staticmethod
-    def forward(ctx, a, h, weight, bias, fp8_dgelu):
+    def forward(ctx, a, h, weight, bias):
         ctx.save_for_backward(a, h, weight)
-        ctx.fp8_dgelu = fp8_dgelu
         return torch.addmm(bias, a, weight.t())
 
     @staticmethod
     def backward(ctx, grad):
         a, h, weight = ctx.saved_tensors
         grad = grad.contiguous()
-        dgelu = fp8_linear.linear_dgelu_e5m2 if ctx.fp8_dgelu and fp8.fits(grad) else gelu_epilogue.linear_dgelu
-        return None, dgelu(grad, weight, h), grad.t() @ a, grad.sum(0), None
+        return None, gelu_epilogue.linear_dgelu(grad, weight, h), grad.t() @ a, grad.sum(0)
 
 
 def _norm_weights(plan: LinearPlan, norm: nn.LayerNorm | None) -> tuple[Tensor | None, Tensor | None]:
@@ -126,5 +121,5 @@ def gelu_mlp(x: Tensor, fc: nn.Linear, proj: nn.Linear, plan: LinearPlan = Linea
     with torch.autocast(x.device.type, enabled=False):
         a, h = _Linear.apply(x.reshape(-1, x.size(-1)).to(dtype).contiguous(), fc.weight.to(dtype),
                              fc.bias.to(dtype), *_norm_weights(plan, norm), plan)
-        y = _AfterGelu.apply(a, h, proj.weight.to(dtype), proj.bias.to(dtype), plan.fp8_dgelu)
+        y = _AfterGelu.apply(a, h, proj.weight.to(dtype), proj.bias.to(dtype))
     return y.view(*x.shape[:-1], y.size(-1))

@@ -47,8 +47,7 @@ class Addition:
                                    # "master" (one pass over bf16 parameters and their fp32 master weights)
     clip_folded: bool = False      # the optimizer divides by the clip factor as it reads each gradient
     fp8_gemms: str = ""            # which GEMMs it runs in FP8: "head" (output layer), "qkv_fc" (c_attn's and
-                                   # c_fc's forward), "mlp_dgrad" (the MLP c_proj's input gradient) or "blocks"
-                                   # (every block's linear layers)
+                                   # c_fc's forward) or "blocks" (every block's linear layers)
     # What the breakdown (Utils.report.breakdown) reads differently under it:
     readback_deferred: bool = False  # the host reads results back every few steps, so the launches of the steps
                                      # between run ahead of the GPU
@@ -67,10 +66,10 @@ class Addition:
     def __post_init__(self):
         if self.stage not in STAGES or self.pillar not in PILLARS:
             raise ValueError(f"{self.name}: stage must be one of {STAGES} and pillar one of {PILLARS}")
-        if self.matmuls not in ("", "tf32", "bf16") or self.fp8_gemms not in ("", "head", "qkv_fc", "mlp_dgrad", "blocks") \
+        if self.matmuls not in ("", "tf32", "bf16") or self.fp8_gemms not in ("", "head", "qkv_fc", "blocks") \
                 or self.optimizer not in ("", "fused", "8bit", "master", "stochastic"):
             raise ValueError(f"{self.name}: matmuls is '', tf32 or bf16; optimizer '', fused, 8bit, master or "
-                             f"stochastic; fp8_gemms '', head, qkv_fc, mlp_dgrad or blocks")
+                             f"stochastic; fp8_gemms '', head, qkv_fc or blocks")
 
 
 _ADDITIONS = [
@@ -182,14 +181,6 @@ _ADDITIONS = [
                  "a LayerNorm's output is bounded by its weights (max|γ|·sqrt(C − 1) + max|β|), so the cast is a byte "
                  "more out of the LayerNorm's own kernel (at batch 64 every run sits at the card's power cap, where "
                  "less work is a shorter step)"),
-    Addition("fp8_dgelu", "model", "compute",
-             "the MLP c_proj's input-gradient GEMM, GELU's derivative in its epilogue, in FP8 (e5m2 gradient, e4m3 "
-             "weight), in gelu_epilogue's MLP", needs="cuBLASLt and an Ada or Hopper GPU", requires=("bf16",),
-             excludes=("fp8",), fp8_gemms="mlp_dgrad", fsdp=_WHOLE_TENSORS,
-             phrase="the MLP c_proj's input-gradient GEMM in FP8 with GELU's derivative in its epilogue (`fp8_dgelu`)",
-             why="the one backward GEMM whose FP8 operands need no transposed copy of an activation: its output "
-                 "gradient is laid out along the sum already, so the casts cost a pass over tokens × 768 values "
-                 "against a GEMM that reads and writes tokens × 3072"),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
              needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8_gemms="blocks",
              fsdp="its scaled matmuls have not been tried on FSDP's shards",

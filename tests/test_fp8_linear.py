@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from Utils.kernels import cublaslt, fp8_linear, gemm_bias_grad
-from Utils.kernels.fp8 import E4M3, E4M3_MAX, fits, norm_bound, normed_to_e4m3, to_e4m3
+from Utils.kernels.fp8 import E4M3, E4M3_MAX, E5M2, fits, norm_bound, normed_to_e4m3, to_e4m3, to_fp8
 from Utils.ladder import linear, modules
 from Utils.ladder.linear import LinearPlan
 
@@ -128,6 +128,51 @@ def test_the_fp8_mlp_changes_the_forward_only_and_tokens_not_a_multiple_of_16_ru
     assert not fits(odd)
     assert torch.equal(linear.gelu_mlp(odd, fc, proj, FP8_ONES, norm),
                        linear.gelu_mlp(odd, fc, proj, LinearPlan(bias_grad=True)))
+
+
+def test_the_input_gradient_in_fp8_is_the_product_of_the_dequantized_operands_near_the_bf16_one():
+    torch.manual_seed(6)
+    grad = (torch.randn(48, 3 * C) * 1e-4).bfloat16()   # a gradient's size: far below e5m2's unscaled range
+    weight = (torch.randn(3 * C, C) * 0.05).bfloat16()
+    out = fp8_linear.input_grad(grad, weight)
+    assert out.dtype == torch.bfloat16 and out.shape == (48, C)
+    g8, g_inv = to_fp8(grad, E5M2)
+    wt8, w_inv = to_e4m3(weight.t().contiguous())
+    dequantized = (g8.float() * g_inv) @ (wt8.float() * w_inv).t()
+    torch.testing.assert_close(out.float(), dequantized, rtol=2**-7, atol=0)
+    # Near the bf16 operands' product, to e5m2's rounding (2 mantissa bits); a scale applied twice or not at
+    # all would be off by orders of magnitude.
+    exact = grad.float() @ weight.float()
+    assert 0 < ((out.float() - exact).norm() / exact.norm()).item() < 0.1
+
+
+@pytest.mark.parametrize("mlp", [False, True], ids=["c_attn", "c_fc"])
+def test_fp8_dgrad_changes_the_input_gradient_only_and_runs_bf16_for_tokens_not_a_multiple_of_16(mlp):
+    norm, y, _, _ = operands(m=48)
+    torch.manual_seed(8)
+    layer, proj = nn.Linear(C, 4 * C if mlp else 3 * C).bfloat16(), nn.Linear(4 * C, C).bfloat16()
+    grad = (torch.randn(48, C if mlp else 3 * C) * 1e-3).bfloat16()
+
+    def run(x, plan):
+        layer.zero_grad()
+        out = linear.gelu_mlp(x, layer, proj, plan) if mlp else linear.linear(x, layer, plan)
+        out.backward(grad[:x.size(0)])
+        return out.detach(), layer.weight.grad.clone(), layer.bias.grad.clone()
+
+    results = []
+    for fp8_dgrad in (False, True):
+        x = y.clone().requires_grad_()
+        results.append((*run(x, LinearPlan(bias_grad=True, fp8_dgrad=fp8_dgrad)), x.grad))
+    (*same, gx), (*same8, gx8) = results
+    assert all(torch.equal(a, b) for a, b in zip(same, same8))   # the forward, and the weight-gradient GEMM
+    assert 0 < ((gx8.float() - gx.float()).norm() / gx.float().norm()).item() < 0.1
+    # 40 tokens: FP8 GEMMs need multiples of 16, so the input gradient is the bf16 GEMM's, value for value.
+    grads = []
+    for plan in (LinearPlan(fp8_dgrad=True), LinearPlan()):
+        x = y[:40].clone().requires_grad_()
+        run(x, plan)
+        grads.append(x.grad)
+    assert torch.equal(*grads)
 
 
 def test_a_feature_with_its_norm_keeps_the_models_parameters_and_state_dict():

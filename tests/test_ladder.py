@@ -641,6 +641,8 @@ CPU_EFFECTS = {
     "fp8_head": (r"FP8 matmuls are fast on an Ada or Hopper GPU only .+: the output layer in bf16 instead; "
                  r"the loss kernel needs .+: the plain chunked loss instead", _chunked_loss),
     "fp8_qkv_fc": (r"FP8 GEMMs need an Ada or Hopper GPU .+: c_attn and c_fc in bf16 instead", _bf16_layers),
+    "fp8_dgrad": (r"FP8 GEMMs need an Ada or Hopper GPU .+: c_attn's and c_fc's input gradients in bf16 instead",
+                  _bf16_layers),
     "fp8": (None, None),   # refused on a CPU: test_fp8_is_refused_where_it_cannot_run
     "fold_norm": (None, _fold_norm),
     "master_weights": (None, _master_weights),
@@ -774,6 +776,21 @@ def test_where_fp8_runs_fp8_qkv_fc_names_each_layernorm_to_the_layer_that_reads_
             assert type(layer) is modules.PlannedLinear and layer.norm is norm
             assert layer.plan == LinearPlan(bias_grad=bool(bases), fp8_forward=True)
     assert set(b.model.state_dict()) == set(make(("bf16",) + bases).model.state_dict())
+
+
+@pytest.mark.parametrize("bases", [(), ("gemm_bias_grad", "gelu_epilogue", "fp8_qkv_fc")], ids=["plain", "max"])
+def test_where_fp8_runs_fp8_dgrad_plans_c_attn_and_c_fc_beside_their_other_features(kernels_available, monkeypatch,
+                                                                                   bases):
+    monkeypatch.setattr(fp8_linear, "unavailable", lambda device: None)
+    b = make(("bf16",) + bases + ("fp8_dgrad",))
+    assert b.notes == []
+    for block in b.model.transformer.h:
+        assert (type(block.mlp) is modules.EpilogueMLP) == bool(bases)
+        for layer in (block.attn.c_attn, block.mlp.c_fc):
+            assert type(layer) is modules.PlannedLinear
+            assert layer.plan == LinearPlan(bias_grad=bool(bases), fp8_forward=bool(bases), fp8_dgrad=True)
+        assert type(block.attn.c_proj) is type(block.mlp.c_proj) is nn.Linear
+    assert set(b.model.state_dict()) == set(make(("bf16",)).model.state_dict())
 
 
 def test_where_fp8_cannot_run_fp8_head_is_the_loss_kernel_in_bf16(kernels_available, monkeypatch):
@@ -995,6 +1012,6 @@ def test_the_max_rung_and_fsdp_s_refusals_come_from_each_addition_s_facts():
     assert PARALLEL_EXCLUDES["ddp"] == {}
     assert PARALLEL_EXCLUDES["fsdp"] == {a: ADDITIONS[a].fsdp for a in ADDITIONS if ADDITIONS[a].fsdp}
     assert set(PARALLEL_EXCLUDES["fsdp"]) == {"gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel",
-                                              "fp8_head", "fp8_qkv_fc", "fold_clip", "fold_norm", "8bit",
+                                              "fp8_head", "fp8_qkv_fc", "fp8_dgrad", "fold_clip", "fold_norm", "8bit",
                                               "cudagraphs", "fp8", "master_weights",
                                               "stochastic_rounding"}

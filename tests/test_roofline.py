@@ -81,6 +81,7 @@ def test_the_gemms_an_addition_runs_in_fp8_count_at_the_fp8_rate_where_the_gpu_h
     assert roof.fp8_flops_per_token(["bf16", "fp8_head"]) == head
     assert roof.fp8_flops_per_token(RUNGS["max"].additions) == head + qkv_fc
     assert roof.fp8_flops_per_token(["bf16", "fp8"]) == block
+    assert roof.fp8_flops_per_token(["bf16", "fp8_dgrad"]) == qkv_fc   # the same GEMMs' input gradients
     assert roof.fp8_flops_per_token(RUNGS["fused"].additions) == 0
     # Every addition that the registry marks as running FP8 GEMMs has them counted here.
     assert all(roof.fp8_flops_per_token([a]) > 0 for a in ADDITIONS if ADDITIONS[a].fp8)
@@ -416,4 +417,4 @@ def test_the_roofline_reads_each_addition_s_facts_from_the_registry():
     assert roofline.COMPILED == {"torch_compile"}
     assert {a: ADDITIONS[a].matmuls for a in ADDITIONS if ADDITIONS[a].matmuls} == {"tf32": "tf32", "bf16": "bf16"}
     assert {a: ADDITIONS[a].fp8_gemms for a in ADDITIONS if ADDITIONS[a].fp8_gemms} == {
-        "fp8_head": "head", "fp8_qkv_fc": "qkv_fc", "fp8": "blocks"}
+        "fp8_head": "head", "fp8_qkv_fc": "qkv_fc", "fp8_dgrad": "qkv_fc_dgrad", "fp8": "blocks"}

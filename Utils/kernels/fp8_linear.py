@@ -1,4 +1,5 @@
-"""The forward GEMMs that read a LayerNorm's output (c_attn's, and c_fc's with its GELU epilogue) in FP8.
+"""The forward GEMMs that read a LayerNorm's output (c_attn's, and c_fc's with its GELU epilogue) in FP8; and
+the same layers' input-gradient GEMMs in FP8.
 
 Hopper's tensor cores multiply e4m3 at twice bf16's rate, but a cast to FP8 needs a scale, and a scale
 from the tensor's amax costs a reduction over it before the cast can start: at GPT-2's width that pass
@@ -14,9 +15,17 @@ normal value, and at C = 768 the bound (27.7 max|γ|) lies some three binades ab
 largest entry, so only entries below about 2^-9 of the bound lose bits as subnormals.
 
 The weights' scales come from their amax (fp8.to_e4m3): 2.4M elements, a few microseconds a step.
-The backward pass stays in bf16, from the saved bf16 input and weight: its GEMMs would need FP8 copies
-of the gradients in both layouts (Hopper's FP8 GEMMs read both operands along the summed dimension).
-Accumulation is Hopper's fast FP8 mode, as for the output layer's logits: the sums run over 768 features.
+The backward reads the saved bf16 input and weight. Accumulation is Hopper's fast FP8 mode, as for the output
+layer's logits: the sums run over the model's width, 768 features at 124M.
+
+The input-gradient GEMM, grad @ W, sums over the layer's outputs (3C for c_attn, 4C for c_fc), along which the
+output gradient [tokens, 3C or 4C] is already laid out: it needs no copy of an activation in the other layout,
+only W transposed (3C x C or 4C x C values). The gradient has no bound known in advance: it goes to e5m2 (2
+mantissa bits, the range a gradient needs: Transformer Engine's "hybrid" split) with a scale from its amax, a
+pass to find the amax and one to cast, about 5 bytes a value against the GEMM's saving. The sums run over
+thousands of products, so this GEMM accumulates without Hopper's fast FP8 mode, as Transformer Engine's
+backward GEMMs do. The weight-gradient GEMM stays bf16: it sums over the tokens, along which neither of its
+operands is laid out.
 
 Reference: `reference`, the same GEMMs on the dequantized FP8 operands in fp32 (tests/test_fp8_linear.py).
 """
@@ -84,3 +93,12 @@ def reference_gelu(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, bias: T
     """What `linear_gelu` computes, GELU applied to the fp32 sum as the epilogue applies it."""
     h = x8.float() @ w8.float().t() * (x_inv * w_inv) + bias.float()
     return F.gelu(h, approximate="tanh").to(bias.dtype), h.to(bias.dtype)
+
+
+def input_grad(grad: Tensor, weight: Tensor) -> Tensor:
+    """grad @ weight, the input gradient of a linear layer with weight [N, K] from its output gradient grad [M, N],
+    in grad's dtype (bf16), the GEMM in FP8: grad cast to e5m2 with a scale from its amax, weight transposed and
+    cast to e4m3."""
+    g8, g_inv = fp8.to_fp8(grad, fp8.E5M2)
+    wt8, w_inv = fp8.to_e4m3(weight.t().contiguous())
+    return torch._scaled_mm(g8, wt8.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)

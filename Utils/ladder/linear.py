@@ -8,6 +8,7 @@ input-gradient GEMM. A feature replaces the plain layer's piece at the stages it
   bias_grad     gemm_bias_grad   x kept beside ones (with_ones); dW and db from one GEMM (weight_and_bias_grad)
   fold          norm_fold        W' = W diag(γ), b' = b + Wβ (folded); dW, db, dγ, dβ from dW', db' (unfolded_grads)
   fp8_forward   fp8_linear       the forward GEMM in FP8, x's scale bounded by its LayerNorm (linear_normed)
+  fp8_dgrad     fp8_linear       the input-gradient GEMM in FP8, the gradient's scale from its amax (input_grad)
   gelu          gelu_epilogue    the GEMM writes gelu(h) and h (linear_gelu); the next layer's input-gradient
                                  GEMM applies GELU's derivative (linear_dgelu, in `_AfterGelu`)
 
@@ -29,7 +30,8 @@ class LinearPlan:
     whose output x is (`norm` of `linear`)."""
     bias_grad: bool = False     # its bias gradient made by its weight-gradient GEMM
     fold: bool = False          # x is a LayerNorm's x̂ alone, and this layer applies that LayerNorm's γ and β
-    fp8_forward: bool = False   # its forward GEMM in FP8 wherever fp8.fits(x); the backward stays bf16
+    fp8_forward: bool = False   # its forward GEMM in FP8 wherever fp8.fits(x)
+    fp8_dgrad: bool = False     # its input-gradient GEMM in FP8 wherever fp8.fits(grad)
     gelu: bool = False          # its GEMM writes gelu(h) and h: an MLP's c_fc, as `gelu_mlp` runs it
 
 
@@ -67,7 +69,8 @@ class _Linear(torch.autograd.Function):
         grad_gamma = grad_beta = None
         if plan.fold:
             grad_w, grad_b, grad_gamma, grad_beta = norm_fold.unfolded_grads(grad_w, grad_b, weight, gamma, beta)
-        return grad @ w, grad_w, grad_b, grad_gamma, grad_beta, None
+        grad_x = fp8_linear.input_grad(grad, w) if plan.fp8_dgrad and fp8.fits(grad) else grad @ w
+        return grad_x, grad_w, grad_b, grad_gamma, grad_beta, None
 
 
 class _AfterGelu(torch.autograd.Function):

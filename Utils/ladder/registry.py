@@ -47,7 +47,8 @@ class Addition:
                                    # "master" (one pass over bf16 parameters and their fp32 master weights)
     clip_folded: bool = False      # the optimizer divides by the clip factor as it reads each gradient
     fp8_gemms: str = ""            # which GEMMs it runs in FP8: "head" (output layer), "qkv_fc" (c_attn's and
-                                   # c_fc's forward) or "blocks" (every block's linear layers)
+                                   # c_fc's forward), "qkv_fc_dgrad" (their input gradients) or "blocks" (every
+                                   # block's linear layers)
     # What the breakdown (Utils.report.breakdown) reads differently under it:
     readback_deferred: bool = False  # the host reads results back every few steps, so the launches of the steps
                                      # between run ahead of the GPU
@@ -66,10 +67,10 @@ class Addition:
     def __post_init__(self):
         if self.stage not in STAGES or self.pillar not in PILLARS:
             raise ValueError(f"{self.name}: stage must be one of {STAGES} and pillar one of {PILLARS}")
-        if self.matmuls not in ("", "tf32", "bf16") or self.fp8_gemms not in ("", "head", "qkv_fc", "blocks") \
+        if self.matmuls not in ("", "tf32", "bf16") or self.fp8_gemms not in ("", "head", "qkv_fc", "qkv_fc_dgrad", "blocks") \
                 or self.optimizer not in ("", "fused", "8bit", "master", "stochastic"):
             raise ValueError(f"{self.name}: matmuls is '', tf32 or bf16; optimizer '', fused, 8bit, master or "
-                             f"stochastic; fp8_gemms '', head, qkv_fc or blocks")
+                             f"stochastic; fp8_gemms '', head, qkv_fc, qkv_fc_dgrad or blocks")
 
 
 _ADDITIONS = [
@@ -181,6 +182,15 @@ _ADDITIONS = [
                  "a LayerNorm's output is bounded by its weights (max|γ|·sqrt(C − 1) + max|β|), so the cast is a byte "
                  "more out of the LayerNorm's own kernel (at batch 64 every run sits at the card's power cap, where "
                  "less work is a shorter step)"),
+    Addition("fp8_dgrad", "model", "compute",
+             "c_attn's and c_fc's input-gradient GEMMs in FP8: the output gradient in e5m2 with a scale from its amax, "
+             "the weight transposed in e4m3", needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",),
+             fp8_gemms="qkv_fc_dgrad", fsdp="its FP8 casts have not been tried on FSDP's shards",
+             phrase="the input-gradient GEMMs of c_attn and c_fc in FP8 (`fp8_dgrad`), each output gradient cast to "
+                    "e5m2 with a scale from its amax",
+             why="an input-gradient GEMM sums along the layout its output gradient already has, so FP8 needs no "
+                 "transposed copy of an activation, only of the weight, and the cast's two passes over the gradient "
+                 "cost less than the GEMM saves where the width is large (gpt2-xl's 1,600)"),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
              needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8_gemms="blocks",
              fsdp="its scaled matmuls have not been tried on FSDP's shards",

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from conftest import REPO_ROOT, model_pair
-from Utils.kernels import chunked_loss, cublaslt, fp8_linear, fp8_loss, loss_kernel, packed_attention
+from Utils.kernels import chunked_loss, cublaslt, fp8, fp8_linear, fp8_loss, loss_kernel, packed_attention
 from Utils.ladder import apply, modules, registry
 from Utils.ladder.apply import GRAD_CLIP, Build, Unavailable, build
 from Utils.ladder.registry import (ABLATION, ADDITIONS, ablation_additions, additions_of, LADDER, LEAVE_ONE_OUT,
@@ -781,7 +781,7 @@ def test_where_fp8_runs_fp8_qkv_fc_names_each_layernorm_to_the_layer_that_reads_
 @pytest.mark.parametrize("bases", [(), ("gemm_bias_grad", "gelu_epilogue", "fp8_qkv_fc")], ids=["plain", "max"])
 def test_where_fp8_runs_fp8_dgrad_plans_c_attn_and_c_fc_beside_their_other_features(kernels_available, monkeypatch,
                                                                                    bases):
-    monkeypatch.setattr(fp8_linear, "unavailable", lambda device: None)
+    monkeypatch.setattr(fp8, "unavailable", lambda device: None)   # fp8_qkv_fc's check asks it too
     b = make(("bf16",) + bases + ("fp8_dgrad",))
     assert b.notes == []
     for block in b.model.transformer.h:

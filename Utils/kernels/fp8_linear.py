@@ -22,7 +22,8 @@ The input-gradient GEMM, grad @ W, sums over the layer's outputs (3C for c_attn,
 output gradient [tokens, 3C or 4C] is already laid out: it needs no copy of an activation in the other layout,
 only W transposed (3C x C or 4C x C values). The gradient has no bound known in advance: it goes to e5m2 (2
 mantissa bits, the range a gradient needs: Transformer Engine's "hybrid" split) with a scale from its amax, a
-pass to find the amax and one to cast, about 5 bytes a value against the GEMM's saving. The sums run over
+pass to find the amax and one to cast, about 5 bytes a value against the GEMM's saving once Inductor compiles
+them (eager, the cast's operations are passes of their own). The sums run over
 thousands of products, so this GEMM accumulates without Hopper's fast FP8 mode, as Transformer Engine's
 backward GEMMs do. The weight-gradient GEMM stays bf16: it sums over the tokens, along which neither of its
 operands is laid out.
@@ -99,6 +100,6 @@ def input_grad(grad: Tensor, weight: Tensor) -> Tensor:
     """grad @ weight, the input gradient of a linear layer with weight [N, K] from its output gradient grad [M, N],
     in grad's dtype (bf16), the GEMM in FP8: grad cast to e5m2 with a scale from its amax, weight transposed and
     cast to e4m3."""
-    g8, g_inv = fp8.to_fp8(grad, fp8.E5M2)
+    g8, g_inv = fp8.to_fp8(grad.contiguous(), fp8.E5M2)   # _scaled_mm takes its first operand row-major
     wt8, w_inv = fp8.to_e4m3(weight.t().contiguous())
     return torch._scaled_mm(g8, wt8.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)

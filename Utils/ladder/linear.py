@@ -31,7 +31,7 @@ class LinearPlan:
     bias_grad: bool = False     # its bias gradient made by its weight-gradient GEMM
     fold: bool = False          # x is a LayerNorm's x̂ alone, and this layer applies that LayerNorm's γ and β
     fp8_forward: bool = False   # its forward GEMM in FP8 wherever fp8.fits(x)
-    fp8_dgrad: bool = False     # its input-gradient GEMM in FP8 wherever fp8.fits(grad)
+    fp8_dgrad: bool = False     # its input-gradient GEMM in FP8 wherever fp8.fits(grad) and fp8.fits(weight)
     gelu: bool = False          # its GEMM writes gelu(h) and h: an MLP's c_fc, as `gelu_mlp` runs it
 
 
@@ -69,7 +69,7 @@ class _Linear(torch.autograd.Function):
         grad_gamma = grad_beta = None
         if plan.fold:
             grad_w, grad_b, grad_gamma, grad_beta = norm_fold.unfolded_grads(grad_w, grad_b, weight, gamma, beta)
-        grad_x = fp8_linear.input_grad(grad, w) if plan.fp8_dgrad and fp8.fits(grad) else grad @ w
+        grad_x = fp8_linear.input_grad(grad, w) if plan.fp8_dgrad and fp8.fits(grad) and fp8.fits(w) else grad @ w
         return grad_x, grad_w, grad_b, grad_gamma, grad_beta, None
 
 

@@ -190,7 +190,8 @@ _ADDITIONS = [
                     "e5m2 with a scale from its amax",
              why="an input-gradient GEMM sums along the layout its output gradient already has, so FP8 needs no "
                  "transposed copy of an activation, only of the weight, and the cast's two passes over the gradient "
-                 "cost less than the GEMM saves where the width is large (gpt2-xl's 1,600)"),
+                 "are predicted to cost less than the GEMM saves where the width is large (gpt2-xl's 1,600; "
+                 "BENCHMARKS.md, not yet measured)"),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
              needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8_gemms="blocks",
              fsdp="its scaled matmuls have not been tried on FSDP's shards",

@@ -23,10 +23,9 @@ output gradient [tokens, 3C or 4C] is already laid out: it needs no copy of an a
 only W transposed (3C x C or 4C x C values). The gradient has no bound known in advance: it goes to e5m2 (2
 mantissa bits, the range a gradient needs: Transformer Engine's "hybrid" split) with a scale from its amax, a
 pass to find the amax and one to cast, about 5 bytes a value against the GEMM's saving once Inductor compiles
-them (eager, the cast's operations are passes of their own). The sums run over
-thousands of products, so this GEMM accumulates without Hopper's fast FP8 mode, as Transformer Engine's
-backward GEMMs do. The weight-gradient GEMM stays bf16: it sums over the tokens, along which neither of its
-operands is laid out.
+them (eager, the cast's operations are passes of their own). The sums run over thousands of products, so this
+GEMM accumulates without Hopper's fast FP8 mode, as Transformer Engine's backward GEMMs do. The weight-gradient
+GEMM stays bf16: it sums over the tokens, along which neither of its operands is laid out.
 
 Reference: `reference`, the same GEMMs on the dequantized FP8 operands in fp32 (tests/test_fp8_linear.py).
 """

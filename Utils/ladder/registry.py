@@ -67,7 +67,8 @@ class Addition:
     def __post_init__(self):
         if self.stage not in STAGES or self.pillar not in PILLARS:
             raise ValueError(f"{self.name}: stage must be one of {STAGES} and pillar one of {PILLARS}")
-        if self.matmuls not in ("", "tf32", "bf16") or self.fp8_gemms not in ("", "head", "qkv_fc", "qkv_fc_dgrad", "blocks") \
+        if self.matmuls not in ("", "tf32", "bf16") \
+                or self.fp8_gemms not in ("", "head", "qkv_fc", "qkv_fc_dgrad", "blocks") \
                 or self.optimizer not in ("", "fused", "8bit", "master", "stochastic"):
             raise ValueError(f"{self.name}: matmuls is '', tf32 or bf16; optimizer '', fused, 8bit, master or "
                              f"stochastic; fp8_gemms '', head, qkv_fc, qkv_fc_dgrad or blocks")

@@ -12,12 +12,13 @@ Each FP8 result is checked against the product of its dequantized operands; the 
     python3 bench/fp8_dgrad.py
 """
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.gelu_epilogue import bench  # noqa: E402
+from bench.packed_attention import graphed  # noqa: E402
 from Utils.kernels import fp8, fp8_linear  # noqa: E402
 from Utils.model_config import PRESETS  # noqa: E402
 
@@ -26,33 +27,11 @@ SEQ_LEN = 1024
 
 
 def replayed(fn, *args):
-    """fn compiled and captured with these arguments in a CUDA graph: (a replay, the graph's output)."""
-    compiled = torch.compile(fn)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):   # compiles, then warms up the allocator outside the capture
-            compiled(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = compiled(*args)
-    return graph.replay, out
-
-
-def median_us(replay, reps: int = 50) -> float:
-    """The median device time of one replay, in µs (CUDA events, after 5 replays)."""
-    for _ in range(5):
-        replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+    """fn compiled, then captured with these arguments in a CUDA graph (its warm-up calls compile it): (the
+    graph's replay, the output the graph writes)."""
+    compiled, outputs = torch.compile(fn), []
+    replay = graphed(lambda: outputs.append(compiled(*args)))
+    return replay, outputs[-1]   # the call made under capture
 
 
 def casts(grad: torch.Tensor, weight: torch.Tensor):
@@ -67,12 +46,12 @@ def one_layer(tokens: int, n_out: int, width: int) -> tuple[dict, float]:
     bf16, _ = replayed(lambda g, w: g @ w, grad, weight)
     whole, out = replayed(fp8_linear.input_grad, grad, weight)
     cast, ((g8, g_inv), (wt8, w_inv)) = replayed(casts, grad, weight)
-    times = {"bf16": median_us(bf16), "fp8": median_us(whole), "casts": median_us(cast)}
+    times = {"bf16": bench(bf16), "fp8": bench(whole), "casts": bench(cast)}
     for fast in (False, True):
         gemm, _ = replayed(lambda g, w, gi, wi: torch._scaled_mm(g, w.t(), scale_a=gi, scale_b=wi,
                                                                  out_dtype=torch.bfloat16, use_fast_accum=fast),
                            g8, wt8, g_inv, w_inv)
-        times["gemm, fast" if fast else "gemm"] = median_us(gemm)
+        times["gemm, fast" if fast else "gemm"] = bench(gemm)
     whole()
     dequantized = (g8.float() * g_inv) @ (wt8.float() * w_inv).t()
     return times, ((out.float() - dequantized).norm() / dequantized.norm()).item()

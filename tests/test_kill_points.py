@@ -528,6 +528,30 @@ def test_a_signal_while_the_driver_imports_is_its_one_line(tmp_path, suite_env, 
     assert not os.path.exists(tmp_path / "out")
 
 
+# Shutting the interpreter down gives the signals their default action back: one that came then ended the driver by
+# the signal, without its line. The driver holds them once main has returned; this one comes just as it does.
+AS_THE_DRIVER_ENDS = """
+import os, runpy, signal, sys
+hold, sig = signal.pthread_sigmask, signal.Signals[sys.argv[1]]
+def held(how, mask):
+    old = hold(how, mask)
+    if how == signal.SIG_BLOCK and sig in mask:
+        os.kill(os.getpid(), sig)
+    return old
+signal.pthread_sigmask = held
+sys.argv = ["Utils.suite", *sys.argv[2:]]
+runpy.run_module("Utils.suite", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("sig", STOPPING, ids=lambda s: s.name)
+def test_a_signal_as_the_driver_ends_is_its_one_line(suite_env, sig):
+    done = subprocess.run([sys.executable, "-c", AS_THE_DRIVER_ENDS, sig.name, "additions"], cwd=REPO_ROOT,
+                          env=dict(suite_env, PYTHONPATH=REPO_ROOT), capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() and (done.returncode, done.stderr) == (128 + sig, f"error: additions stopped by "
+                                                                                 f"{sig.name}\n")
+
+
 # --- inside the append: a child stopped at each rename ---------------------------------------------------------
 
 APPEND_CHILD = """

@@ -18,9 +18,9 @@ def _stopped(target: str, signum: int) -> str:
     return f"{target} stopped by {signal.Signals(signum).name}"
 
 
-def _stopped_while_starting(signum: int, frame) -> None:
-    """Until main takes the signals (Runner.handle_signals) no child runs: a signal ends the driver at once, with
-    the line main would end with."""
+def _stopped_outside_main(signum: int, frame) -> None:
+    """Until main takes the signals (Runner.handle_signals), and once it has given them back, no child runs: a
+    signal ends the driver at once, with the line main would end with."""
     command = sys.argv[1:2] + (sys.argv[2:3] if sys.argv[1:2] == ["run"] else [])
     os.write(2, f"error: {_stopped(' '.join(command) or 'help', signum)}\n".encode())
     os._exit(128 + signum)
@@ -28,7 +28,7 @@ def _stopped_while_starting(signum: int, frame) -> None:
 
 if __name__ == "__main__":   # before the registry and the targets load: a Ctrl-C then is one line, no traceback
     for _signum in STOPPING:
-        signal.signal(_signum, _stopped_while_starting)
+        signal.signal(_signum, _stopped_outside_main)
 
 from Utils.ladder.__main__ import table  # noqa: E402
 from Utils.ladder.registry import RUNGS  # noqa: E402
@@ -81,4 +81,12 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    rc = main(sys.argv[1:])
+    # Shutting the interpreter down gives the signals their default action back, and a SIGTERM then would end the
+    # driver by the signal, without its line. From here they are held: one that came after main ends it as one
+    # before main would, unless main already ended by a signal.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOPPING)
+    came = sorted(signal.sigpending() & STOPPING)
+    if came and rc < 128:
+        _stopped_outside_main(came[0], None)
+    sys.exit(rc)

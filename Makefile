@@ -69,7 +69,7 @@ install:
 lock:
 	$(PYTHON) -m Utils.install lock
 
-PYTEST = -m pytest -q -rs -n auto --dist loadgroup tests
+PYTEST = -m pytest -q -rs -n auto tests
 test:
 	@PIP_DISABLE_PIP_VERSION_CHECK=1 $(PYTHON) -m Utils.install test$(upgrade)
 	$(PYTHON) $(PYTEST)

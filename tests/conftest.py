@@ -17,6 +17,7 @@ import torch
 from Utils.model import GPT
 from Utils.model_config import PRESETS
 from Utils.results.schema import RUN_SCHEMA, STEP_SCHEMA, headers
+from Utils.results.store import append_run
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared"))
@@ -225,3 +226,31 @@ def rewrite_as_version_1(prefix):
             writer = csv.DictWriter(f, fieldnames=headers(schema)[1], extrasaction="ignore", lineterminator="\n")
             writer.writeheader()
             writer.writerows(rows)
+
+
+# --- a results folder written through the suite's writer, without training -----------------------------------
+
+RUN_CONFIG = dict(batch_size=4, seq_len=32, model="tiny", data="synthetic", device="cpu", gpu_name="cpu",
+              started_at="2026-01-01T00:00:00+00:00", warmup_steps=1, git_commit="0123456789abcdef")
+
+
+def step_rows(run_id, rung, ms):
+    """Step rows of one run: a warm-up step, then ms."""
+    return [dict(run_id=run_id, optimization=rung, step=i, warmup=i == 0, step_ms=m, tokens_per_s=128 / m * 1000,
+                 loss=5.0 - 0.1 * i, mfu=None) for i, m in enumerate([900.0, *ms])]
+
+
+def add_run(prefix, rung, ms=(100.0, 101.0, 99.0), status="ok", run_id=None):
+    """Append one whole run through the suite's writer; its run_id."""
+    run_id = run_id or f"{rung}-{status}"
+    os.makedirs(prefix, exist_ok=True)
+    append_run(prefix, dict(run_id=run_id, optimization=rung, status=status, steps=len(ms) + 1, **RUN_CONFIG),
+               step_rows(run_id, rung, ms) if ms else [])
+    return run_id
+
+
+def two_runs(prefix):
+    """baseline and tf32 (twice as fast), whole."""
+    add_run(prefix, "baseline")
+    add_run(prefix, "tf32", (50.0, 50.5, 49.5))
+    return prefix

@@ -10,40 +10,15 @@ import os
 
 import pytest
 
-from conftest import clean_env, make, read_csv, rewrite_as_version_1, run_main, summary_table
+from conftest import (add_run, clean_env, make, read_csv, rewrite_as_version_1, run_main, step_rows, summary_table,
+                      two_runs)
 from Utils.report import compare
 from Utils.results.read import load
 from Utils.results.schema import RUN_COLUMNS, RUN_SCHEMA, SCHEMA_VERSION, STEP_COLUMNS, STEPS_FILE, headers
-from Utils.results.store import ResultsError, append_rows, append_run, check_prefix
+from Utils.results.store import ResultsError, append_rows, check_prefix
 from Utils.suite.__main__ import main as suite
 
 BOM = codecs.BOM_UTF8
-CONFIG = dict(batch_size=4, seq_len=32, model="tiny", data="synthetic", device="cpu", gpu_name="cpu",
-              started_at="2026-01-01T00:00:00+00:00", warmup_steps=1, git_commit="0123456789abcdef")
-
-
-def steps(run_id, rung, ms):
-    """Step rows of one run: a warm-up step, then ms."""
-    return [dict(run_id=run_id, optimization=rung, step=i, warmup=i == 0, step_ms=m, tokens_per_s=128 / m * 1000,
-                 loss=5.0 - 0.1 * i, mfu=None) for i, m in enumerate([900.0, *ms])]
-
-
-def add_run(prefix, rung, ms=(100.0, 101.0, 99.0), status="ok", run_id=None):
-    """Append one whole run through the suite's writer; its run_id."""
-    run_id = run_id or f"{rung}-{status}"
-    os.makedirs(prefix, exist_ok=True)
-    append_run(prefix, dict(run_id=run_id, optimization=rung, status=status, steps=len(ms) + 1, **CONFIG),
-               steps(run_id, rung, ms) if ms else [])
-    return run_id
-
-
-def ladder(prefix):
-    """baseline and tf32 (twice as fast), whole."""
-    add_run(prefix, "baseline")
-    add_run(prefix, "tf32", (50.0, 50.5, 49.5))
-    return prefix
-
-
 def snapshot(prefix):
     """{name: bytes} of prefix's CSV files: what a reader, or a refusal, must never change."""
     return {n: open(os.path.join(prefix, n), "rb").read() for n in sorted(os.listdir(prefix))
@@ -63,11 +38,11 @@ def warnings(text):
 def lone_steps(prefix, run_id="lost-1", rung="bf16", n=3):
     """Step rows of a run whose run row never arrived, as an older version's append cut between the two files
     left them: written to results.csv alone, by the suite's writer."""
-    append_rows(prefix, STEPS_FILE, STEP_COLUMNS, steps(run_id, rung, [30.0] * (n - 1)))
+    append_rows(prefix, STEPS_FILE, STEP_COLUMNS, step_rows(run_id, rung, [30.0] * (n - 1)))
 
 
 def test_make_plots_names_step_rows_without_their_run_and_draws_the_whole_runs_only(tmp_path):
-    prefix = ladder(str(tmp_path / "out"))
+    prefix = two_runs(str(tmp_path / "out"))
     lone_steps(prefix)
     before = snapshot(prefix)
     done = make(["plots", f"PREFIX={prefix}"], clean_env(), timeout=120)
@@ -83,7 +58,7 @@ def test_make_plots_names_step_rows_without_their_run_and_draws_the_whole_runs_o
 
 
 def test_an_ok_run_without_step_rows_is_named_and_left_out_and_a_skipped_one_is_whole(tmp_path):
-    prefix = ladder(str(tmp_path))
+    prefix = two_runs(str(tmp_path))
     add_run(prefix, "bf16", ms=(), run_id="bf16-no-steps")       # ok, yet its steps never arrived
     add_run(prefix, "8bit", ms=(), status="skipped")             # a skip measures nothing: whole without steps
     before = snapshot(prefix)
@@ -98,7 +73,7 @@ def test_an_ok_run_without_step_rows_is_named_and_left_out_and_a_skipped_one_is_
 
 
 def test_every_partial_run_is_named_once_with_its_rows(tmp_path):
-    prefix = ladder(str(tmp_path))
+    prefix = two_runs(str(tmp_path))
     lone_steps(prefix, "lost-1", "bf16", 3)
     lone_steps(prefix, "lost-2", "flash", 5)
     add_run(prefix, "fused", ms=(), run_id="fused-no-steps")
@@ -126,7 +101,7 @@ def test_a_folder_of_partial_runs_only_is_refused_after_naming_them(tmp_path):
 
 
 def test_compare_leaves_a_folders_partial_runs_out_and_names_them(tmp_path):
-    a, b = ladder(str(tmp_path / "a")), ladder(str(tmp_path / "b"))
+    a, b = two_runs(str(tmp_path / "a")), two_runs(str(tmp_path / "b"))
     lone_steps(b, "lost-1", "fused")
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -150,7 +125,7 @@ def as_saved_by_a_spreadsheet(prefix, crlf):
 
 @pytest.mark.parametrize("crlf", [False, True], ids=["lf", "crlf"])
 def test_a_file_saved_with_a_byte_order_mark_is_read_and_appended_to(tmp_path, crlf):
-    plain, marked = ladder(str(tmp_path / "plain")), ladder(str(tmp_path / "marked"))
+    plain, marked = two_runs(str(tmp_path / "plain")), two_runs(str(tmp_path / "marked"))
     as_saved_by_a_spreadsheet(marked, crlf)
     for read, expected in zip(load(marked), load(plain)):
         assert read.equals(expected)
@@ -167,7 +142,7 @@ def test_a_file_saved_with_a_byte_order_mark_is_read_and_appended_to(tmp_path, c
 
 
 def test_an_earlier_versions_file_with_a_byte_order_mark_is_widened_behind_it(tmp_path):
-    prefix = ladder(str(tmp_path))
+    prefix = two_runs(str(tmp_path))
     rewrite_as_version_1(prefix)
     as_saved_by_a_spreadsheet(prefix, crlf=False)
     add_run(prefix, "bf16", (25.0, 25.5, 24.5))
@@ -230,7 +205,7 @@ VERSION_CASES = {
 @pytest.mark.parametrize("case", list(VERSION_CASES))
 def test_a_row_of_another_schema_version_than_its_header_is_refused_in_one_line(tmp_path, case):
     name, line, version, header, says = VERSION_CASES[case]
-    prefix = ladder(str(tmp_path))
+    prefix = two_runs(str(tmp_path))
     if header:
         narrowed_runs(prefix, header)
         set_version(os.path.join(prefix, name), 3, str(header))   # the other row agrees: only `line` is refused
@@ -249,7 +224,7 @@ def test_a_row_of_another_schema_version_than_its_header_is_refused_in_one_line(
 
 def test_rows_of_earlier_versions_under_a_widened_header_are_read(tmp_path):
     # A file widened by an append keeps its rows' versions: blank (version 1) and older ones are the header's own.
-    prefix = ladder(str(tmp_path))
+    prefix = two_runs(str(tmp_path))
     rewrite_as_version_1(prefix)
     add_run(prefix, "bf16", (25.0, 25.5, 24.5))
     set_version(os.path.join(prefix, "runs.csv"), 4, "2")
@@ -291,7 +266,7 @@ def test_a_symbolic_link_loop_is_named_as_one_by_every_target_that_takes_prefix(
 
 
 def test_compare_names_a_loop_among_its_folders_or_as_out(loop, tmp_path, capsys):
-    other = ladder(str(tmp_path / "other"))
+    other = two_runs(str(tmp_path / "other"))
     assert suite(["compare", f"PREFIXES={other} {loop}"]) == 2
     assert suite(["compare", f"PREFIXES={other} {other}2", f"OUT={loop}"]) == 2
     assert errors(capsys.readouterr().err) == [
@@ -320,10 +295,10 @@ def test_make_reset_names_a_loop_and_removes_nothing(loop):
 def test_the_folder_targets_take_a_prefix_of_spaces_quotes_and_unicode(tmp_path, capfd):
     # The driver starts no shell: each path reaches its child as one word. (A word of PREFIXES holds no space:
     # PREFIXES is a list of words.)
-    odd = ladder(str(tmp_path / "runs $5 it's \"ü\" ✓ (copy)"))
+    odd = two_runs(str(tmp_path / "runs $5 it's \"ü\" ✓ (copy)"))
     assert suite(["plots", f"PREFIX={odd}"]) == 0
     assert summary_table(odd)["tf32"]["speedup"] == "2.00x"
-    one, two = ladder(str(tmp_path / "one-'é'-\"ß\"-$HOME")), ladder(str(tmp_path / "two-✓-`id`"))
+    one, two = two_runs(str(tmp_path / "one-'é'-\"ß\"-$HOME")), two_runs(str(tmp_path / "two-✓-`id`"))
     assert suite(["compare", f"PREFIXES={one} {two}", f"OUT={odd}"]) == 0
     assert os.path.isfile(os.path.join(odd, "compare.md"))
     assert suite(["clean", f"PREFIX={odd}"]) == 0

@@ -1,7 +1,6 @@
 """End to end on the CPU: every make target and every rung script, checking the rows they write."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -9,7 +8,7 @@ import pytest
 
 from Utils.ladder.registry import LADDER, RUNGS
 
-from conftest import REPO_ROOT as REPO, clean_env, make, read_csv
+from conftest import REPO_ROOT as REPO, clean_env, make, read_csv, two_runs
 SCRIPTS = {"baseline": "no_optimization.py", "tf32": "tensorFloat32.py", "bf16": "brainFloat16.py",
            "torch_compile": "torch_compile.py", "flash": "flash_attention.py", "fused": "fused_optimizer.py",
            "8bit": "8-bit_optimizer.py", "max": "max_throughput.py"}
@@ -18,36 +17,23 @@ SCRIPTS = {"baseline": "no_optimization.py", "tf32": "tensorFloat32.py", "bf16":
 LOSS_TOLERANCE = 0.01
 
 
-# The tests that read one `make all` run on one xdist worker (make test runs with --dist loadgroup), so
-# that the ladder is trained once, not once per worker. pytest 9.2 with pytest-xdist 3.8 ignores the group
-# (pytest-xdist issue 1386: the group rides on a node id that pytest no longer lets a plugin change), so the
-# fixture also shares its run between workers itself.
-ONE_MAKE_ALL = pytest.mark.xdist_group("make_all")
+@pytest.fixture
+def charted(tmp_path, suite_env):
+    """A folder holding a baseline and a tf32 run, written by the suite's writer, and their charts."""
+    prefix = two_runs(tmp_path / "charted")
+    r = make(["plots", f"PREFIX={prefix}"], suite_env)
+    assert r.returncode == 0 and (prefix / "summary.md").exists(), r.stderr
+    return prefix
 
 
-@pytest.fixture(scope="session")
-def make_all(tmp_path_factory, suite_env):
-    """(the folder of one `make all`, its CompletedProcess), made by the first worker to ask, under a lock in the
-    folder every worker of this run shares; the others wait for it and read it."""
-    import fcntl
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base   # a worker's base is popen-gwN
-    prefix, record = shared / "make_all", shared / "make_all.json"
-    with open(shared / "make_all.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not record.exists():
-            prefix.mkdir()
-            # 128 tokens a step: a CPU without bf16 instructions runs bf16 matmuls about 8 times slower than fp32,
-            # and the output layer's (tokens x 50,304) sets the time of six of the eight rungs.
-            r = make(["all", "STEPS=8", "BATCH_SIZE=2", "SEQ_LEN=64", f"PREFIX={prefix}", "DATA=shakespeare"],
-                     suite_env, timeout=900)
-            record.write_text(json.dumps([r.args, r.returncode, r.stdout, r.stderr]))
-    return prefix, subprocess.CompletedProcess(*json.loads(record.read_text()))
-
-
-@ONE_MAKE_ALL
-def test_make_all_writes_an_ok_run_per_rung(make_all):
-    prefix, r = make_all
+def test_make_all_writes_an_ok_run_per_rung_and_every_rung_tracks_the_baseline_loss(tmp_path, suite_env):
+    # The ladder's own test, and its only run of make all (a minute on two cores): a test sharing it could be handed
+    # to the other pytest-xdist worker, which would wait for it. 128 tokens a step: a CPU without bf16 instructions
+    # runs bf16 matmuls about 8 times slower than fp32, and the output layer's (tokens x 50,304) sets the time of six
+    # of the eight rungs.
+    prefix = tmp_path / "out"
+    r = make(["all", "STEPS=8", "BATCH_SIZE=2", "SEQ_LEN=64", f"PREFIX={prefix}", "DATA=shakespeare"], suite_env,
+             timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     runs = read_csv(prefix / "runs.csv")
     assert [x["optimization"] for x in runs] == LADDER
@@ -72,13 +58,8 @@ def test_make_all_writes_an_ok_run_per_rung(make_all):
     assert "CUDA graphs need a GPU" in notes["max"]
     assert all((prefix / name).stat().st_size > 0 for name in
                ["speedup.png", "step_time.png", "throughput.png", "memory.png", "loss.png", "summary.md"])
-
-
-@ONE_MAKE_ALL
-def test_every_rung_tracks_the_baseline_loss(make_all):
-    prefix, _ = make_all
     losses = {}
-    for s in read_csv(prefix / "results.csv"):
+    for s in steps:
         losses.setdefault(s["optimization"], []).append(float(s["loss"]))
     base = losses["baseline"]
     assert abs(base[0] - 10.82) < 0.1          # ln(50257) at init
@@ -102,21 +83,17 @@ def test_a_script_runs_on_its_own(tmp_path, suite_env):
     assert len(read_csv(tmp_path / "results.csv")) == 3
 
 
-@ONE_MAKE_ALL
-def test_make_one_rung_appends_to_existing_results(make_all, tmp_path, suite_env):
-    prefix, _ = make_all
-    copy = tmp_path / "copy"
-    shutil.copytree(prefix, copy)
-    before, summary = (copy / "results.csv").read_bytes(), (copy / "summary.md").read_text()
-    # make all's shapes, so that the compiled graph comes from Inductor's cache; another warm-up and seed
-    r = make(["fused", "STEPS=3", "BATCH_SIZE=2", f"PREFIX={copy}", "SEQ_LEN=64", "WARMUP=1", "SEED=7"], suite_env,
-             timeout=600)
+def test_make_one_rung_appends_to_existing_results(charted, suite_env):
+    before, summary = (charted / "results.csv").read_bytes(), (charted / "summary.md").read_text()
+    # the folder's shapes (conftest.RUN_CONFIG), another warm-up and seed
+    r = make(["bf16", "STEPS=3", "BATCH_SIZE=4", f"PREFIX={charted}", "SEQ_LEN=32", "DATA=synthetic", "WARMUP=1",
+              "SEED=7"], suite_env, timeout=600)
     assert r.returncode == 0, r.stderr
-    assert (copy / "results.csv").read_bytes().startswith(before)
+    assert (charted / "results.csv").read_bytes().startswith(before)
     # The folder had a summary: it is drawn again with the new run, not left behind it.
-    assert "wrote speedup.png" in r.stdout and (copy / "summary.md").read_text() != summary
-    last = read_csv(copy / "runs.csv")[-1]
-    assert (last["optimization"], last["seq_len"], last["warmup_steps"]) == ("fused", "64", "1")
+    assert "wrote speedup.png" in r.stdout and (charted / "summary.md").read_text() != summary
+    last = read_csv(charted / "runs.csv")[-1]
+    assert (last["optimization"], last["seq_len"], last["warmup_steps"]) == ("bf16", "32", "1")
     assert '"seed": 7' in last["config"]
 
 
@@ -136,21 +113,17 @@ def test_make_repeat_runs_a_rung_that_many_times_and_stops_at_a_failure(tmp_path
     assert [l for l in r.stdout.splitlines() if l.startswith("===")] == ["=== bf16, run 1 of 3 ==="]
 
 
-@ONE_MAKE_ALL
-def test_init_results_reset_and_clean_touch_only_suite_files(make_all, tmp_path, suite_env):
-    prefix, _ = make_all
-    copy = tmp_path / "copy"
-    shutil.copytree(prefix, copy)
-    (copy / "mine.txt").write_text("not the suite's")
-    (copy / "20261202-182618-peer-llmc-9fc72a.log").write_text("a peer's output, as Utils.peers.record names it")
-    (copy / "Optimizing_GPU_Utilization.ipynb").write_text("{}")   # make notebook RESULTS=copy writes it there
-    assert make(["clean", f"PREFIX={copy}"], suite_env).returncode == 0
-    assert not (copy / "speedup.png").exists() and not (copy / "summary.md").exists()
-    assert (copy / "results.csv").exists() and (copy / "mine.txt").exists()
-    assert make(["reset", f"PREFIX={copy}"], suite_env).returncode == 0
-    assert sorted(os.listdir(copy)) == ["mine.txt"]
-    assert make(["init_results", f"PREFIX={copy}"], suite_env).returncode == 0
-    assert read_csv(copy / "runs.csv") == [] and (copy / "results.csv").read_text().startswith("run_id,")
+def test_init_results_reset_and_clean_touch_only_suite_files(charted, suite_env):
+    (charted / "mine.txt").write_text("not the suite's")
+    (charted / "20261202-182618-peer-llmc-9fc72a.log").write_text("a peer's output, as Utils.peers.record names it")
+    (charted / "Optimizing_GPU_Utilization.ipynb").write_text("{}")   # make notebook RESULTS=charted writes it there
+    assert make(["clean", f"PREFIX={charted}"], suite_env).returncode == 0
+    assert not (charted / "speedup.png").exists() and not (charted / "summary.md").exists()
+    assert (charted / "results.csv").exists() and (charted / "mine.txt").exists()
+    assert make(["reset", f"PREFIX={charted}"], suite_env).returncode == 0
+    assert sorted(os.listdir(charted)) == ["mine.txt"]
+    assert make(["init_results", f"PREFIX={charted}"], suite_env).returncode == 0
+    assert read_csv(charted / "runs.csv") == [] and (charted / "results.csv").read_text().startswith("run_id,")
 
 
 def test_profile_writes_the_breakdown_and_leaves_results_alone(tmp_path, suite_env):

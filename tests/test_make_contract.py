@@ -52,6 +52,7 @@ RUNGS = ["baseline", "tf32", "bf16", "torch_compile", "flash", "fused", "8bit", 
 class Made:
     rc: int
     calls: list       # the argv of each run passed by, in order, with {python} and {tmp} for the fake and tmp_path
+    checks: list      # the argv of each check that ran for real (Utils.train.cli, Utils.train.distributed), in order
     outline: list     # stdout's === and --- lines, and "ran" where a passed-by run printed it
     errors: list      # stderr's error: lines
     stdout: str
@@ -80,9 +81,11 @@ def contract(tmp_path, args, data="synthetic", env=None, fail=None, summary=Fals
         return word.replace(str(fake), "{python}").replace(str(tmp_path), "{tmp}")
     logged = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     calls = [[placeholders(w) for w in c["argv"]] for c in logged if not c["real"]]
+    checks = [[placeholders(w) for w in c["argv"]] for c in logged
+              if c["real"] and c["argv"][1:2] in (["Utils.train.cli"], ["Utils.train.distributed"])]
     outline = [ln for ln in r.stdout.splitlines() if ln == "ran" or ln.startswith(("=== ", "--- round "))]
     errors = [placeholders(ln) for ln in r.stderr.splitlines() if ln.startswith("error:")]
-    return Made(r.returncode, calls, outline, errors, r.stdout, r.stderr)
+    return Made(r.returncode, calls, checks, outline, errors, r.stdout, r.stderr)
 
 
 def ok(made):
@@ -141,11 +144,18 @@ def test_a_profiled_rung_splits_its_trace_after_each_run_and_draws_no_charts(tmp
     assert made.outline == ["=== fused, run 1 of 2 ===", "ran", "ran", "=== fused, run 2 of 2 ===", "ran", "ran"]
 
 
+# The checks before torchrun starts: the process count and PARALLEL against the GPUs and the additions, then every
+# run argument, each once (each is a process that imports torch).
+DISTRIBUTED_CHECK = ["-m", "Utils.train.distributed", "check"]
+ARGUMENTS_CHECK = ["-m", "Utils.train.cli", *ARGS]
+
+
 def test_a_rung_on_several_processes_goes_through_torchrun_with_parallel_before_the_run_args(tmp_path):
     made = contract(tmp_path, ["fused", "NPROC=2"])
     ok(made)
     assert made.calls == [["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "fused_optimizer.py", "--parallel", "ddp", *ARGS]]
+    assert made.checks == [[*DISTRIBUTED_CHECK, "2", "ddp", "cpu", "fused"], ARGUMENTS_CHECK]
 
 
 @pytest.mark.parametrize("extra, launch", [
@@ -169,6 +179,20 @@ def test_all_runs_every_rung_in_ladder_order_then_draws_the_charts(tmp_path, sum
     ok(made)
     assert made.calls == [[script, *ARGS] for script in LADDER] + [PLOT]
     assert made.outline == [line for rung in RUNGS for line in (f"=== all {rung} ===", "ran")] + ["ran"]
+
+
+def test_all_on_several_processes_checks_once_and_refuses_each_rung_parallel_cannot_run(tmp_path):
+    # The process count and the run arguments are checked once, not again by each rung; each rung's additions are
+    # checked against PARALLEL as it comes, in the driver, and one it cannot run is named and passed by.
+    made = contract(tmp_path, ["all", "NPROC=2", "PARALLEL=fsdp"])
+    assert made.checks == [[*DISTRIBUTED_CHECK, "2", "fsdp", "cpu"], ARGUMENTS_CHECK]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    assert made.calls == [[*torchrun, script, "--parallel", "fsdp", *ARGS] for script in LADDER[:6]] + [PLOT]
+    assert made.rc == 2 and made.errors == [   # make says 2 for the driver's 1
+        "error: 8bit cannot run with PARALLEL=fsdp: bitsandbytes' optimizer takes whole tensors, not FSDP's DTensor "
+        "shards; use PARALLEL=ddp, or a run without it",
+        made.errors[1], "error: make all: not ok: 8bit max (see {tmp}/out)"]
+    assert made.errors[1].startswith("error: gemm_bias_grad (and ") and "cannot run with PARALLEL=fsdp" in made.errors[1]
 
 
 def test_all_goes_on_past_a_failed_rung_and_failed_charts_and_names_them(tmp_path):
@@ -205,6 +229,7 @@ def test_profile_splits_each_rungs_trace_and_draws_no_charts(tmp_path):
 def test_scaling_runs_the_rung_at_each_count_through_torchrun_then_the_charts(tmp_path):
     made = contract(tmp_path, ["scaling", "RUNG=baseline", "NPROC=1 2"])
     ok(made)
+    assert made.checks == [[*DISTRIBUTED_CHECK, "1 2", "ddp", "cpu", "baseline"], ARGUMENTS_CHECK]
     assert made.calls == [
         ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "no_optimization.py",
          "--parallel", "ddp", *ARGS],

@@ -3,7 +3,7 @@ targets have always made them, so that of several bad values the same one is nam
 the variables it reads. Checks that need torch (the runs' own parser, the GPU count) run as processes."""
 import re
 
-from Utils.ladder.registry import RUNGS
+from Utils.ladder.registry import RUNGS, RegistryError, check_parallel, resolve
 from Utils.peers import PEERS
 from Utils.results.files import loop_error
 from Utils.suite import commands
@@ -94,15 +94,26 @@ def peers(g: Given) -> list[str]:
     return names
 
 
-def parallel(g: Given, runner: Runner, additions: list[str]) -> int:
-    """NPROC and PARALLEL, and under several processes the additions against PARALLEL and every run argument, before
-    torchrun starts any process. Returns the checks' exit status."""
+def parallel(g: Given, runner: Runner, additions: list[str], arguments: bool = True) -> int:
+    """NPROC and PARALLEL, and under several processes the additions against PARALLEL and every run argument
+    (arguments: False where the caller's loop checks them next), before torchrun starts any process. Returns the
+    checks' exit status."""
     not_empty(g, "NPROC", "PARALLEL", "NNODES")
     nodes(g)
     if not g.distributed():
         return 0
     rc = runner.capture(commands.check_distributed(g, g.text("NPROC", "1"), additions))[0]
-    return rc or runner.capture(commands.check_arguments(g))[0]
+    return rc or (runner.capture(commands.check_arguments(g))[0] if arguments else 0)
+
+
+def parallel_rung(g: Given, name: str) -> None:
+    """Under several processes, the rung's additions against PARALLEL, in this process: what a loop that has checked
+    everything else once leaves to each of its rungs."""
+    if g.distributed():
+        try:
+            check_parallel(resolve(RUNGS[name].additions), g.parallel())
+        except RegistryError as e:
+            raise UsageError(str(e)) from None
 
 
 def nodes(g: Given) -> None:

@@ -19,11 +19,16 @@ from Utils.train.usage import UsageError, fail
 Step = Callable[[str, str], int]   # (item, the data every run takes, "" for as given) -> exit status
 
 
-def rung(g: Given, runner: Runner, name: str, drawn: bool = False) -> int:
+def rung(g: Given, runner: Runner, name: str, drawn: bool = False, checked: bool = False) -> int:
     """make <rung>: the rung REPEAT times in a row; its summary drawn again where PREFIX has one (drawn: the
-    caller draws once at its end)."""
+    caller draws once at its end; checked: the caller's loop has checked the run arguments and process counts, each
+    check a process that imports torch, and leaves the rung's additions against PARALLEL)."""
     checks.run_basics(g)
-    rc = checks.parallel(g, runner, [name])
+    if checked:
+        checks.parallel_rung(g, name)
+        rc = 0
+    else:
+        rc = checks.parallel(g, runner, [name])
     return rc or _repeat(g, runner, name, [RUNGS[name].script], commands.run_args(g), checks.repeat(g), drawn)
 
 
@@ -168,9 +173,9 @@ def all_rungs(g: Given, runner: Runner) -> int:
     """make all: every rung in ladder order, then the charts."""
     checks.run_basics(g)
     checks.repeat(g)
-    rc = checks.parallel(g, runner, [])
+    rc = checks.parallel(g, runner, [], arguments=False)
     return rc or each(g, runner, "all", list(RUNGS),
-                      lambda x, data: rung(g.with_values(**_data(data)), runner, x, drawn=True),
+                      lambda x, data: rung(g.with_values(**_data(data)), runner, x, drawn=True, checked=True),
                       lambda: charts(g, runner))
 
 
@@ -178,9 +183,10 @@ def profile(g: Given, runner: Runner) -> int:
     """make profile: every rung again with --profile, split into the breakdown files; results.csv left alone."""
     checks.run_basics(g)
     checks.repeat(g)
-    rc = checks.parallel(g, runner, [])
+    rc = checks.parallel(g, runner, [], arguments=False)
     return rc or each(g, runner, "profile", list(RUNGS),
-                      lambda x, data: rung(g.with_values(PROFILE="1", **_data(data)), runner, x, drawn=True))
+                      lambda x, data: rung(g.with_values(PROFILE="1", **_data(data)), runner, x, drawn=True,
+                                           checked=True))
 
 
 def scaling(g: Given, runner: Runner) -> int:
@@ -192,14 +198,11 @@ def scaling(g: Given, runner: Runner) -> int:
     counts = g.words("NPROC", "1")
     if not counts:
         raise UsageError('NPROC is required: the GPU counts to run, e.g. NPROC="1 2 4 8"')
-    for count in counts:
-        rc = runner.capture(commands.check_distributed(g, count, [name]))[0]
-        if rc:
-            return rc
-    return each(g, runner, "scaling", counts,
-                lambda x, data: rung(g.with_values(NPROC=x, PARALLEL=g.parallel(), **_data(data)), runner, name,
-                                     drawn=True),
-                lambda: charts(g, runner))
+    rc = runner.capture(commands.check_distributed(g, " ".join(counts), [name]))[0]
+    return rc or each(g, runner, "scaling", counts,
+                      lambda x, data: rung(g.with_values(NPROC=x, PARALLEL=g.parallel(), **_data(data)), runner, name,
+                                           drawn=True, checked=True),
+                      lambda: charts(g, runner))
 
 
 def ablation(g: Given, runner: Runner) -> int:

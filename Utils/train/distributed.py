@@ -250,6 +250,12 @@ def parallel_problem(parallel: str) -> str | None:
     return None
 
 
+def gpu_count() -> int:
+    """The CUDA GPUs PyTorch sees here."""
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def check(nproc: str, parallel: str, device: str, gpus: int | None = None, additions: str = "") -> str | None:
     """Why NPROC and PARALLEL cannot run here, or cannot run `additions` (a rung's name, or addition names
     separated by spaces), in one line with the fix; None when they can. `gpus` is the number of GPUs present
@@ -272,8 +278,7 @@ def check(nproc: str, parallel: str, device: str, gpus: int | None = None, addit
     if device not in ("auto", "cuda", "cpu"):
         return None   # the run's own argument check names it
     if gpus is None:
-        import torch
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = gpu_count()
     on_gpu = device == "cuda" or (device == "auto" and gpus > 0)
     if device == "cuda" and gpus == 0:
         return "DEVICE=cuda but PyTorch sees no CUDA GPU here: use DEVICE=cpu (gloo between CPU processes)"
@@ -286,13 +291,18 @@ def check(nproc: str, parallel: str, device: str, gpus: int | None = None, addit
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) not in (4, 5) or argv[0] != "check":
-        print("usage: python -m Utils.train.distributed check NPROC PARALLEL DEVICE [RUNG-OR-ADDITIONS]",
+        print("usage: python -m Utils.train.distributed check NPROC PARALLEL DEVICE [RUNG-OR-ADDITIONS]\n"
+              "(NPROC: one process count, or several separated by spaces, as make scaling takes them)",
               file=sys.stderr)
         return 2
-    problem = check(argv[1], argv[2], argv[3], additions=argv[4] if len(argv) == 5 else "")
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    gpus = None
+    for nproc in argv[1].split() or [argv[1]]:
+        problem = check(nproc, argv[2], argv[3], gpus, additions=argv[4] if len(argv) == 5 else "")
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+        if gpus is None:   # the later counts' checks reuse the first's
+            gpus = gpu_count()
     return 0
 
 

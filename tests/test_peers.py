@@ -4,7 +4,6 @@ source and toolchain checks), and the charts' marking of a peer."""
 import io
 import math
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO_ROOT, clean_env, make, read_csv, summary_table
+from conftest import REPO_ROOT, add_run, clean_env, make, read_csv, summary_table
 from Utils.ladder.apply import Unavailable
 from Utils.model import GPT
 from Utils.model_config import PRESETS
@@ -38,32 +37,25 @@ def peers_module(*argv):
                           capture_output=True, text=True, timeout=300)
 
 
-# Each fixture trains the hf peer once (torch.compile on the CPU: the slow part), shared by the tests below.
-@pytest.fixture(scope="module")
-def hf_prefix(tmp_path_factory):
-    prefix = tmp_path_factory.mktemp("hf") / "out"
-    done = make_peers(prefix, "hf")
-    assert done.returncode == 0, done.stderr
-    return prefix
-
-
-@pytest.fixture(scope="module")
-def both(tmp_path_factory):
-    prefix = tmp_path_factory.mktemp("both") / "out"
-    return prefix, make_peers(prefix, "llmc hf")
-
-
-def test_make_peers_hf_records_one_ok_run_of_the_suites_shape(hf_prefix):
+def test_make_peers_records_hf_in_the_suites_shape_and_goes_on_past_a_skipped_peer_naming_it(tmp_path):
+    # One make peers, which trains the hf peer (torch.compile on the CPU: the slow part) and skips llm.c (no GPU).
     import transformers
-    (run,) = read_csv(hf_prefix / "runs.csv")
-    assert (run["optimization"], run["status"], run["model"]) == ("peer-hf", "ok", "tiny")
-    assert f"transformers {transformers.__version__}" in run["notes"]
+    prefix = tmp_path / "out"
+    done = make_peers(prefix, "llmc hf")
+    assert done.returncode != 0
+    assert "error: make peers: not ok: llmc (" in done.stderr
+    runs = {r["optimization"]: r for r in read_csv(prefix / "runs.csv")}
+    assert (runs["peer-llmc"]["status"], runs["peer-hf"]["status"]) == ("skipped", "ok")
+    for name in CHARTS:
+        assert (prefix / name).stat().st_size > 0, name
+    run = runs["peer-hf"]
+    assert run["model"] == "tiny" and f"transformers {transformers.__version__}" in run["notes"]
     with torch.device("meta"):
         assert int(run["n_params"]) == GPT(PRESETS["tiny"]).num_params(exclude_position_embedding=False)
-    steps = read_csv(hf_prefix / "results.csv")
+    steps = [r for r in read_csv(prefix / "results.csv") if r["run_id"] == run["run_id"]]
     assert [(r["optimization"], r["step"]) for r in steps] == [("peer-hf", str(i)) for i in range(4)]
     assert all(math.isfinite(float(r["loss"])) and float(r["step_ms"]) > 0 for r in steps)
-    assert summary_table(hf_prefix)["peer-hf"]["status"] == "ok"
+    assert summary_table(prefix)["peer-hf"]["status"] == "ok"
 
 
 def test_hf_model_counts_parameters_as_the_suite_does_and_starts_at_chance():
@@ -105,16 +97,6 @@ def test_a_peer_whose_loss_turns_nan_is_recorded_failed_with_its_steps(tmp_path,
     assert run["status"] == "failed" and run["message"].startswith("the loss is nan from step 2:")
     assert [r["loss"] for r in read_csv(tmp_path / "results.csv")] == ["10.9", "10.2", ""]   # nan: an empty field
     assert "error: peer-llmc failed: the loss is nan from step 2:" in capsys.readouterr().err
-
-
-def test_make_peers_goes_on_past_a_skipped_peer_and_names_it(both):
-    prefix, done = both
-    assert done.returncode != 0
-    assert "error: make peers: not ok: llmc (" in done.stderr
-    runs = {r["optimization"]: r for r in read_csv(prefix / "runs.csv")}
-    assert (runs["peer-llmc"]["status"], runs["peer-hf"]["status"]) == ("skipped", "ok")
-    for name in CHARTS:
-        assert (prefix / name).stat().st_size > 0, name
 
 
 @pytest.mark.parametrize("args", [["PEERS=foo"], ["PEERS=hf", "STEPS=abc"], ["PEERS=hf", "STEPS=0"],
@@ -315,11 +297,10 @@ def test_no_nvcc_anywhere_is_unavailable_naming_nvcc(tmp_path, monkeypatch):
             llmc.toolchain()
 
 
-def test_the_speedup_chart_marks_a_peer(hf_prefix, tmp_path):
+def test_the_speedup_chart_marks_a_peer(tmp_path):
     prefix = tmp_path / "out"
-    shutil.copytree(hf_prefix, prefix)
-    done = make(["baseline", f"PREFIX={prefix}", *RUN], clean_env(), timeout=300)
-    assert done.returncode == 0, done.stderr
+    add_run(prefix, "peer-hf")
+    add_run(prefix, "baseline", (50.0, 50.5, 49.5))
     report = build_report(*load(prefix))
     assert list(report.table.index) == ["baseline", "peer-hf"]
     ax = plot_speedup(report).axes[0]

@@ -32,23 +32,29 @@ def test_ranks_read_the_global_batch_of_one_process_in_order():
         assert torch.equal(torch.cat([parts[0][:-1], parts[1]]), whole)
 
 
-@pytest.mark.parametrize("parallel, micro", [("ddp", []), ("fsdp", []), ("ddp", ["MICRO_BATCH=1"])])
-def test_two_processes_train_as_one_process_on_twice_the_batch(tmp_path, parallel, micro):
-    # With MICRO_BATCH=1 each rank accumulates two micro-batches and reduces the gradients once, in the last.
-    env = clean_env()
-    one = make(["baseline", "STEPS=5", "BATCH_SIZE=4", f"PREFIX={tmp_path / 'one'}"] + RUN, env, timeout=300)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The folder of one process's run on twice the batch, which the two-process runs below are held to."""
+    prefix = tmp_path_factory.mktemp("one-process")
+    one = make(["baseline", "STEPS=5", "BATCH_SIZE=4", f"PREFIX={prefix}"] + RUN, clean_env(), timeout=300)
     assert one.returncode == 0, one.stderr
+    return prefix
+
+
+@pytest.mark.parametrize("parallel, micro", [("ddp", []), ("fsdp", []), ("ddp", ["MICRO_BATCH=1"])])
+def test_two_processes_train_as_one_process_on_twice_the_batch(tmp_path, one_process, parallel, micro):
+    # With MICRO_BATCH=1 each rank accumulates two micro-batches and reduces the gradients once, in the last.
     two = make(["baseline", "STEPS=5", "BATCH_SIZE=2", f"PREFIX={tmp_path / 'two'}", "NPROC=2",
-                f"PARALLEL={parallel}"] + micro + RUN, env, timeout=300)
+                f"PARALLEL={parallel}"] + micro + RUN, clean_env(), timeout=300)
     assert two.returncode == 0, two.stderr
     # results.csv keeps 6 significant digits (steps of 1e-4 at a loss near 10.8), and the two runs' sums may
     # differ by about 1e-6 before that rounding: one step apart at most. Another split of the batch moves the
     # losses by about 1e-2.
-    assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), abs=2e-4)
+    assert _losses(tmp_path / "two") == pytest.approx(_losses(one_process), abs=2e-4)
     runs = read_csv(tmp_path / "two" / "runs.csv")
     assert len(runs) == 1, "rank 0 alone records the run"
     run = runs[0]
-    assert (run["nproc"], run["parallel"], run["batch_size"]) == ("2", parallel, "2")
+    assert (run["nproc"], run["nnodes"], run["parallel"], run["batch_size"]) == ("2", "1", parallel, "2")
     steps = read_csv(tmp_path / "two" / "results.csv")
     last = steps[-1]
     assert float(last["tokens_per_s"]) == pytest.approx(2 * 2 * 32 / (float(last["step_ms"]) / 1e3), rel=1e-4)
@@ -56,7 +62,7 @@ def test_two_processes_train_as_one_process_on_twice_the_batch(tmp_path, paralle
     assert float(run["global_tokens_per_s"]) == pytest.approx(2 * 2 * 32 / (float(run["median_step_ms"]) / 1e3),
                                                               rel=1e-4)
     assert float(run["tokens_per_s_per_gpu"]) == pytest.approx(float(run["global_tokens_per_s"]) / 2, rel=1e-5)
-    assert read_csv(tmp_path / "one" / "runs.csv")[0]["nproc"] == "1"
+    assert read_csv(one_process / "runs.csv")[0]["nproc"] == "1"
     assert (run["micro_batch"], run["accumulation_steps"]) == (("1", "2") if micro else ("2", "1"))
 
 

@@ -88,6 +88,29 @@ def test_a_signal_while_the_script_starts_is_one_line(tmp_path, suite_env):
     assert not (tmp_path / "runs.csv").exists()
 
 
+# A terminal's signal to the whole group reaches the run with the driver's SIGTERM just behind it; the second's
+# handler may run inside the first's, at its write: it is held there.
+SECOND_SIGNAL_INSIDE_THE_FIRST = """
+import os, signal
+from Utils.train import interrupts
+write = os.write
+def write_after_the_second(fd, data):
+    os.write = write
+    interrupts._exit_at_once(signal.SIGTERM, None)
+    return write(fd, data)
+interrupts.exit_on_signal()
+os.write = write_after_the_second
+os.kill(os.getpid(), signal.SIGINT)
+"""
+
+
+def test_a_second_signal_before_the_run_starts_adds_no_line():
+    done = subprocess.run([sys.executable, "-c", SECOND_SIGNAL_INSIDE_THE_FIRST], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (128 + signal.SIGINT,
+                                              "error: interrupted before the run started; nothing was recorded\n")
+
+
 def test_sigterm_to_make_returns_only_once_the_run_is_recorded(tmp_path, suite_env):
     # make passes SIGTERM to the shell it started: were that shell to die at once, make would return while
     # the run went on training (or writing) in the background.

@@ -17,7 +17,16 @@ from Utils.results.store import STOPPING
 EXIT_INTERRUPTED = 128 + signal.SIGINT   # Ctrl-C's: 130
 
 
+_exiting = False
+
+
 def _exit_at_once(signum, frame):
+    # A terminal's signal comes with the driver's SIGTERM: the second's handler can run inside the first's, at its
+    # write, and is then to say nothing. (No handler can run between the test and the assignment.)
+    global _exiting
+    if _exiting:
+        return
+    _exiting = True
     os.write(2, b"error: interrupted before the run started; nothing was recorded\n")
     os._exit(128 + signum)
 

@@ -144,8 +144,8 @@ def test_a_profiled_rung_splits_its_trace_after_each_run_and_draws_no_charts(tmp
     assert made.outline == ["=== fused, run 1 of 2 ===", "ran", "ran", "=== fused, run 2 of 2 ===", "ran", "ran"]
 
 
-# The checks before torchrun starts: the process count and PARALLEL against the GPUs and the additions, then every
-# run argument, each once (each is a process that imports torch).
+# The checks before torchrun starts: the process count and PARALLEL against the GPUs and the additions, and every
+# run argument, each once, in as few processes as they can share (each imports torch).
 DISTRIBUTED_CHECK = ["-m", "Utils.train.distributed", "check"]
 ARGUMENTS_CHECK = ["-m", "Utils.train.cli", *ARGS]
 
@@ -155,7 +155,7 @@ def test_a_rung_on_several_processes_goes_through_torchrun_with_parallel_before_
     ok(made)
     assert made.calls == [["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "fused_optimizer.py", "--parallel", "ddp", *ARGS]]
-    assert made.checks == [[*DISTRIBUTED_CHECK, "2", "ddp", "cpu", "fused"], ARGUMENTS_CHECK]
+    assert made.checks == [["-m", "Utils.train.cli", "--processes", "2", "ddp", "cpu", "fused", "--", *ARGS]]
 
 
 @pytest.mark.parametrize("extra, launch", [

@@ -102,8 +102,10 @@ def parallel(g: Given, runner: Runner, additions: list[str], arguments: bool = T
     nodes(g)
     if not g.distributed():
         return 0
-    rc = runner.capture(commands.check_distributed(g, g.text("NPROC", "1"), additions))[0]
-    return rc or (runner.capture(commands.check_arguments(g))[0] if arguments else 0)
+    nproc = g.text("NPROC", "1")
+    if arguments:
+        return runner.capture(commands.check_arguments(g, [nproc, *additions]))[0]
+    return runner.capture(commands.check_distributed(g, nproc, additions))[0]
 
 
 def parallel_rung(g: Given, name: str) -> None:

@@ -45,14 +45,20 @@ def rendezvous(g: Given) -> list[str]:
             "--rdzv-id", g.stripped("RDZV_ID") or RDZV_ID, "--rdzv-conf", conf, "--max-restarts", "0"]
 
 
-def check_arguments(g: Given) -> list[str]:
-    """Every run argument checked by the runs' own parser (torch's checks included); DATA=auto resolved once."""
-    return [*g.python, "-m", "Utils.train.cli", *(["--dry-run"] if g.dry_run else []), *run_args(g)]
+def check_arguments(g: Given, processes: list[str] | None = None) -> list[str]:
+    """Every run argument checked by the runs' own parser (torch's checks included); DATA=auto resolved once.
+    processes: NPROC and the rung or additions, checked first in the same process (each check imports torch)."""
+    led = ["--processes", *_processes(g, *processes), "--"] if processes else []
+    return [*g.python, "-m", "Utils.train.cli", *led, *(["--dry-run"] if g.dry_run else []), *run_args(g)]
 
 
 def check_distributed(g: Given, nproc: str, additions: list[str]) -> list[str]:
-    return [*g.python, "-m", "Utils.train.distributed", "check", nproc, g.parallel(), g.stripped("DEVICE") or "auto",
-            *additions]
+    """NPROC (one count or several) and PARALLEL against the GPUs and the additions."""
+    return [*g.python, "-m", "Utils.train.distributed", "check", *_processes(g, nproc, *additions)]
+
+
+def _processes(g: Given, nproc: str, *additions: str) -> list[str]:
+    return [nproc, g.parallel(), g.stripped("DEVICE") or "auto", *additions]
 
 
 def plot(g: Given) -> list[str]:

@@ -88,7 +88,7 @@ def main() -> int:
     torch.manual_seed(0)
     print(torch.__version__, torch.cuda.get_device_name())
     columns = ("bf16", "fp8", "casts", "gemm", "gemm, fast", "fp8, delayed", "cast, delayed")
-    print(f"{'size, layer':26}" + "".join(f"{c + ' µs':>16}" for c in columns) + f"{'error':>9}"
+    print(f"{'size, layer':26}" + "".join(f"{c + ' µs':>17}" for c in columns) + f"{'error':>9}"
           + f"{'saved, step':>14}{'delayed':>11}")
     failed = False
     for model, batch in SIZES:
@@ -100,9 +100,9 @@ def main() -> int:
             saved = [(times["bf16"] - times[k]) * config.n_layer / 1000 for k in ("fp8", "fp8, delayed")]
             step = [a + b for a, b in zip(step, saved)]
             failed |= not error < 1e-2
-            print(f"{f'{model} b{batch}, {layer}':26}" + "".join(f"{times[c]:16.1f}" for c in columns)
+            print(f"{f'{model} b{batch}, {layer}':26}" + "".join(f"{times[c]:17.1f}" for c in columns)
                   + f"{error:9.4f}{saved[0]:11.2f} ms{saved[1]:8.2f} ms")
-        print(f"{f'{model} b{batch}, both':26}{'':{16 * len(columns) + 9}}{step[0]:11.2f} ms{step[1]:8.2f} ms")
+        print(f"{f'{model} b{batch}, both':26}{'':{17 * len(columns) + 9}}{step[0]:11.2f} ms{step[1]:8.2f} ms")
     return 1 if failed else 0
 
 

@@ -231,7 +231,7 @@ def rewrite_as_version_1(prefix):
 # --- a results folder written through the suite's writer, without training -----------------------------------
 
 RUN_CONFIG = dict(batch_size=4, seq_len=32, model="tiny", data="synthetic", device="cpu", gpu_name="cpu",
-              started_at="2026-01-01T00:00:00+00:00", warmup_steps=1, git_commit="0123456789abcdef")
+                  started_at="2026-01-01T00:00:00+00:00", warmup_steps=1, git_commit="0123456789abcdef")
 
 
 def step_rows(run_id, rung, ms):

@@ -147,6 +147,7 @@ def test_steps_the_ranks_cannot_agree_on_are_not_kept(monkeypatch):
 @pytest.mark.parametrize("args, error", [
     (["NPROC=0"], "error: NPROC='0' is not a number of processes"),
     (["NPROC=two"], "error: NPROC='two' is not a number of processes"),
+    (["NPROC=1 2"], "error: NPROC='1 2' is not a number of processes"),   # several are make scaling's
     (["NPROC=2", "PARALLEL=zero"], "error: PARALLEL='zero' is not one of ddp, fsdp"),
     (["NPROC=2", "DEVICE=cuda"], "error: DEVICE=cuda but PyTorch sees no CUDA GPU here"),
     (["NPROC=2", "SEED=-1"], "error: SEED='-1' is not an integer"),   # the run's own checks, before torchrun too

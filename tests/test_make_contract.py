@@ -146,7 +146,6 @@ def test_a_profiled_rung_splits_its_trace_after_each_run_and_draws_no_charts(tmp
 
 # The checks before torchrun starts: the process count and PARALLEL against the GPUs and the additions, and every
 # run argument, each once, in as few processes as they can share (each imports torch).
-DISTRIBUTED_CHECK = ["-m", "Utils.train.distributed", "check"]
 ARGUMENTS_CHECK = ["-m", "Utils.train.cli", *ARGS]
 
 
@@ -185,14 +184,15 @@ def test_all_on_several_processes_checks_once_and_refuses_each_rung_parallel_can
     # The process count and the run arguments are checked once, not again by each rung; each rung's additions are
     # checked against PARALLEL as it comes, in the driver, and one it cannot run is named and passed by.
     made = contract(tmp_path, ["all", "NPROC=2", "PARALLEL=fsdp"])
-    assert made.checks == [[*DISTRIBUTED_CHECK, "2", "fsdp", "cpu"], ARGUMENTS_CHECK]
+    assert made.checks == [["-m", "Utils.train.distributed", "check", "2", "fsdp", "cpu", ""], ARGUMENTS_CHECK]
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     assert made.calls == [[*torchrun, script, "--parallel", "fsdp", *ARGS] for script in LADDER[:6]] + [PLOT]
     assert made.rc == 2 and made.errors == [   # make says 2 for the driver's 1
         "error: 8bit cannot run with PARALLEL=fsdp: bitsandbytes' optimizer takes whole tensors, not FSDP's DTensor "
         "shards; use PARALLEL=ddp, or a run without it",
         made.errors[1], "error: make all: not ok: 8bit max (see {tmp}/out)"]
-    assert made.errors[1].startswith("error: gemm_bias_grad (and ") and "cannot run with PARALLEL=fsdp" in made.errors[1]
+    assert made.errors[1].startswith("error: gemm_bias_grad (and ") and "cannot run with PARALLEL=fsdp" in \
+        made.errors[1]
 
 
 def test_all_goes_on_past_a_failed_rung_and_failed_charts_and_names_them(tmp_path):
@@ -229,7 +229,8 @@ def test_profile_splits_each_rungs_trace_and_draws_no_charts(tmp_path):
 def test_scaling_runs_the_rung_at_each_count_through_torchrun_then_the_charts(tmp_path):
     made = contract(tmp_path, ["scaling", "RUNG=baseline", "NPROC=1 2"])
     ok(made)
-    assert made.checks == [[*DISTRIBUTED_CHECK, "1 2", "ddp", "cpu", "baseline"], ARGUMENTS_CHECK]
+    assert made.checks == [["-m", "Utils.train.distributed", "counts", "1 2", "ddp", "cpu", "baseline"],
+                           ARGUMENTS_CHECK]
     assert made.calls == [
         ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "no_optimization.py",
          "--parallel", "ddp", *ARGS],

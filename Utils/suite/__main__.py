@@ -18,9 +18,16 @@ def _stopped(target: str, signum: int) -> str:
     return f"{target} stopped by {signal.Signals(signum).name}"
 
 
+_said_stopped = False   # the driver's line that a signal stopped it has been written
+
+
 def _stopped_outside_main(signum: int, frame) -> None:
     """Until main takes the signals (Runner.handle_signals), and once it has given them back, no child runs: a
-    signal ends the driver at once, with the line main would end with."""
+    signal ends the driver at once, with the line main would end with; after main has said it, it is left out."""
+    global _said_stopped
+    if _said_stopped:
+        return
+    _said_stopped = True
     command = sys.argv[1:2] + (sys.argv[2:3] if sys.argv[1:2] == ["run"] else [])
     os.write(2, f"error: {_stopped(' '.join(command) or 'help', signum)}\n".encode())
     os._exit(128 + signum)
@@ -75,6 +82,8 @@ def main(argv: Sequence[str]) -> int:
         if runner.interrupted is None:
             return rc
         # Whatever the child made of the SIGTERM passed on to it, the driver ends as the signal it got says.
+        global _said_stopped
+        _said_stopped = True
         return fail(_stopped(f"{command}{' ' + name if name else ''}", runner.interrupted), runner.stopped())
     except UsageError as e:
         return fail(str(e))
@@ -84,9 +93,9 @@ if __name__ == "__main__":
     rc = main(sys.argv[1:])
     # Shutting the interpreter down gives the signals their default action back, and a SIGTERM then would end the
     # driver by the signal, without its line. From here they are held: one that came after main ends it as one
-    # before main would, unless main already ended by a signal.
+    # before main would, unless main already said that a signal stopped it.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOPPING)
     came = sorted(signal.sigpending() & STOPPING)
-    if came and rc < 128:
+    if came:
         _stopped_outside_main(came[0], None)
     sys.exit(rc)

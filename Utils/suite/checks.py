@@ -94,7 +94,7 @@ def peers(g: Given) -> list[str]:
     return names
 
 
-def parallel(g: Given, runner: Runner, additions: list[str], arguments: bool = True) -> int:
+def parallel(g: Given, runner: Runner, additions: str, arguments: bool = True) -> int:
     """NPROC and PARALLEL, and under several processes the additions against PARALLEL and every run argument
     (arguments: False where the caller's loop checks them next), before torchrun starts any process. Returns the
     checks' exit status."""
@@ -104,7 +104,7 @@ def parallel(g: Given, runner: Runner, additions: list[str], arguments: bool = T
         return 0
     nproc = g.text("NPROC", "1")
     if arguments:
-        return runner.capture(commands.check_arguments(g, [nproc, *additions]))[0]
+        return runner.capture(commands.check_arguments(g, (nproc, additions)))[0]
     return runner.capture(commands.check_distributed(g, nproc, additions))[0]
 
 

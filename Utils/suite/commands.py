@@ -45,20 +45,26 @@ def rendezvous(g: Given) -> list[str]:
             "--rdzv-id", g.stripped("RDZV_ID") or RDZV_ID, "--rdzv-conf", conf, "--max-restarts", "0"]
 
 
-def check_arguments(g: Given, processes: list[str] | None = None) -> list[str]:
+def check_arguments(g: Given, processes: tuple[str, str] | None = None) -> list[str]:
     """Every run argument checked by the runs' own parser (torch's checks included); DATA=auto resolved once.
-    processes: NPROC and the rung or additions, checked first in the same process (each check imports torch)."""
+    processes: (NPROC, the rung or additions, "" for none), checked first by Utils.train.distributed in the same
+    process, where each check's process imports torch."""
     led = ["--processes", *_processes(g, *processes), "--"] if processes else []
     return [*g.python, "-m", "Utils.train.cli", *led, *(["--dry-run"] if g.dry_run else []), *run_args(g)]
 
 
-def check_distributed(g: Given, nproc: str, additions: list[str]) -> list[str]:
-    """NPROC (one count or several) and PARALLEL against the GPUs and the additions."""
-    return [*g.python, "-m", "Utils.train.distributed", "check", *_processes(g, nproc, *additions)]
+def check_counts(g: Given, counts: list[str], additions: str) -> list[str]:
+    """Each process count of make scaling, and PARALLEL, against the GPUs and the additions, in one process."""
+    return [*g.python, "-m", "Utils.train.distributed", "counts", *_processes(g, " ".join(counts), additions)]
 
 
-def _processes(g: Given, nproc: str, *additions: str) -> list[str]:
-    return [nproc, g.parallel(), g.stripped("DEVICE") or "auto", *additions]
+def check_distributed(g: Given, nproc: str, additions: str) -> list[str]:
+    """NPROC and PARALLEL against the GPUs and the additions (a rung's name, addition names, or "" for none)."""
+    return [*g.python, "-m", "Utils.train.distributed", "check", *_processes(g, nproc, additions)]
+
+
+def _processes(g: Given, nproc: str, additions: str) -> list[str]:
+    return [nproc, g.parallel(), g.stripped("DEVICE") or "auto", additions]
 
 
 def plot(g: Given) -> list[str]:

@@ -28,7 +28,7 @@ def rung(g: Given, runner: Runner, name: str, drawn: bool = False, checked: bool
         checks.parallel_rung(g, name)
         rc = 0
     else:
-        rc = checks.parallel(g, runner, [name])
+        rc = checks.parallel(g, runner, name)
     return rc or _repeat(g, runner, name, [RUNGS[name].script], commands.run_args(g), checks.repeat(g), drawn)
 
 
@@ -38,7 +38,7 @@ def custom(g: Given, runner: Runner) -> int:
     if not g.stripped("WITH"):
         raise UsageError('WITH is required: the additions to run, e.g. make custom WITH="bf16 torch_compile flash" '
                          "STEPS=50 BATCH_SIZE=16 PREFIX=./out (make additions lists them)")
-    rc = checks.parallel(g, runner, [g.text("WITH")])
+    rc = checks.parallel(g, runner, g.text("WITH"))
     return rc or _repeat(g, runner, "custom", ["-m", "Utils.train"], ["--with", g.text("WITH"), *commands.run_args(g)],
                          checks.repeat(g), drawn=False)
 
@@ -173,7 +173,7 @@ def all_rungs(g: Given, runner: Runner) -> int:
     """make all: every rung in ladder order, then the charts."""
     checks.run_basics(g)
     checks.repeat(g)
-    rc = checks.parallel(g, runner, [], arguments=False)
+    rc = checks.parallel(g, runner, "", arguments=False)
     return rc or each(g, runner, "all", list(RUNGS),
                       lambda x, data: rung(g.with_values(**_data(data)), runner, x, drawn=True, checked=True),
                       lambda: charts(g, runner))
@@ -183,7 +183,7 @@ def profile(g: Given, runner: Runner) -> int:
     """make profile: every rung again with --profile, split into the breakdown files; results.csv left alone."""
     checks.run_basics(g)
     checks.repeat(g)
-    rc = checks.parallel(g, runner, [], arguments=False)
+    rc = checks.parallel(g, runner, "", arguments=False)
     return rc or each(g, runner, "profile", list(RUNGS),
                       lambda x, data: rung(g.with_values(PROFILE="1", **_data(data)), runner, x, drawn=True,
                                            checked=True))
@@ -198,7 +198,7 @@ def scaling(g: Given, runner: Runner) -> int:
     counts = g.words("NPROC", "1")
     if not counts:
         raise UsageError('NPROC is required: the GPU counts to run, e.g. NPROC="1 2 4 8"')
-    rc = runner.capture(commands.check_distributed(g, " ".join(counts), [name]))[0]
+    rc = runner.capture(commands.check_counts(g, counts, name))[0]
     return rc or each(g, runner, "scaling", counts,
                       lambda x, data: rung(g.with_values(NPROC=x, PARALLEL=g.parallel(), **_data(data)), runner, name,
                                            drawn=True, checked=True),
@@ -215,7 +215,7 @@ def ablation(g: Given, runner: Runner) -> int:
     base, items = g.stripped("FROM") or "fused", g.words("ADDITIONS")
     if check_ablation(base, items):   # it names the problem
         return 2
-    rc = checks.parallel(g, runner, [base])
+    rc = checks.parallel(g, runner, base)
     if rc:
         return rc
     verb = "--drop" if base == "max" else "--add"

@@ -248,20 +248,21 @@ def _gpu_memory_gib(value: str | None, device: str) -> float | None:
 
 def check(argv: Sequence[str]) -> int:
     """Validate a run's arguments and its PREFIX without running anything, for the targets that run several
-    rungs (make all, ablation, profile). With DATA=auto, print the data every rung is then to use
-    (shakespeare, or synthetic after one warning), so that the warning is not repeated by every rung.
+    rungs (make all, ablation, profile) and for a run on several processes, before torchrun starts. With
+    DATA=auto, print the data every rung is then to use (shakespeare, or synthetic after one warning), so that the
+    warning is not repeated by every rung.
     Led by --dry-run (make -n), it changes nothing: the files of an existing PREFIX are checked, none is made,
     nothing is downloaded, and DATA=auto is left to the rungs. Led by `--processes NPROC PARALLEL DEVICE
-    RUNG-OR-ADDITIONS --` (a run on several processes), Utils.train.distributed's check of those comes first, in
-    this process: one that imports torch, not two."""
+    RUNG-OR-ADDITIONS --` (four words, the last "" for none; a run on several processes), Utils.train.distributed's
+    check of those comes first, in this process: one that imports torch, not two."""
     from Utils.results.store import ResultsError, check_files, check_prefix
     from Utils.train.data import DataError, default_data_dir, shakespeare_tokens
-    if list(argv[:1]) == ["--processes"] and "--" in argv:
+    if list(argv[:1]) == ["--processes"] and list(argv[5:6]) == ["--"]:
         from Utils.train import distributed
-        rc = distributed.main(["check", *argv[1:argv.index("--")]])
+        rc = distributed.main(["check", *argv[1:5]])
         if rc:
             return rc
-        argv = argv[argv.index("--") + 1:]
+        argv = argv[6:]
     dry_run = list(argv[:1]) == ["--dry-run"]
     try:
         cfg = parse_args(argv[1:] if dry_run else argv)

@@ -6,7 +6,11 @@ collective has a timeout (DIST_TIMEOUT_S), so that a rank that hangs ends the ru
 holding the others forever. Rank 0 records the run; a rank that fails writes one line beside the results
 (`failure_path`), which rank 0 reads when torchrun stops it, so that the record names the rank that failed.
 
-    python -m Utils.train.distributed check NPROC PARALLEL DEVICE RUNG    (the Makefile, before torchrun starts)
+    python -m Utils.train.distributed check NPROC PARALLEL DEVICE [RUNG-OR-ADDITIONS]
+    python -m Utils.train.distributed counts "NPROC NPROC ..." PARALLEL DEVICE [RUNG-OR-ADDITIONS]
+
+(the driver, before torchrun starts: counts for make scaling's counts; Utils.train.cli's check runs `check` in its
+own process for a run on several processes)
 """
 import os
 import sys
@@ -290,18 +294,19 @@ def check(nproc: str, parallel: str, device: str, gpus: int | None = None, addit
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) not in (4, 5) or argv[0] != "check":
+    if len(argv) not in (4, 5) or argv[0] not in ("check", "counts"):
         print("usage: python -m Utils.train.distributed check NPROC PARALLEL DEVICE [RUNG-OR-ADDITIONS]\n"
-              "(NPROC: one process count, or several separated by spaces, as make scaling takes them)",
+              "       python -m Utils.train.distributed counts \"NPROC NPROC ...\" PARALLEL DEVICE [RUNG-OR-ADDITIONS]",
               file=sys.stderr)
         return 2
+    counts = (argv[1].split() or [argv[1]]) if argv[0] == "counts" else [argv[1]]
     gpus = None
-    for nproc in argv[1].split() or [argv[1]]:
+    for i, nproc in enumerate(counts):
         problem = check(nproc, argv[2], argv[3], gpus, additions=argv[4] if len(argv) == 5 else "")
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
-        if gpus is None:   # the later counts' checks reuse the first's
+        if i + 1 < len(counts) and gpus is None:   # counted again by check otherwise, once for each count
             gpus = gpu_count()
     return 0
 

@@ -40,7 +40,7 @@ from Utils.results.schema import LOCK_FILE, RUNS_FILE, STEPS_FILE
 from Utils.results.store import BACKUP_PREFIX, append_run
 from Utils.results.files import TEMPORARY_PREFIX
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, clean_env
 
 SEED = int(os.environ.get("KILL_POINTS_SEED", "57"))
 STEPS = 20
@@ -545,9 +545,9 @@ runpy.run_module("Utils.suite", run_name="__main__", alter_sys=True)
 
 
 @pytest.mark.parametrize("sig", STOPPING, ids=lambda s: s.name)
-def test_a_signal_as_the_driver_ends_is_its_one_line(suite_env, sig):
+def test_a_signal_as_the_driver_ends_is_its_one_line(sig):
     done = subprocess.run([sys.executable, "-c", AS_THE_DRIVER_ENDS, sig.name, "additions"], cwd=REPO_ROOT,
-                          env=dict(suite_env, PYTHONPATH=REPO_ROOT), capture_output=True, text=True, timeout=60)
+                          env=dict(clean_env(), PYTHONPATH=REPO_ROOT), capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() and (done.returncode, done.stderr) == (128 + sig, f"error: additions stopped by "
                                                                                  f"{sig.name}\n")
 

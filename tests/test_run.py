@@ -167,6 +167,26 @@ def test_make_custom_runs_exactly_its_additions_and_records_how_to_repeat_it(tmp
     assert len(read_csv(tmp_path / "runs.csv")) == 1
 
 
+# The additions are checked before torch loads: a mistyped name is refused at once, not after seconds of imports.
+BEFORE_TORCH = """
+import sys
+from Utils.train.launch import launch
+rc = launch(sys.argv[1].split(), ["--steps", "2", "--batch-size", "2", "--prefix", sys.argv[2]])
+print(rc, "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("additions, error", [
+    ("bf16 turbo", "error: unknown addition turbo: use names from `make additions` ("),
+    ("cudagraphs", "error: cudagraphs needs torch_compile: add torch_compile to WITH"),
+])
+def test_additions_that_cannot_run_are_refused_before_torch_loads(tmp_path, additions, error):
+    done = subprocess.run([sys.executable, "-c", BEFORE_TORCH, additions, str(tmp_path / "out")], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["2", "False"] and done.stderr.startswith(error), done.stdout + done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def _record(**fields):
     """A run's record with what every run has from its start; `fields` set the rest."""
     from Utils.train.record import Run

@@ -379,6 +379,13 @@ PARALLEL_EXCLUDES = {
 }
 
 
+def additions_named(named: str | Iterable[str]) -> tuple:
+    """resolve for a rung's name, or addition names: a list, or the words of one string (WITH)."""
+    if isinstance(named, str):
+        named = RUNGS[named].additions if named in RUNGS else named.split()
+    return resolve(named)
+
+
 def check_parallel(additions: tuple, parallel: str) -> None:
     """Raise RegistryError, naming the fix, where `additions` cannot run under PARALLEL=`parallel`."""
     if not parallel:

@@ -3,7 +3,7 @@ targets have always made them, so that of several bad values the same one is nam
 the variables it reads. Checks that need torch (the runs' own parser, the GPU count) run as processes."""
 import re
 
-from Utils.ladder.registry import RUNGS, RegistryError, check_parallel, resolve
+from Utils.ladder.registry import RUNGS, RegistryError, additions_named, check_parallel
 from Utils.peers import PEERS
 from Utils.results.files import loop_error
 from Utils.suite import commands
@@ -113,7 +113,7 @@ def parallel_rung(g: Given, name: str) -> None:
     everything else once leaves to each of its rungs."""
     if g.distributed():
         try:
-            check_parallel(resolve(RUNGS[name].additions), g.parallel())
+            check_parallel(additions_named(name), g.parallel())
         except RegistryError as e:
             raise UsageError(str(e)) from None
 

@@ -273,10 +273,9 @@ def check(nproc: str, parallel: str, device: str, gpus: int | None = None, addit
     if parallel and parallel_problem(parallel):
         return parallel_problem(parallel)
     if additions.strip():
-        from Utils.ladder.registry import RUNGS, RegistryError, check_parallel, resolve
+        from Utils.ladder.registry import RegistryError, additions_named, check_parallel
         try:
-            names = RUNGS[additions].additions if additions in RUNGS else additions.split()
-            check_parallel(resolve(names), parallel)
+            check_parallel(additions_named(additions), parallel)
         except RegistryError as e:
             return str(e)
     if device not in ("auto", "cuda", "cpu"):

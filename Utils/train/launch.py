@@ -17,10 +17,10 @@ def launch(additions: str | Iterable[str], argv: Iterable[str] | None = None, co
     exit_on_signal()
     # The additions are the first thing main checks: refused here, before torch and the kernels load (some 4 s), with
     # the same line.
-    from Utils.ladder.registry import RUNGS, RegistryError, resolve
+    from Utils.ladder.registry import RegistryError, additions_named
     from Utils.train.usage import fail
     try:
-        resolve(RUNGS[additions].additions if isinstance(additions, str) else additions)
+        additions_named(additions)
     except RegistryError as e:
         return fail(str(e))
     from Utils.train.run import main

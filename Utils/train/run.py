@@ -22,7 +22,7 @@ import torch
 from torch.nn import Module
 
 from Utils.ladder.apply import Unavailable, build
-from Utils.ladder.registry import ADDITIONS, RUNGS, RegistryError, check_parallel, resolve, run_name
+from Utils.ladder.registry import ADDITIONS, RegistryError, additions_named, check_parallel, run_name
 from Utils.model_config import PRESETS, GPTConfig
 from Utils.results import metrics
 from Utils.results.store import ResultsError, append_run, check_prefix
@@ -50,7 +50,7 @@ def main(additions: str | Iterable[str], argv: Iterable[str] | None = None, comm
     argv = sys.argv[1:] if argv is None else list(argv)
     allocator = allocator_settings()
     try:
-        additions = resolve(RUNGS[additions].additions if isinstance(additions, str) else additions)
+        additions = additions_named(additions)
         cfg = parse_args(argv, prog=os.path.basename(sys.argv[0]))
         check_parallel(additions, cfg.parallel)
         check_sdpa_backend(additions, cfg, peer)

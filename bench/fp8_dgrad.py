@@ -3,13 +3,14 @@ issue 55 measures (gpt2-xl batch 8, gpt2-medium batch 16, GPT-2 124M batch 64): 
 [tokens, 3C] times its weight [3C, C]) and c_fc's ([tokens, 4C] times [4C, C]). Each is compiled and replayed as a
 CUDA graph, as the training step runs it, so no host time is in the figures:
 - bf16: grad @ weight;
-- FP8: Utils.kernels.fp8_linear.input_grad, the casts and the GEMM together;
-- its parts: the casts alone (the gradient's amax and e5m2 cast, the weight's transposed e4m3 cast), and the FP8
-  GEMM alone, with and without fast accumulation (FP8 products summed at reduced precision; `input_grad` runs
-  without it);
-- delayed scaling, which `fp8_dgrad` does not do: the gradient cast with a scale known before its pass (the
-  previous step's amax; here this step's), this step's amax taken in the same pass, so that the gradient is read
-  once, not twice; the whole of it (cast, weight cast, GEMM), and that cast alone.
+- rows: Utils.kernels.fp8_linear.input_grad, what `fp8_dgrad` runs: each row of the gradient and of the weight
+  transposed cast to e4m3 with its own scale, one pass over the gradient, and the rowwise-scaled GEMM; its casts
+  alone and its GEMM alone;
+- tensor: one scale for the whole gradient, from its amax, in e5m2 (two passes over the gradient: the amax, then
+  the cast), the weight's the same in e4m3, and the GEMM with two scalar scales; its GEMM alone, with and without
+  fast accumulation (FP8 products summed at reduced precision), which tells the rowwise GEMM's own cost;
+- delayed: the tensor recipe with the gradient's scale known before its pass (the previous step's amax; here this
+  step's) and this step's amax taken in the same pass: the state across steps that rows avoids.
 Each FP8 result is checked against the product of its dequantized operands; the exit status is 1 where one is off.
 
     python3 bench/fp8_dgrad.py
@@ -37,48 +38,62 @@ def replayed(fn, *args):
     return replay, outputs[-1]   # the call made under capture
 
 
-def casts(grad: torch.Tensor, weight: torch.Tensor):
+def row_casts(grad: torch.Tensor, weight: torch.Tensor):
+    return fp8.rows_to_fp8(grad, fp8.E4M3), fp8.rows_to_fp8(weight.t(), fp8.E4M3)
+
+
+def tensor_casts(grad: torch.Tensor, weight: torch.Tensor):
     return fp8.to_fp8(grad, fp8.E5M2), fp8.to_e4m3(weight.t().contiguous())
 
 
-def delayed_cast(grad: torch.Tensor, scale: torch.Tensor):
-    """grad times a scale fixed before the pass, cast to e5m2, and grad's amax, for the next step's scale."""
-    largest = torch.finfo(fp8.E5M2).max
-    g = grad.float()
-    return (g * scale).clamp(-largest, largest).to(fp8.E5M2), g.abs().amax()
+def tensor_input_grad(grad: torch.Tensor, weight: torch.Tensor):
+    """grad @ weight in FP8 with one scale a tensor, the gradient's from its amax."""
+    (g8, g_inv), (wt8, w_inv) = tensor_casts(grad, weight)
+    return torch._scaled_mm(g8, wt8.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
 
 
 def delayed_input_grad(grad: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor):
-    """fp8_linear.input_grad with the gradient's cast delayed_cast's."""
-    g8, amax = delayed_cast(grad, scale)
+    """tensor_input_grad with the gradient cast by a scale fixed before the pass, and its amax for the next step."""
+    largest = torch.finfo(fp8.E5M2).max
+    g = grad.float()
+    g8, amax = (g * scale).clamp(-largest, largest).to(fp8.E5M2), g.abs().amax()
     wt8, w_inv = fp8.to_e4m3(weight.t().contiguous())
     return torch._scaled_mm(g8, wt8.t(), scale_a=scale.reciprocal(), scale_b=w_inv, out_dtype=grad.dtype), amax
 
 
+def error(out: torch.Tensor, a8, a_inv, b8, b_inv) -> float:
+    """out's relative distance from the fp32 product of the dequantized operands a8 [M, K] and b8 [N, K]."""
+    dequantized = (a8.float() * a_inv) @ (b8.float() * b_inv).t()
+    return ((out.float() - dequantized).norm() / dequantized.norm()).item()
+
+
 def one_layer(tokens: int, n_out: int, width: int) -> tuple[dict, float]:
     """Times in µs of one layer's input-gradient GEMM, output gradient [tokens, n_out], weight [n_out, width]; and
-    the FP8 result's error against its dequantized operands' product."""
+    the largest error of the FP8 results against their dequantized operands' product."""
     grad = (torch.randn(tokens, n_out, device="cuda") * 1e-4).bfloat16()   # a gradient's size
     weight = (torch.randn(n_out, width, device="cuda") * 0.02).bfloat16()
     bf16, _ = replayed(lambda g, w: g @ w, grad, weight)
-    whole, out = replayed(fp8_linear.input_grad, grad, weight)
-    cast, ((g8, g_inv), (wt8, w_inv)) = replayed(casts, grad, weight)
+    rows, out_rows = replayed(fp8_linear.input_grad, grad, weight)
+    rows_cast, ((r8, r_inv), (rw8, rw_inv)) = replayed(row_casts, grad, weight)
+    rows_gemm, _ = replayed(lambda g, w, gi, wi: torch._scaled_mm(g, w.t(), scale_a=gi, scale_b=wi.t(),
+                                                                  out_dtype=torch.bfloat16), r8, rw8, r_inv, rw_inv)
+    tensor, out_tensor = replayed(tensor_input_grad, grad, weight)
+    _, ((t8, t_inv), (tw8, tw_inv)) = replayed(tensor_casts, grad, weight)
     scale = torch.finfo(fp8.E5M2).max / grad.float().abs().amax()   # as if the previous step's amax were this one's
     delayed, (out_delayed, _) = replayed(delayed_input_grad, grad, weight, scale)
-    delayed_one, _ = replayed(delayed_cast, grad, scale)
-    times = {"bf16": bench(bf16), "fp8": bench(whole), "casts": bench(cast), "fp8, delayed": bench(delayed),
-             "cast, delayed": bench(delayed_one)}
+    times = {"bf16": bench(bf16), "rows": bench(rows), "rows: casts": bench(rows_cast),
+             "rows: gemm": bench(rows_gemm), "tensor": bench(tensor), "delayed": bench(delayed)}
     for fast in (False, True):
         gemm, _ = replayed(lambda g, w, gi, wi: torch._scaled_mm(g, w.t(), scale_a=gi, scale_b=wi,
                                                                  out_dtype=torch.bfloat16, use_fast_accum=fast),
-                           g8, wt8, g_inv, w_inv)
-        times["gemm, fast" if fast else "gemm"] = bench(gemm)
-    whole()
-    dequantized = (g8.float() * g_inv) @ (wt8.float() * w_inv).t()
-    delayed()
-    error = max((out.float() - dequantized).norm() / dequantized.norm(),
-                (out_delayed.float() - dequantized).norm() / dequantized.norm())
-    return times, error.item()
+                           t8, tw8, t_inv, tw_inv)
+        times["tensor: gemm, fast" if fast else "tensor: gemm"] = bench(gemm)
+    for replay in (rows, tensor, delayed):
+        replay()
+    delayed_inv = scale.reciprocal()
+    g8_delayed = (grad.float() * scale).clamp(-torch.finfo(fp8.E5M2).max, torch.finfo(fp8.E5M2).max).to(fp8.E5M2)
+    return times, max(error(out_rows, r8, r_inv, rw8, rw_inv), error(out_tensor, t8, t_inv, tw8, tw_inv),
+                      error(out_delayed, g8_delayed, delayed_inv, tw8, tw_inv))
 
 
 def main() -> int:
@@ -87,22 +102,23 @@ def main() -> int:
         sys.exit(f"error: this benchmark needs a GPU that runs FP8 GEMMs ({why})")
     torch.manual_seed(0)
     print(torch.__version__, torch.cuda.get_device_name())
-    columns = ("bf16", "fp8", "casts", "gemm", "gemm, fast", "fp8, delayed", "cast, delayed")
-    print(f"{'size, layer':26}" + "".join(f"{c + ' µs':>17}" for c in columns) + f"{'error':>9}"
-          + f"{'saved, step':>14}{'delayed':>11}")
+    columns = ("bf16", "rows", "rows: casts", "rows: gemm", "tensor", "tensor: gemm", "tensor: gemm, fast", "delayed")
+    recipes = ("rows", "tensor", "delayed")
+    print(f"{'µs a layer':26}" + "".join(f"{c:>19}" for c in columns) + f"{'error':>9}  ms a step saved: "
+          + ", ".join(recipes))
     failed = False
     for model, batch in SIZES:
         config = PRESETS[model]
         C, tokens = config.n_embd, batch * SEQ_LEN
-        step = [0.0, 0.0]   # ms a step saves: fp8_dgrad, and with the cast delayed
+        step = [0.0] * len(recipes)
         for layer, n_out in (("c_attn", 3 * C), ("c_fc", 4 * C)):
             times, error = one_layer(tokens, n_out, C)
-            saved = [(times["bf16"] - times[k]) * config.n_layer / 1000 for k in ("fp8", "fp8, delayed")]
+            saved = [(times["bf16"] - times[k]) * config.n_layer / 1000 for k in recipes]
             step = [a + b for a, b in zip(step, saved)]
             failed |= not error < 1e-2
-            print(f"{f'{model} b{batch}, {layer}':26}" + "".join(f"{times[c]:17.1f}" for c in columns)
-                  + f"{error:9.4f}{saved[0]:11.2f} ms{saved[1]:8.2f} ms")
-        print(f"{f'{model} b{batch}, both':26}{'':{17 * len(columns) + 9}}{step[0]:11.2f} ms{step[1]:8.2f} ms")
+            print(f"{f'{model} b{batch}, {layer}':26}" + "".join(f"{times[c]:19.1f}" for c in columns)
+                  + f"{error:9.4f}  " + "".join(f"{x:9.2f}" for x in saved))
+        print(f"{f'{model} b{batch}, both':26}{'':{19 * len(columns) + 11}}" + "".join(f"{x:9.2f}" for x in step))
     return 1 if failed else 0
 
 

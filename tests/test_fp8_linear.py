@@ -7,7 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from Utils.kernels import cublaslt, fp8, fp8_linear, gemm_bias_grad
-from Utils.kernels.fp8 import E4M3, E4M3_MAX, E5M2, fits, norm_bound, normed_to_e4m3, to_e4m3, to_fp8
+from Utils.kernels.fp8 import (E4M3, E4M3_MAX, E5M2, fits, norm_bound, normed_to_e4m3, rows_to_fp8, to_e4m3,
+                               to_fp8)
 from Utils.ladder import linear, modules
 from Utils.ladder.linear import LinearPlan
 
@@ -130,18 +131,40 @@ def test_the_fp8_mlp_changes_the_forward_only_and_tokens_not_a_multiple_of_16_ru
                        linear.gelu_mlp(odd, fc, proj, LinearPlan(bias_grad=True)))
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_each_row_gets_the_largest_power_of_two_scale_that_keeps_it_in_range(dtype):
+    torch.manual_seed(5)
+    largest = torch.finfo(dtype).max
+    x = torch.randn(6, 40) * torch.tensor([1e-7, 1e-4, 1.0, 3e3, 1.0, 0.0])[:, None]   # rows far apart, one zero
+    x[4, 7] = 1e5                                                                      # one row's single spike
+    x8, inv = rows_to_fp8(x.bfloat16(), dtype)
+    assert x8.dtype == dtype and x8.is_contiguous() and inv.shape == (6, 1) and inv.dtype == torch.float32
+    exponents = torch.log2(inv)
+    assert torch.equal(exponents, exponents.round())                       # powers of two: the scaling is exact
+    row_max = x8.float().abs().amax(1)
+    assert torch.isfinite(x8.float()).all() and (row_max <= largest).all()
+    assert (row_max[:5] > largest / 2 / 1.25).all()   # each live row uses the top binade (less a rounding)
+    assert not x8[5].float().any()
+    # Back to within the cast's rounding (2 or 3 mantissa bits) where no spike shares the row; the spike itself too.
+    torch.testing.assert_close((x8.float() * inv)[:4], x.bfloat16().float()[:4], rtol=2**-2, atol=0)
+    torch.testing.assert_close(x8[4, 7].float() * inv[4, 0], torch.tensor(1e5), rtol=2**-2, atol=0)
+
+
 def test_the_input_gradient_in_fp8_is_the_product_of_the_dequantized_operands_near_the_bf16_one():
     torch.manual_seed(6)
-    grad = (torch.randn(48, 3 * C) * 1e-4).bfloat16()   # a gradient's size: far below e5m2's unscaled range
-    weight = (torch.randn(3 * C, C) * 0.05).bfloat16()
+    # Rows and columns of sizes orders of magnitude apart, as a gradient's tokens and a weight's features can be:
+    # a scale applied to the wrong rows would be far off.
+    grad = (torch.randn(48, 3 * C) * 10 ** torch.empty(48, 1).uniform_(-7, -2)).bfloat16()
+    weight = (torch.randn(3 * C, C) * 10 ** torch.empty(1, C).uniform_(-3, 0)).bfloat16()
     out = fp8_linear.input_grad(grad, weight)
     assert out.dtype == torch.bfloat16 and out.shape == (48, C)
-    g8, g_inv = to_fp8(grad, E5M2)
-    wt8, w_inv = to_e4m3(weight.t().contiguous())
+    g8, g_inv = rows_to_fp8(grad, E4M3)
+    wt8, w_inv = rows_to_fp8(weight.t(), E4M3)
+    assert g_inv.shape == (48, 1) and wt8.shape == (C, 3 * C) and w_inv.shape == (C, 1)
     dequantized = (g8.float() * g_inv) @ (wt8.float() * w_inv).t()
     torch.testing.assert_close(out.float(), dequantized, rtol=2**-7, atol=1e-6 * dequantized.abs().max().item())
-    # Near the bf16 operands' product, to e5m2's rounding (2 mantissa bits); a scale applied twice or not at
-    # all would be off by orders of magnitude.
+    # Near the bf16 operands' product, to e4m3's rounding (3 mantissa bits); a scale applied twice, to the wrong
+    # rows or not at all would be off by orders of magnitude.
     exact = grad.float() @ weight.float()
     assert 0 < ((out.float() - exact).norm() / exact.norm()).item() < 0.1
 
@@ -230,8 +253,8 @@ def test_the_input_gradient_in_fp8_is_the_dequantized_product_on_the_gpu(transpo
     grad = grad.t() if transposed else grad.t().contiguous()   # [4096, 3C * 4], strided or not
     weight = (torch.randn(3 * C * 4, C * 4, device="cuda") * 0.05).bfloat16()
     out = fp8_linear.input_grad(grad, weight)
-    g8, g_inv = to_fp8(grad.contiguous(), E5M2)
-    wt8, w_inv = to_e4m3(weight.t().contiguous())
+    g8, g_inv = rows_to_fp8(grad, E4M3)
+    wt8, w_inv = rows_to_fp8(weight.t(), E4M3)
     dequantized = (g8.float() * g_inv) @ (wt8.float() * w_inv).t()
     assert ((out.float() - dequantized).norm() / dequantized.norm()).item() < 1e-2
 

@@ -45,6 +45,17 @@ def to_fp8(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return (x.detach().float() * scale).clamp(-largest, largest).to(dtype), scale.reciprocal()
 
 
+def rows_to_fp8(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(x [rows, cols] with each row scaled by a power of two and cast to dtype, contiguous; the scales' inverses
+    [rows, 1] fp32): each row's scale is the largest power of two that keeps its amax within dtype's largest value,
+    as torchao's rowwise recipe rounds them, so that scaling is exact and only the cast rounds. One pass over x
+    where its kernel holds a row: the amax needs no reduction over the whole tensor first."""
+    largest = torch.finfo(dtype).max
+    amax = x.detach().abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
+    scale = torch.exp2(torch.floor(torch.log2(largest / amax)))
+    return (x.detach().float() * scale).clamp(-largest, largest).to(dtype).contiguous(), scale.reciprocal()
+
+
 def norm_bound(norm_weight: Tensor, norm_bias: Tensor | None) -> Tensor:
     """The largest |y| a LayerNorm with these weights can output over rows of norm_weight.numel() features, as
     a 0-d fp32 tensor: max|γ| sqrt(C - 1) + max|β| (Utils.kernels.fp8_linear says why)."""

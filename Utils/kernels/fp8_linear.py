@@ -20,12 +20,15 @@ layer's logits: the sums run over the model's width, 768 features at 124M.
 
 The input-gradient GEMM, grad @ W, sums over the layer's outputs (3C for c_attn, 4C for c_fc), along which the
 output gradient [tokens, 3C or 4C] is already laid out: it needs no copy of an activation in the other layout,
-only W transposed (3C x C or 4C x C values). The gradient has no bound known in advance: it goes to e5m2 (2
-mantissa bits, the range a gradient needs: Transformer Engine's "hybrid" split) with a scale from its amax, a
-pass to find the amax and one to cast, about 5 bytes a value against the GEMM's saving once Inductor compiles
-them (eager, the cast's operations are passes of their own). The sums run over thousands of products, so this
-GEMM accumulates without Hopper's fast FP8 mode, as Transformer Engine's backward GEMMs do. The weight-gradient
-GEMM stays bf16: it sums over the tokens, along which neither of its operands is laid out.
+only W transposed (3C x C or 4C x C values). The gradient has no bound known in advance. One scale for the whole
+gradient needs its amax before the cast can start: a second pass over it, 5 bytes a value moved where the GEMM
+saves about 2. A scale for each row needs only that row, which the cast's kernel reads once: 3 bytes a value. So
+each row of the gradient, and each row of W transposed, gets its own power-of-two scale, and both go to e4m3: a
+row's own scale gives the range that e5m2 buys a whole tensor, and e4m3 keeps a mantissa bit more. That is
+torchao's rowwise recipe for this GEMM (`Float8LinearRecipeName.ROWWISE_WITH_GW_HP`), and _scaled_mm runs it as
+one GEMM that applies both scale vectors in its epilogue. The sums run over thousands of products, so it
+accumulates without Hopper's fast FP8 mode, as Transformer Engine's backward GEMMs do. The weight-gradient GEMM
+stays bf16: it sums over the tokens, along which neither of its operands is laid out.
 
 Reference: `reference`, the same GEMMs on the dequantized FP8 operands in fp32 (tests/test_fp8_linear.py).
 """
@@ -97,8 +100,8 @@ def reference_gelu(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, bias: T
 
 def input_grad(grad: Tensor, weight: Tensor) -> Tensor:
     """grad @ weight, the input gradient of a linear layer with weight [N, K] from its output gradient grad [M, N],
-    in grad's dtype (bf16), the GEMM in FP8: grad cast to e5m2 with a scale from its amax, weight transposed and
-    cast to e4m3."""
-    g8, g_inv = fp8.to_fp8(grad.contiguous(), fp8.E5M2)   # _scaled_mm takes its first operand row-major
-    wt8, w_inv = fp8.to_e4m3(weight.t().contiguous())
-    return torch._scaled_mm(g8, wt8.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
+    in grad's dtype (bf16), the GEMM in FP8: each row of grad, and of weight transposed, cast to e4m3 with its own
+    scale."""
+    g8, g_inv = fp8.rows_to_fp8(grad, fp8.E4M3)            # [M, N], [M, 1]
+    wt8, w_inv = fp8.rows_to_fp8(weight.t(), fp8.E4M3)     # [K, N], [K, 1]: one scale for each output column
+    return torch._scaled_mm(g8, wt8.t(), scale_a=g_inv, scale_b=w_inv.t(), out_dtype=grad.dtype)

@@ -8,7 +8,7 @@ input-gradient GEMM. A feature replaces the plain layer's piece at the stages it
   bias_grad     gemm_bias_grad   x kept beside ones (with_ones); dW and db from one GEMM (weight_and_bias_grad)
   fold          norm_fold        W' = W diag(γ), b' = b + Wβ (folded); dW, db, dγ, dβ from dW', db' (unfolded_grads)
   fp8_forward   fp8_linear       the forward GEMM in FP8, x's scale bounded by its LayerNorm (linear_normed)
-  fp8_dgrad     fp8_linear       the input-gradient GEMM in FP8, the gradient's scale from its amax (input_grad)
+  fp8_dgrad     fp8_linear       the input-gradient GEMM in FP8, a scale for each row of the gradient (input_grad)
   gelu          gelu_epilogue    the GEMM writes gelu(h) and h (linear_gelu); the next layer's input-gradient
                                  GEMM applies GELU's derivative (linear_dgelu, in `_AfterGelu`)
 

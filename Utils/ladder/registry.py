@@ -184,15 +184,15 @@ _ADDITIONS = [
                  "more out of the LayerNorm's own kernel (at batch 64 every run sits at the card's power cap, where "
                  "less work is a shorter step)"),
     Addition("fp8_dgrad", "model", "compute",
-             "c_attn's and c_fc's input-gradient GEMMs in FP8: the output gradient in e5m2 with a scale from its amax, "
-             "the weight transposed in e4m3", needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",),
+             "c_attn's and c_fc's input-gradient GEMMs in FP8: each row of the output gradient and of the weight "
+             "transposed in e4m3 with its own scale", needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",),
              fp8_gemms="qkv_fc_dgrad", fsdp="its FP8 casts have not been tried on FSDP's shards",
-             phrase="the input-gradient GEMMs of c_attn and c_fc in FP8 (`fp8_dgrad`), each output gradient cast to "
-                    "e5m2 with a scale from its amax",
+             phrase="the input-gradient GEMMs of c_attn and c_fc in FP8 (`fp8_dgrad`), each row of the output "
+                    "gradient cast to e4m3 with its own scale",
              why="an input-gradient GEMM sums along the layout its output gradient already has, so FP8 needs no "
-                 "transposed copy of an activation, only of the weight, and the cast's two passes over the gradient "
-                 "are predicted to cost less than the GEMM saves where the width is large (gpt2-xl's 1,600; "
-                 "BENCHMARKS.md, not yet measured)"),
+                 "transposed copy of an activation, only of the weight, and a scale for each row lets one pass read "
+                 "the gradient once to cast it: predicted to cost less than the GEMM saves where the width is large "
+                 "(gpt2-xl's 1,600; BENCHMARKS.md, not yet measured)"),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
              needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8_gemms="blocks",
              fsdp="its scaled matmuls have not been tried on FSDP's shards",

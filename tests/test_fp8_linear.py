@@ -222,6 +222,15 @@ def test_cublaslt_refuses_fp8_operands_it_cannot_take():
         with pytest.raises(ValueError, match="cuBLASLt"):
             cublaslt._matmul(cublaslt.CUBLASLT_EPILOGUE_DEFAULT, bad["x"], bad["y"], bad["out"], None, None,
                              y_t=bad["y_t"], scales=bad["scales"])
+    # A scale for each row of x and of y (fp8_linear.rows_mm's): the lengths must match the rows and the dtype be
+    # fp32; then what is refused here is the tensors' place (a CPU's, not 256-byte aligned), not the scales.
+    rows, columns = torch.ones(32, 1), torch.ones(96, 1)
+    for scales in ((columns, rows), (rows, torch.ones(95, 1)), (rows, s), (rows, columns.double())):
+        with pytest.raises(ValueError, match="one for each row of x and each of y"):
+            cublaslt._matmul(cublaslt.CUBLASLT_EPILOGUE_DEFAULT, y8, w8, out, None, None, y_t=True, scales=scales)
+    with pytest.raises(ValueError, match="cuBLASLt") as refused:
+        cublaslt._matmul(cublaslt.CUBLASLT_EPILOGUE_DEFAULT, y8, w8, out, None, None, y_t=True, scales=(rows, columns))
+    assert "scales" not in str(refused.value)
 
 
 @pytest.mark.gpu

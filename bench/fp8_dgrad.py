@@ -83,7 +83,8 @@ def one_layer(tokens: int, n_out: int, width: int) -> tuple[dict, float]:
     scale = torch.finfo(fp8.E5M2).max / grad.float().abs().amax()   # as if the previous step's amax were this one's
     delayed, (out_delayed, _) = replayed(delayed_input_grad, grad, weight, scale)
     times = {"bf16": bench(bf16), "rows": bench(rows), "rows: casts": bench(rows_cast),
-             "rows: gemm": bench(rows_gemm), "rows: _scaled_mm": bench(rows_cutlass), "tensor": bench(tensor), "delayed": bench(delayed)}
+             "rows: gemm": bench(rows_gemm), "rows: _scaled_mm": bench(rows_cutlass), "tensor": bench(tensor),
+             "delayed": bench(delayed)}
     for fast in (False, True):
         gemm, _ = replayed(lambda g, w, gi, wi: torch._scaled_mm(g, w.t(), scale_a=gi, scale_b=wi,
                                                                  out_dtype=torch.bfloat16, use_fast_accum=fast),

@@ -29,8 +29,8 @@ torchao's rowwise recipe for this GEMM (`Float8LinearRecipeName.ROWWISE_WITH_GW_
 scale vectors in its epilogue: on a GPU cuBLASLt's (its outer-vector scaling mode), since torch._scaled_mm's
 rowwise GEMM, a CUTLASS kernel, took 20 to 25% longer than cuBLAS's GEMM with scalar scales at these shapes
 (BENCHMARKS.md). The sums run over thousands of products, so it accumulates without Hopper's fast FP8 mode, as
-Transformer Engine's backward GEMMs do. The weight-gradient GEMM
-stays bf16: it sums over the tokens, along which neither of its operands is laid out.
+Transformer Engine's backward GEMMs do. The weight-gradient GEMM stays bf16: it sums over the tokens, along which
+neither of its operands is laid out.
 
 Reference: `reference`, the same GEMMs on the dequantized FP8 operands in fp32 (tests/test_fp8_linear.py).
 """

@@ -4,8 +4,9 @@ issue 55 measures (gpt2-xl batch 8, gpt2-medium batch 16, GPT-2 124M batch 64): 
 CUDA graph, as the training step runs it, so no host time is in the figures:
 - bf16: grad @ weight;
 - rows: Utils.kernels.fp8_linear.input_grad, what `fp8_dgrad` runs: each row of the gradient and of the weight
-  transposed cast to e4m3 with its own scale, one pass over the gradient, and cuBLASLt's GEMM with a scale for
-  each row and column; its casts alone, its GEMM alone, and torch._scaled_mm's rowwise GEMM (CUTLASS) instead;
+  transposed cast to e4m3 with its own scale, one pass over the gradient, and the rowwise-scaled GEMM (cuBLASLt's
+  outer-vector scaling where cuBLAS is 12.9 or newer, PyTorch's CUTLASS kernel before); its casts alone and its
+  GEMM alone;
 - tensor: one scale for the whole gradient, from its amax, in e5m2 (two passes over the gradient: the amax, then
   the cast), the weight's the same in e4m3, and the GEMM with two scalar scales; its GEMM alone, with and without
   fast accumulation (FP8 products summed at reduced precision), which tells the rowwise GEMM's own cost;
@@ -75,16 +76,14 @@ def one_layer(tokens: int, n_out: int, width: int) -> tuple[dict, float]:
     bf16, _ = replayed(lambda g, w: g @ w, grad, weight)
     rows, out_rows = replayed(fp8_linear.input_grad, grad, weight)
     rows_cast, ((r8, r_inv), (rw8, rw_inv)) = replayed(row_casts, grad, weight)
-    rows_gemm, _ = replayed(fp8_linear.rows_mm, r8, r_inv, rw8, rw_inv)
-    rows_cutlass, _ = replayed(lambda g, gi, w, wi: torch._scaled_mm(g, w.t(), scale_a=gi, scale_b=wi.t(),
-                                                                     out_dtype=torch.bfloat16), r8, r_inv, rw8, rw_inv)
+    rows_gemm, _ = replayed(lambda g, w, gi, wi: torch._scaled_mm(g, w.t(), scale_a=gi, scale_b=wi.t(),
+                                                                  out_dtype=torch.bfloat16), r8, rw8, r_inv, rw_inv)
     tensor, out_tensor = replayed(tensor_input_grad, grad, weight)
     tensor_cast, ((t8, t_inv), (tw8, tw_inv)) = replayed(tensor_casts, grad, weight)
     scale = torch.finfo(fp8.E5M2).max / grad.float().abs().amax()   # as if the previous step's amax were this one's
     delayed, (out_delayed, _) = replayed(delayed_input_grad, grad, weight, scale)
     times = {"bf16": bench(bf16), "rows": bench(rows), "rows: casts": bench(rows_cast),
-             "rows: gemm": bench(rows_gemm), "rows: _scaled_mm": bench(rows_cutlass), "tensor": bench(tensor),
-             "delayed": bench(delayed)}
+             "rows: gemm": bench(rows_gemm), "tensor": bench(tensor), "delayed": bench(delayed)}
     for fast in (False, True):
         gemm, _ = replayed(lambda g, w, gi, wi: torch._scaled_mm(g, w.t(), scale_a=gi, scale_b=wi,
                                                                  out_dtype=torch.bfloat16, use_fast_accum=fast),
@@ -105,8 +104,7 @@ def main() -> int:
         sys.exit(f"error: this benchmark needs a GPU that runs FP8 GEMMs ({why})")
     torch.manual_seed(0)
     print(torch.__version__, torch.cuda.get_device_name())
-    columns = ("bf16", "rows", "rows: casts", "rows: gemm", "rows: _scaled_mm", "tensor", "tensor: gemm",
-               "tensor: gemm, fast", "delayed")
+    columns = ("bf16", "rows", "rows: casts", "rows: gemm", "tensor", "tensor: gemm", "tensor: gemm, fast", "delayed")
     recipes = ("rows", "tensor", "delayed")
     print(f"{'µs a layer':26}" + "".join(f"{c:>19}" for c in columns) + f"{'error':>9}  ms a step saved: "
           + ", ".join(recipes))

@@ -34,10 +34,6 @@ CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12
 CUBLASLT_MATMUL_DESC_A_SCALE_POINTER = 17
 CUBLASLT_MATMUL_DESC_B_SCALE_POINTER = 18
 CUBLASLT_MATMUL_DESC_FAST_ACCUM = 25
-CUBLASLT_MATMUL_DESC_A_SCALE_MODE = 31
-CUBLASLT_MATMUL_DESC_B_SCALE_MODE = 32
-# cublasLtMatmulMatrixScale_t: a scale for each row of op(A) and each column of op(B), FP8 on Hopper since CUDA 12.9
-CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F = 3
 # cublasLtMatmulPreferenceAttributes_t
 CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1
 # cublasLtEpilogue_t
@@ -116,10 +112,6 @@ _handles = {}
 _plans = {}
 
 
-class NoAlgorithm(RuntimeError):
-    """cuBLASLt's heuristic offers no algorithm for this GEMM (this library version, GPU and shape)."""
-
-
 def _set(lib, desc, attribute, value):
     native.check(lib.cublasLtMatmulDescSetAttribute(desc, attribute, ctypes.byref(value), ctypes.sizeof(value)),
                  "cublasLtMatmulDescSetAttribute")
@@ -132,15 +124,12 @@ def _layout(lib, dtype, rows, cols, ld):
     return layout
 
 
-def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dtype, outer=False):
+def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dtype):
     """Descriptors and the heuristic's algorithms for column-major D[m, n] = op(A) @ op(B), A and B of dtype,
     D of out_dtype, B's columns ld_b elements apart, made once per shape: the bias, auxiliary and scale
-    pointers are set on the descriptor at each call. `outer`: FP8 operands scaled by a vector each (a scale for
-    each of op(A)'s m rows and op(B)'s n columns), not by a scalar."""
-    key = device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dtype, outer
+    pointers are set on the descriptor at each call."""
+    key = device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dtype
     if key in _plans:
-        if isinstance(_plans[key], NoAlgorithm):
-            raise _plans[key]
         return _plans[key]
     lib, (handle, _) = _library(), _handle(device_index)
     desc = ctypes.c_void_p()
@@ -150,11 +139,7 @@ def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dt
     _set(lib, desc, CUBLASLT_MATMUL_DESC_TRANSB, ctypes.c_int32(trans_b))
     _set(lib, desc, CUBLASLT_MATMUL_DESC_EPILOGUE, ctypes.c_int32(epilogue))
     _set(lib, desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ctypes.c_int64(m))
-    if outer:
-        # Sums over a layer's outputs (fp8_linear.input_grad), thousands of products: fp32 accumulation.
-        for attribute in (CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE):
-            _set(lib, desc, attribute, ctypes.c_int32(CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F))
-    elif dtype == CUDA_R_8F_E4M3:
+    if dtype == CUDA_R_8F_E4M3:
         # Hopper's fast FP8 accumulation never promotes partial sums to fp32: fine for sums over a layer's
         # 768 features, as the FP8 output layer's logits GEMM takes it (fp8_loss).
         _set(lib, desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, ctypes.c_int8(1))
@@ -173,9 +158,7 @@ def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dt
     lib.cublasLtMatmulPreferenceDestroy(preference)
     native.check(status, "cublasLtMatmulAlgoGetHeuristic")
     if count.value == 0:
-        _plans[key] = NoAlgorithm(f"cuBLASLt has no algorithm for epilogue {epilogue} at m={m} n={n} k={k}"
-                                  + (" with a scale for each row and column" if outer else ""))
-        raise _plans[key]
+        raise RuntimeError(f"cuBLASLt has no algorithm for epilogue {epilogue} at m={m} n={n} k={k}")
     _plans[key] = [desc, a, b, d, list(results)[:count.value], None]   # None: the fastest not yet known
     return _plans[key]
 
@@ -201,13 +184,11 @@ def _shape(x: Tensor, y: Tensor, out: Tensor, bias: Tensor | None, aux: Tensor |
     shapes and device; a ValueError names what does not fit."""
     tensors = [t for t in (x, y, out, bias, aux) if t is not None]
     if x.dtype == torch.float8_e4m3fn:
-        # One scale a tensor, or one for each row of x and one for each row of y (each column of out).
-        sizes = [(1, 1)] + ([] if x_t or not y_t else [(x.size(0), y.size(0))])
         if (y.dtype != x.dtype or any(t.dtype != torch.bfloat16 for t in (out, bias, aux) if t is not None)
-                or scales is None or any(s.dtype != torch.float32 or not s.is_contiguous() for s in scales)
-                or tuple(s.numel() for s in scales) not in sizes or x_t or not y_t):
+                or scales is None or any(s.dtype != torch.float32 or s.numel() != 1 for s in scales)
+                or x_t or not y_t):
             raise ValueError("cuBLASLt FP8 GEMMs take e4m3 x and y.T, bf16 out, bias and auxiliary, and two "
-                             "contiguous fp32 scales: one a tensor, or one for each row of x and each of y")
+                             "fp32 scales")
     elif x.dtype not in _DTYPES or any(t.dtype != x.dtype for t in tensors) or scales is not None:
         raise ValueError(f"cuBLASLt epilogue GEMMs take bf16 or fp16 tensors of one dtype, got "
                          f"{', '.join(str(t.dtype) for t in tensors)}")
@@ -243,10 +224,9 @@ def _matmul(epilogue: int, x: Tensor, y: Tensor, out: Tensor, bias: Tensor | Non
     """out = op(x) @ op(y), op transposing where x_t / y_t, with `epilogue`; `bias` (one entry per column of
     out) and `aux` (out's shape) as the epilogue uses them. `algo` picks a heuristic candidate; by default,
     the one found fastest on the shape's first call (the heuristic's first while a CUDA graph is captured).
-    With e4m3 x and y, `scales` are x's and y's inverse scales that the product is multiplied by, out, bias and
-    aux are bf16, and y must be transposed (Hopper's FP8 GEMMs read both operands along the summed dimension).
-    The scales are a 0-d fp32 tensor each (the GEMM accumulates in Hopper's fast mode), or one for each row of x
-    and one for each row of y (fp32 accumulation).
+    With e4m3 x and y, `scales` are x's and y's inverse scales (0-d fp32 tensors that the product is
+    multiplied by), out, bias and aux are bf16, and y must be transposed (Hopper's FP8 GEMMs read both
+    operands along the summed dimension).
     """
     rows, columns, k = _shape(x, y, out, bias, aux, x_t, y_t, scales)
     if _library() is None:
@@ -254,9 +234,8 @@ def _matmul(epilogue: int, x: Tensor, y: Tensor, out: Tensor, bias: Tensor | Non
     # Row-major out = op(x) @ op(y) is column-major out.T = op(y).T @ op(x).T: A is y, B is x.
     device_index = x.device.index
     ld_x = x.stride(0) if x.size(0) > 1 else x.size(1)   # a 1-row x's stride is arbitrary
-    outer = scales is not None and scales[0].numel() * scales[1].numel() > 1
     plan = _plan(device_index, epilogue, CUBLAS_OP_T if y_t else CUBLAS_OP_N, CUBLAS_OP_T if x_t else CUBLAS_OP_N,
-                 columns, rows, k, _DTYPES[x.dtype], ld_x, _DTYPES[out.dtype], outer)
+                 columns, rows, k, _DTYPES[x.dtype], ld_x, _DTYPES[out.dtype])
     desc, a_layout, b_layout, d_layout, results, fastest = plan
     lib, (handle, workspace) = _library(), _handle(device_index)
     _set(lib, desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr() if bias is not None else 0))

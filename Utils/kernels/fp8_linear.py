@@ -25,12 +25,11 @@ gradient needs its amax before the cast can start: a second pass over it, 5 byte
 saves about 2. A scale for each row needs only that row, which the cast's kernel reads once: 3 bytes a value. So
 each row of the gradient, and each row of W transposed, gets its own power-of-two scale, and both go to e4m3: a
 row's own scale gives the range that e5m2 buys a whole tensor, and e4m3 keeps a mantissa bit more. That is
-torchao's rowwise recipe for this GEMM (`Float8LinearRecipeName.ROWWISE_WITH_GW_HP`). The GEMM applies both
-scale vectors in its epilogue: on a GPU cuBLASLt's (its outer-vector scaling mode), since torch._scaled_mm's
-rowwise GEMM, a CUTLASS kernel, took 20 to 25% longer than cuBLAS's GEMM with scalar scales at these shapes
-(BENCHMARKS.md). The sums run over thousands of products, so it accumulates without Hopper's fast FP8 mode, as
-Transformer Engine's backward GEMMs do. The weight-gradient GEMM stays bf16: it sums over the tokens, along which
-neither of its operands is laid out.
+torchao's rowwise recipe for this GEMM (`Float8LinearRecipeName.ROWWISE_WITH_GW_HP`), and _scaled_mm runs it as
+one GEMM that applies both scale vectors in its epilogue (cuBLASLt's outer-vector scaling, with cuBLAS 12.9 or
+newer on Hopper; a CUTLASS kernel of PyTorch's before that). The sums run over thousands of products, so it
+accumulates without Hopper's fast FP8 mode, as Transformer Engine's backward GEMMs do. The weight-gradient GEMM
+stays bf16: it sums over the tokens, along which neither of its operands is laid out.
 
 Reference: `reference`, the same GEMMs on the dequantized FP8 operands in fp32 (tests/test_fp8_linear.py).
 """
@@ -100,33 +99,10 @@ def reference_gelu(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, bias: T
     return F.gelu(h, approximate="tanh").to(bias.dtype), h.to(bias.dtype)
 
 
-@torch.library.custom_op("gpt_suite::fp8_rows_mm", mutates_args=())
-def rows_mm(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor) -> Tensor:
-    """x @ w.T in bf16 from e4m3 x8 [M, K] and w8 [N, K], each row of either multiplied by its inverse scale
-    (x_inv [M, 1], w_inv [N, 1], fp32), accumulated in fp32. On a GPU, one cuBLASLt GEMM; elsewhere,
-    torch._scaled_mm's rowwise GEMM."""
-    return torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv.t(), out_dtype=torch.bfloat16)
-
-
-@rows_mm.register_kernel("cuda")
-def _(x8, x_inv, w8, w_inv):
-    out = torch.empty(x8.size(0), w8.size(0), dtype=torch.bfloat16, device=x8.device)
-    try:
-        cublaslt._matmul(cublaslt.CUBLASLT_EPILOGUE_DEFAULT, x8, w8, out, None, None, y_t=True, scales=(x_inv, w_inv))
-    except cublaslt.NoAlgorithm:   # a cuBLAS before 12.9, or a GPU it has no such kernel for: PyTorch's own GEMM
-        torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv.t(), out_dtype=torch.bfloat16, out=out)
-    return out
-
-
-@rows_mm.register_fake
-def _(x8, x_inv, w8, w_inv):
-    return x8.new_empty(x8.size(0), w8.size(0), dtype=torch.bfloat16)
-
-
 def input_grad(grad: Tensor, weight: Tensor) -> Tensor:
     """grad @ weight, the input gradient of a linear layer with weight [N, K] from its output gradient grad [M, N],
     in grad's dtype (bf16), the GEMM in FP8: each row of grad, and of weight transposed, cast to e4m3 with its own
     scale."""
     g8, g_inv = fp8.rows_to_fp8(grad, fp8.E4M3)            # [M, N], [M, 1]
     wt8, w_inv = fp8.rows_to_fp8(weight.t(), fp8.E4M3)     # [K, N], [K, 1]: one scale for each output column
-    return rows_mm(g8, g_inv, wt8, w_inv).to(grad.dtype)
+    return torch._scaled_mm(g8, wt8.t(), scale_a=g_inv, scale_b=w_inv.t(), out_dtype=grad.dtype)

@@ -191,8 +191,9 @@ _ADDITIONS = [
                     "gradient cast to e4m3 with its own scale",
              why="an input-gradient GEMM sums along the layout its output gradient already has, so FP8 needs no "
                  "transposed copy of an activation, only of the weight, and a scale for each row lets one pass read "
-                 "the gradient once to cast it; measured about 1% faster at gpt2-xl (width 1,600) and predicted "
-                 "slower at 124M, where the casts cost more than the GEMM saves (BENCHMARKS.md)"),
+                 "the gradient once to cast it; at gpt2-xl (width 1,600) five steps of one run were about 1% faster, "
+                 "within the run's spread, and at 124M the bench puts the casts above the GEMM's saving "
+                 "(BENCHMARKS.md)"),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
              needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8_gemms="blocks",
              fsdp="its scaled matmuls have not been tried on FSDP's shards",

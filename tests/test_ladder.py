@@ -27,6 +27,7 @@ from Utils.ladder.linear import LinearPlan
 
 CPU = torch.device("cpu")
 SMALL = replace(PRESETS["tiny"], vocab_size=97)   # the tiny model with a vocabulary that builds in milliseconds
+WIDE = replace(SMALL, n_embd=1040, n_head=8)   # wide enough for fp8_dgrad's GEMMs to pay (fp8_linear)
 FLASH, FUSED = RUNGS["flash"].additions, RUNGS["fused"].additions
 
 
@@ -782,7 +783,7 @@ def test_where_fp8_runs_fp8_qkv_fc_names_each_layernorm_to_the_layer_that_reads_
 def test_where_fp8_runs_fp8_dgrad_plans_c_attn_and_c_fc_beside_their_other_features(kernels_available, monkeypatch,
                                                                                    bases):
     monkeypatch.setattr(fp8, "unavailable", lambda device: None)   # fp8_qkv_fc's check asks it too
-    b = make(("bf16",) + bases + ("fp8_dgrad",))
+    b = make(("bf16",) + bases + ("fp8_dgrad",), WIDE)
     assert b.notes == []
     for block in b.model.transformer.h:
         assert (type(block.mlp) is modules.EpilogueMLP) == bool(bases)
@@ -790,7 +791,19 @@ def test_where_fp8_runs_fp8_dgrad_plans_c_attn_and_c_fc_beside_their_other_featu
             assert type(layer) is modules.PlannedLinear
             assert layer.plan == LinearPlan(bias_grad=bool(bases), fp8_forward=bool(bases), fp8_dgrad=True)
         assert type(block.attn.c_proj) is type(block.mlp.c_proj) is nn.Linear
-    assert set(b.model.state_dict()) == set(make(("bf16",)).model.state_dict())
+    assert set(b.model.state_dict()) == set(make(("bf16",), WIDE).model.state_dict())
+
+
+@pytest.mark.parametrize("width", [SMALL.n_embd, 1024])
+def test_fp8_dgrad_leaves_a_model_no_wider_than_1024_in_bf16_and_says_why(kernels_available, monkeypatch, width):
+    monkeypatch.setattr(fp8, "unavailable", lambda device: None)
+    b = make(("bf16", "gemm_bias_grad", "gelu_epilogue", "fp8_qkv_fc", "fp8_dgrad"),
+             replace(SMALL, n_embd=width, n_head=8))
+    assert b.notes == [f"FP8 input gradients pay only at a width over 1024 (this model's is {width}): c_attn's and "
+                       f"c_fc's input gradients in bf16"]
+    for block in b.model.transformer.h:
+        for layer in (block.attn.c_attn, block.mlp.c_fc):
+            assert layer.plan == LinearPlan(bias_grad=True, fp8_forward=True)
 
 
 def test_where_fp8_cannot_run_fp8_head_is_the_loss_kernel_in_bf16(kernels_available, monkeypatch):

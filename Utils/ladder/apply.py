@@ -290,9 +290,13 @@ def apply_fp8_dgrad(b: Build) -> str | None:
     why = fp8.unavailable(b.device) or fp8.width_problem(b.config.n_embd)
     if why:
         return f"{why}: c_attn's and c_fc's input gradients in bf16 instead"
-    for block in modules.blocks(b.model):
-        modules.add_feature(modules.planned(block.attn, "c_attn"), fp8_dgrad=True)
-        modules.add_feature(modules.planned(block.mlp, "c_fc"), fp8_dgrad=True)
+    wide = [(parent, name) for block in modules.blocks(b.model) for parent, name in ((block.attn, "c_attn"),
+            (block.mlp, "c_fc")) if fp8_linear.input_grad_pays(getattr(parent, name).weight)]
+    if not wide:
+        return (f"FP8 input gradients pay only at a width over {fp8_linear.INPUT_GRAD_MIN_IN} (this model's is "
+                f"{b.config.n_embd}): c_attn's and c_fc's input gradients in bf16")
+    for parent, name in wide:
+        modules.add_feature(modules.planned(parent, name), fp8_dgrad=True)
     return None
 
 

@@ -3,10 +3,10 @@ issue 55 measures (gpt2-xl batch 8, gpt2-medium batch 16, GPT-2 124M batch 64): 
 [tokens, 3C] times its weight [3C, C]) and c_fc's ([tokens, 4C] times [4C, C]). Each is compiled and replayed as a
 CUDA graph, as the training step runs it, so no host time is in the figures:
 - bf16: grad @ weight;
-- rows: Utils.kernels.fp8_linear.input_grad, what `fp8_dgrad` runs: each row of the gradient and of the weight
-  transposed cast to e4m3 with its own scale, one pass over the gradient, and the rowwise-scaled GEMM (cuBLASLt's
-  outer-vector scaling where cuBLAS is 12.9 or newer, PyTorch's CUTLASS kernel before); its casts alone and its
-  GEMM alone;
+- rows: Utils.kernels.fp8_linear.input_grad, what `fp8_dgrad` runs: each row of the gradient cast to e4m3 with
+  its own scale in one pass (Utils.kernels.fp8_rows's Triton kernel), the weight transposed with one scale, the GEMM
+  with one scale an operand, and each row's scale applied to its output row after it; its casts alone and its
+  GEMM alone (with the rows' scaling); and the gradient's row cast alone, by the kernel and by Inductor's code;
 - tensor: one scale for the whole gradient, from its amax, in e5m2 (two passes over the gradient: the amax, then
   the cast), the weight's the same in e4m3, and the GEMM with two scalar scales; its GEMM alone, with and without
   fast accumulation (FP8 products summed at reduced precision), which tells the rowwise GEMM's own cost;
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gelu_epilogue import bench  # noqa: E402
 from bench.packed_attention import graphed  # noqa: E402
-from Utils.kernels import fp8, fp8_linear  # noqa: E402
+from Utils.kernels import fp8, fp8_linear, fp8_rows  # noqa: E402
 from Utils.model_config import PRESETS  # noqa: E402
 
 SIZES = (("gpt2-xl", 8), ("gpt2-medium", 16), ("gpt2", 64))   # issue 55's sizes and batches
@@ -40,7 +40,17 @@ def replayed(fn, *args):
 
 
 def row_casts(grad: torch.Tensor, weight: torch.Tensor):
-    return fp8.rows_to_fp8(grad, fp8.E4M3), fp8.rows_to_fp8(weight.t(), fp8.E4M3)
+    """input_grad's casts: ((the gradient's rows in e4m3, their inverse scales), (the weight transposed, its
+    inverse scale))."""
+    rows = fp8_rows.rows_to_e4m3(grad) if fp8_rows.takes(grad) else fp8.rows_to_fp8(grad, fp8.E4M3)
+    w8, w_inv = fp8.to_e4m3(weight)
+    return rows, (w8.t().contiguous(), w_inv)
+
+
+def rows_gemm(g8: torch.Tensor, wt8: torch.Tensor, g_inv: torch.Tensor, w_inv: torch.Tensor):
+    """input_grad's GEMM on the casts of row_casts, each row's scale applied after it."""
+    out = torch._scaled_mm(g8, wt8.t(), scale_a=w_inv.new_ones(()), scale_b=w_inv, out_dtype=torch.bfloat16)
+    return (out.float() * g_inv).to(torch.bfloat16)
 
 
 def tensor_casts(grad: torch.Tensor, weight: torch.Tensor):
@@ -81,14 +91,16 @@ def one_layer(tokens: int, n_out: int, width: int) -> tuple[dict, float]:
     bf16, _ = replayed(lambda g, w: g @ w, grad, weight)
     rows, out_rows = replayed(fp8_linear.input_grad, grad, weight)
     rows_cast, ((r8, r_inv), (rw8, rw_inv)) = replayed(row_casts, grad, weight)
-    rows_gemm, _ = replayed(lambda g, w, gi, wi: torch._scaled_mm(g, w.t(), scale_a=gi, scale_b=wi.t(),
-                                                                  out_dtype=torch.bfloat16), r8, rw8, r_inv, rw_inv)
+    gemm_of_rows, _ = replayed(rows_gemm, r8, rw8, r_inv, rw_inv)
+    cast_kernel, _ = replayed(fp8_rows.rows_to_e4m3, grad)
+    cast_inductor, _ = replayed(lambda g: fp8.rows_to_fp8(g, fp8.E4M3), grad)
     tensor, out_tensor = replayed(tensor_input_grad, grad, weight)
     tensor_cast, ((t8, t_inv), (tw8, tw_inv)) = replayed(tensor_casts, grad, weight)
     scale = torch.finfo(fp8.E5M2).max / grad.float().abs().amax()   # as if the previous step's amax were this one's
     delayed, (out_delayed, _) = replayed(delayed_input_grad, grad, weight, scale)
     times = {"bf16": bench(bf16), "rows": bench(rows), "rows: casts": bench(rows_cast),
-             "rows: gemm": bench(rows_gemm), "tensor": bench(tensor), "delayed": bench(delayed)}
+             "rows: gemm": bench(gemm_of_rows), "row cast: kernel": bench(cast_kernel),
+             "row cast: Inductor": bench(cast_inductor), "tensor": bench(tensor), "delayed": bench(delayed)}
     for fast in (False, True):
         gemm, _ = replayed(lambda g, w, gi, wi: torch._scaled_mm(g, w.t(), scale_a=gi, scale_b=wi,
                                                                  out_dtype=torch.bfloat16, use_fast_accum=fast),
@@ -107,7 +119,10 @@ def main() -> int:
         sys.exit(f"error: this benchmark needs a GPU that runs FP8 GEMMs ({why})")
     torch.manual_seed(0)
     print(torch.__version__, torch.cuda.get_device_name())
-    columns = ("bf16", "rows", "rows: casts", "rows: gemm", "tensor", "tensor: gemm", "tensor: gemm, fast", "delayed")
+    if not fp8_rows.takes(torch.zeros(8, 8, device="cuda")):
+        sys.exit(f"error: this benchmark times the Triton row cast ({fp8_rows.unavailable(torch.device('cuda'))})")
+    columns = ("bf16", "rows", "rows: casts", "rows: gemm", "row cast: kernel", "row cast: Inductor", "tensor",
+               "tensor: gemm", "tensor: gemm, fast", "delayed")
     recipes = ("rows", "tensor", "delayed")
     print(f"{'µs a layer':26}" + "".join(f"{c:>19}" for c in columns) + f"{'error':>9}  ms a step saved: "
           + ", ".join(recipes))

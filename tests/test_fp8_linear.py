@@ -154,19 +154,18 @@ def test_each_row_gets_the_largest_power_of_two_scale_that_keeps_it_in_range(dty
 
 def test_the_input_gradient_in_fp8_is_the_product_of_the_dequantized_operands_near_the_bf16_one():
     torch.manual_seed(6)
-    # Rows and columns of sizes orders of magnitude apart, as a gradient's tokens and a weight's features can be:
-    # a scale applied to the wrong rows would be far off.
+    # Rows of sizes orders of magnitude apart, as a gradient's tokens can be: a row's scale applied to another
+    # row, twice or not at all would be off by orders of magnitude.
     grad = (torch.randn(48, 3 * C) * 10 ** torch.empty(48, 1).uniform_(-7, -2)).bfloat16()
-    weight = (torch.randn(3 * C, C) * 10 ** torch.empty(1, C).uniform_(-3, 0)).bfloat16()
+    weight = (torch.randn(3 * C, C) * 0.02).bfloat16()
     out = fp8_linear.input_grad(grad, weight)
     assert out.dtype == torch.bfloat16 and out.shape == (48, C)
     g8, g_inv = rows_to_fp8(grad, E4M3)
-    wt8, w_inv = rows_to_fp8(weight.t(), E4M3)
-    assert g_inv.shape == (48, 1) and wt8.shape == (C, 3 * C) and w_inv.shape == (C, 1)
-    dequantized = (g8.float() * g_inv) @ (wt8.float() * w_inv).t()
-    torch.testing.assert_close(out.float(), dequantized, rtol=2**-7, atol=1e-6 * dequantized.abs().max().item())
-    # Near the bf16 operands' product, to e4m3's rounding (3 mantissa bits); a scale applied twice, to the wrong
-    # rows or not at all would be off by orders of magnitude.
+    w8, w_inv = to_e4m3(weight)
+    assert g_inv.shape == (48, 1) and w_inv.shape == ()
+    dequantized = (g8.float() * g_inv) @ (w8.float() * w_inv)
+    torch.testing.assert_close(out.float(), dequantized, rtol=2**-7, atol=0)
+    # Near the bf16 operands' product, to e4m3's rounding (3 mantissa bits).
     exact = grad.float() @ weight.float()
     assert 0 < ((out.float() - exact).norm() / exact.norm()).item() < 0.1
 
@@ -261,15 +260,14 @@ def test_the_input_gradient_in_fp8_is_the_dequantized_product_on_the_gpu(transpo
     if why:
         pytest.skip(why)
     torch.manual_seed(9)
-    # Rows and columns of sizes orders of magnitude apart, so that a scale applied to the wrong rows is far off.
+    # Rows of sizes orders of magnitude apart, so that a scale applied to the wrong rows is far off.
     grad = (torch.randn(3 * C * 4, 4096, device="cuda") * 10 ** torch.empty(1, 4096, device="cuda").uniform_(-7, -2))
     grad = grad.bfloat16().t() if transposed else grad.bfloat16().t().contiguous()   # [4096, 3C * 4], strided or not
-    weight = (torch.randn(3 * C * 4, C * 4, device="cuda") * 10 ** torch.empty(1, C * 4, device="cuda").uniform_(-3, 0))
-    weight = weight.bfloat16()
+    weight = (torch.randn(3 * C * 4, C * 4, device="cuda") * 0.02).bfloat16()
     out = fp8_linear.input_grad(grad, weight)
     g8, g_inv = rows_to_fp8(grad, E4M3)
-    wt8, w_inv = rows_to_fp8(weight.t(), E4M3)
-    dequantized = (g8.float() * g_inv) @ (wt8.float() * w_inv).t()
+    w8, w_inv = to_e4m3(weight)
+    dequantized = (g8.float() * g_inv) @ (w8.float() * w_inv)
     assert ((out.float() - dequantized).norm() / dequantized.norm()).item() < 1e-2
 
 

@@ -52,8 +52,14 @@ def rows_to_fp8(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     where its kernel holds a row: the amax needs no reduction over the whole tensor first."""
     largest = torch.finfo(dtype).max
     amax = x.detach().abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
-    scale = torch.exp2(torch.floor(torch.log2(largest / amax)))
+    scale = power_of_two_below(largest / amax)
     return (x.detach().float() * scale).clamp(-largest, largest).to(dtype).contiguous(), scale.reciprocal()
+
+
+def power_of_two_below(q: Tensor) -> Tensor:
+    """2^floor(log2(q)) for positive normal fp32 q, exactly: q with its mantissa bits cleared (a log2 in fp32 can
+    round up to the next integer just below a power of two)."""
+    return (q.view(torch.int32) & 0x7F800000).view(torch.float32)
 
 
 def norm_bound(norm_weight: Tensor, norm_bias: Tensor | None) -> Tensor:

@@ -19,17 +19,19 @@ The backward reads the saved bf16 input and weight. Accumulation is Hopper's fas
 layer's logits: the sums run over the model's width, 768 features at 124M.
 
 The input-gradient GEMM, grad @ W, sums over the layer's outputs (3C for c_attn, 4C for c_fc), along which the
-output gradient [tokens, 3C or 4C] is already laid out: it needs no copy of an activation in the other layout,
-only W transposed (3C x C or 4C x C values). The gradient has no bound known in advance. One scale for the whole
-gradient needs its amax before the cast can start: a second pass over it, 5 bytes a value moved where the GEMM
-saves about 2. A scale for each row needs only that row, which the cast's kernel reads once: 3 bytes a value. So
-each row of the gradient, and each row of W transposed, gets its own power-of-two scale, and both go to e4m3: a
-row's own scale gives the range that e5m2 buys a whole tensor, and e4m3 keeps a mantissa bit more. That is
-torchao's rowwise recipe for this GEMM (`Float8LinearRecipeName.ROWWISE_WITH_GW_HP`), and _scaled_mm runs it as
-one GEMM that applies both scale vectors in its epilogue (cuBLASLt's outer-vector scaling, with cuBLAS 12.9 or
-newer on Hopper; a CUTLASS kernel of PyTorch's before that). The sums run over thousands of products, so it
-accumulates without Hopper's fast FP8 mode, as Transformer Engine's backward GEMMs do. The weight-gradient GEMM
-stays bf16: it sums over the tokens, along which neither of its operands is laid out.
+output gradient [tokens, 3C or 4C] is already laid out: it needs no copy of an activation in the other layout, only
+W transposed (3C x C or 4C x C values). The gradient has no bound known in advance. One scale for the whole gradient
+needs its amax before the cast can start: a second pass over it, 5 bytes a value moved where the GEMM saves about 2.
+A scale for each row needs only that row, which the cast's kernel reads once: 3 bytes a value. So each row of the
+gradient gets its own power-of-two scale, in e4m3 (torchao's rowwise recipe for this GEMM,
+`Float8LinearRecipeName.ROWWISE_WITH_GW_HP`, scales the gradient so). The weight gets one scale, as in the forward:
+a row of W transposed is a column of W, and Inductor's kernels for those columns' scales and casts moved their bytes
+at 0.8 to 1.4 TB/s in the step (BENCHMARKS.md). The GEMM then runs with one scale an operand, the fast form: the
+rowwise GEMM, which applies a vector of scales in its epilogue, was 2 to 28% slower at GPT-2's shapes. Each row's
+scale is applied to its output row after the GEMM, a multiplication by a power of two (exact), which Inductor fuses
+into the kernel that reads the gradient next (the LayerNorm's backward). The sums run over thousands of products, so
+the GEMM accumulates without Hopper's fast FP8 mode, as Transformer Engine's backward GEMMs do. The weight-gradient
+GEMM stays bf16: it sums over the tokens, along which neither of its operands is laid out.
 
 Reference: `reference`, the same GEMMs on the dequantized FP8 operands in fp32 (tests/test_fp8_linear.py).
 """
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from Utils.kernels import cublaslt, fp8
+from Utils.kernels import cublaslt, fp8, fp8_rows
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -114,8 +116,12 @@ def input_grad_pays(weight: Tensor) -> bool:
 
 def input_grad(grad: Tensor, weight: Tensor) -> Tensor:
     """grad @ weight, the input gradient of a linear layer with weight [N, K] from its output gradient grad [M, N],
-    in grad's dtype (bf16), the GEMM in FP8: each row of grad, and of weight transposed, cast to e4m3 with its own
-    scale."""
-    g8, g_inv = fp8.rows_to_fp8(grad, fp8.E4M3)            # [M, N], [M, 1]
-    wt8, w_inv = fp8.rows_to_fp8(weight.t(), fp8.E4M3)     # [K, N], [K, 1]: one scale for each output column
-    return torch._scaled_mm(g8, wt8.t(), scale_a=g_inv, scale_b=w_inv.t(), out_dtype=grad.dtype)
+    in grad's dtype (bf16), the GEMM in FP8: each row of grad cast to e4m3 with its own power-of-two scale, the
+    weight with one scale. The GEMM applies the weight's scale; each row's is applied to its output row after it,
+    exactly (a power of two), in an elementwise pass that Inductor fuses into the gradient's reader."""
+    # [M, N], [M, 1]: the Triton kernel reads each row once where it runs, Inductor's code twice
+    g8, g_inv = fp8_rows.rows_to_e4m3(grad) if fp8_rows.takes(grad) else fp8.rows_to_fp8(grad, fp8.E4M3)
+    w8, w_inv = fp8.to_e4m3(weight)                             # [N, K], a scalar
+    wt8 = w8.t().contiguous().t()                               # N contiguous: the layout the GEMM reads
+    out = torch._scaled_mm(g8, wt8, scale_a=w_inv.new_ones(()), scale_b=w_inv, out_dtype=grad.dtype)
+    return (out.float() * g_inv).to(grad.dtype)

@@ -184,8 +184,8 @@ _ADDITIONS = [
                  "more out of the LayerNorm's own kernel (at batch 64 every run sits at the card's power cap, where "
                  "less work is a shorter step)"),
     Addition("fp8_dgrad", "model", "compute",
-             "c_attn's and c_fc's input-gradient GEMMs in FP8: each row of the output gradient and of the weight "
-             "transposed in e4m3 with its own scale", needs="an Ada or Hopper GPU", requires=("bf16",),
+             "c_attn's and c_fc's input-gradient GEMMs in FP8: each row of the output gradient in e4m3 with its own "
+             "scale, the weight with one", needs="an Ada or Hopper GPU", requires=("bf16",),
              excludes=("fp8",), fp8_gemms="qkv_fc_dgrad", fsdp="its FP8 casts have not been tried on FSDP's shards",
              phrase="the input-gradient GEMMs of c_attn and c_fc in FP8 (`fp8_dgrad`), each row of the output "
                     "gradient cast to e4m3 with its own scale",

@@ -1,0 +1,77 @@
+"""A gradient's cast to e4m3 with a power-of-two scale for each row (fp8.rows_to_fp8) as one Triton kernel.
+
+fp8_dgrad casts c_attn's and c_fc's output gradients so, 4,800 and 6,400 values a row at gpt2-xl. Inductor's code
+for the same operations keeps a row in registers only up to 1,024 values (its persistent-reduction threshold,
+torch/_inductor/choices.py), so above that it loops over each row twice, for the amax and for the cast: in
+gpt2-xl's step those two kernels moved their 3 bytes a value at 1.65 and 1.8 TB/s (BENCHMARKS.md). Here a
+program holds a whole row: it reads the row once and writes it once.
+
+The scale is the largest power of two that keeps the row's amax within e4m3's 448, taken from the exponent bits
+of 448 / amax, as fp8.rows_to_fp8 takes it, so that the two agree bit for bit. Torch.library.triton_op makes the
+kernel visible to torch.compile, which launches it inside the compiled backward and its CUDA graph.
+
+Reference: fp8.rows_to_fp8 (tests/test_fp8_rows.py, on a CPU through Triton's interpreter).
+"""
+import os
+
+import torch
+from torch import Tensor
+
+from Utils.kernels import fp8
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:   # absent, or broken: Inductor's code for fp8.rows_to_fp8 instead
+    triton = None
+
+# The widest row a program holds: 16,384 values are 64 fp32 registers a thread at 16 warps.
+MAX_ROW = 16384
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def unavailable(device: torch.device) -> str | None:
+    """None where the kernel runs on this device (a CUDA GPU with Triton, or any device under Triton's
+    interpreter), else why not."""
+    if triton is None:
+        return "the FP8 row cast needs Triton"
+    if device.type != "cuda" and not INTERPRETED:
+        return "the FP8 row cast needs a GPU (or Triton's interpreter, TRITON_INTERPRET=1)"
+    return None
+
+
+def takes(x: Tensor) -> bool:
+    """Whether the kernel takes x: a 2-d tensor whose rows it can hold, on a device where it runs."""
+    return x.dim() == 2 and 0 < x.size(1) <= MAX_ROW and unavailable(x.device) is None
+
+
+if triton is not None:
+    @triton.jit
+    def _rows_to_e4m3(x_ptr, out_ptr, inv_ptr, n_cols, stride_row, stride_col, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * stride_row + cols * stride_col, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
+        # fp8.power_of_two_below(448 / amax), the quotient rounded to nearest as torch divides
+        scale = (tl.math.div_rn(448.0, amax).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        y = tl.minimum(tl.maximum(x * scale, -448.0), 448.0)
+        tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(inv_ptr + row, 1.0 / scale)
+
+    @torch.library.triton_op("gpt_suite::rows_to_e4m3", mutates_args=())
+    def rows_to_e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
+        """(x [rows, cols] with each row scaled by a power of two and cast to e4m3, contiguous; the scales'
+        inverses [rows, 1] fp32): fp8.rows_to_fp8(x, E4M3), in one read of x. Needs `takes(x)`."""
+        out = torch.empty(x.shape, dtype=fp8.E4M3, device=x.device)
+        inv = torch.empty((x.size(0), 1), dtype=torch.float32, device=x.device)
+        _launch(x, out, inv)
+        return out, inv
+
+
+def _launch(x: Tensor, out: Tensor, inv: Tensor) -> None:
+    """The kernel over x's rows into out (e4m3; fp32 in the tests, whose interpreter rounds to e4m3 its own way)
+    and inv."""
+    block = triton.next_power_of_2(x.size(1))
+    torch.library.wrap_triton(_rows_to_e4m3)[(x.size(0),)](x, out, inv, x.size(1), x.stride(0), x.stride(1),
+                                                           BLOCK=block, num_warps=min(max(block // 512, 4), 16))

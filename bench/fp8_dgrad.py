@@ -9,7 +9,7 @@ CUDA graph, as the training step runs it, so no host time is in the figures:
   GEMM alone (with the rows' scaling); and the gradient's row cast alone, by the kernel and by Inductor's code;
 - tensor: one scale for the whole gradient, from its amax, in e5m2 (two passes over the gradient: the amax, then
   the cast), the weight's the same in e4m3, and the GEMM with two scalar scales; its GEMM alone, with and without
-  fast accumulation (FP8 products summed at reduced precision), which tells the rowwise GEMM's own cost;
+  fast accumulation (FP8 products summed at reduced precision): the GEMM that `rows` runs too;
 - delayed: the tensor recipe with the gradient's scale known before its pass (the previous step's amax; here this
   step's) and this step's amax taken in the same pass: the state across steps that rows avoids.
 Each FP8 result is checked against the product of its dequantized operands; the exit status is 1 where one is off.

@@ -25,7 +25,7 @@ try:
 except Exception:   # absent, or broken: Inductor's code for fp8.rows_to_fp8 instead
     triton = None
 
-# The widest row a program holds: 16,384 values are 64 fp32 registers a thread at 16 warps.
+# The widest row a program holds: 16,384 values are 32 fp32 registers a thread at 16 warps.
 MAX_ROW = 16384
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -41,21 +41,28 @@ def unavailable(device: torch.device) -> str | None:
 
 
 def takes(x: Tensor) -> bool:
-    """Whether the kernel takes x: a 2-d tensor whose rows it can hold, on a device where it runs."""
-    return x.dim() == 2 and 0 < x.size(1) <= MAX_ROW and unavailable(x.device) is None
+    """Whether the kernel takes x: a 2-d tensor of contiguous rows it can hold, on a device where it runs. (A
+    column-major x would make each program's reads strided: Inductor's code takes it instead.)"""
+    return x.dim() == 2 and 0 < x.size(1) <= MAX_ROW and x.stride(1) == 1 and unavailable(x.device) is None
 
 
 if triton is not None:
     @triton.jit
-    def _rows_to_e4m3(x_ptr, out_ptr, inv_ptr, n_cols, stride_row, stride_col, BLOCK: tl.constexpr):
+    def _max_keeping_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _rows_to_e4m3(x_ptr, out_ptr, inv_ptr, n_cols, stride_row, BLOCK: tl.constexpr):
+        # NaN propagates as in torch's amax and clamp (Triton's max and clamp skip it by default), so that a row
+        # with a NaN comes out as the reference's does, not as a finite row.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        x = tl.load(x_ptr + row * stride_row + cols * stride_col, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
+        x = tl.load(x_ptr + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.reduce(tl.abs(x), 0, _max_keeping_nan), 1e-12, propagate_nan=tl.PropagateNan.ALL)
         # fp8.power_of_two_below(448 / amax), the quotient rounded to nearest as torch divides
         scale = (tl.math.div_rn(448.0, amax).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-        y = tl.minimum(tl.maximum(x * scale, -448.0), 448.0)
+        y = tl.clamp(x * scale, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
         tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(inv_ptr + row, 1.0 / scale)
 
@@ -73,5 +80,5 @@ def _launch(x: Tensor, out: Tensor, inv: Tensor) -> None:
     """The kernel over x's rows into out (e4m3; fp32 in the tests, whose interpreter rounds to e4m3 its own way)
     and inv."""
     block = triton.next_power_of_2(x.size(1))
-    torch.library.wrap_triton(_rows_to_e4m3)[(x.size(0),)](x, out, inv, x.size(1), x.stride(0), x.stride(1),
-                                                           BLOCK=block, num_warps=min(max(block // 512, 4), 16))
+    torch.library.wrap_triton(_rows_to_e4m3)[(x.size(0),)](x, out, inv, x.size(1), x.stride(0), BLOCK=block,
+                                                           num_warps=min(max(block // 512, 4), 16))

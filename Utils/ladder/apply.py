@@ -284,9 +284,9 @@ def apply_fp8_qkv_fc(b: Build) -> str | None:
 
 @applies("fp8_dgrad")
 def apply_fp8_dgrad(b: Build) -> str | None:
-    """c_attn's and c_fc's input-gradient GEMMs in FP8: each row of the output gradient and of the weight
-    transposed cast to e4m3 with its own scale (torch._scaled_mm's rowwise GEMM: no cuBLASLt of ours). Into the
-    layers the other additions planned, else into the plain ones."""
+    """c_attn's and c_fc's input-gradient GEMMs in FP8 (fp8_linear.input_grad: each row of the output gradient in
+    e4m3 with its own power-of-two scale, the weight with one), in the layers wide enough for it to pay
+    (fp8_linear.input_grad_pays). Into the layers the other additions planned, else into the plain ones."""
     why = fp8.unavailable(b.device) or fp8.width_problem(b.config.n_embd)
     if why:
         return f"{why}: c_attn's and c_fc's input gradients in bf16 instead"

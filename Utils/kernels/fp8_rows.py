@@ -60,8 +60,10 @@ if triton is not None:
         mask = cols < n_cols
         x = tl.load(x_ptr + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.reduce(tl.abs(x), 0, _max_keeping_nan), 1e-12, propagate_nan=tl.PropagateNan.ALL)
-        # fp8.power_of_two_below(448 / amax), the quotient rounded to nearest as torch divides
-        scale = (tl.math.div_rn(448.0, amax).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        # fp8.power_of_two_below(448 / amax) as torch computes 448 / amax (Tensor.__rtruediv__): the reciprocal,
+        # rounded to nearest, times 448
+        q = tl.math.div_rn(1.0, amax) * 448.0
+        scale = (q.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
         y = tl.clamp(x * scale, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
         tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(inv_ptr + row, 1.0 / scale)

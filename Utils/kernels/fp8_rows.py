@@ -7,8 +7,9 @@ gpt2-xl's step those two kernels moved their 3 bytes a value at 1.65 and 1.8 TB/
 program holds a whole row: it reads the row once and writes it once.
 
 The scale is the largest power of two that keeps the row's amax within e4m3's 448, taken from the exponent bits
-of 448 / amax, as fp8.rows_to_fp8 takes it, so that the two agree bit for bit. Torch.library.triton_op makes the
-kernel visible to torch.compile, which launches it inside the compiled backward and its CUDA graph.
+of 448 / amax, as fp8.rows_to_fp8 takes it, so that the two agree bit for bit. The op is a
+`torch.library.triton_op`: torch.compile sees the kernel and launches it inside the compiled backward and its CUDA
+graph.
 
 Reference: fp8.rows_to_fp8 (tests/test_fp8_rows.py, on a CPU through Triton's interpreter).
 """

@@ -39,20 +39,6 @@ def replayed(fn, *args):
     return replay, outputs[-1]   # the call made under capture
 
 
-def row_casts(grad: torch.Tensor, weight: torch.Tensor):
-    """input_grad's casts: ((the gradient's rows in e4m3, their inverse scales), (the weight transposed, its
-    inverse scale))."""
-    rows = fp8_rows.rows_to_e4m3(grad) if fp8_rows.takes(grad) else fp8.rows_to_fp8(grad, fp8.E4M3)
-    w8, w_inv = fp8.to_e4m3(weight)
-    return rows, (w8.t().contiguous(), w_inv)
-
-
-def rows_gemm(g8: torch.Tensor, wt8: torch.Tensor, g_inv: torch.Tensor, w_inv: torch.Tensor):
-    """input_grad's GEMM on the casts of row_casts, each row's scale applied after it."""
-    out = torch._scaled_mm(g8, wt8.t(), scale_a=w_inv.new_ones(()), scale_b=w_inv, out_dtype=torch.bfloat16)
-    return (out.float() * g_inv).to(torch.bfloat16)
-
-
 def tensor_casts(grad: torch.Tensor, weight: torch.Tensor):
     return fp8.to_fp8(grad, fp8.E5M2), fp8.to_e4m3(weight.t().contiguous())
 
@@ -90,8 +76,8 @@ def one_layer(tokens: int, n_out: int, width: int) -> tuple[dict, float]:
     weight = (torch.randn(n_out, width, device="cuda") * 0.02).bfloat16()
     bf16, _ = replayed(lambda g, w: g @ w, grad, weight)
     rows, out_rows = replayed(fp8_linear.input_grad, grad, weight)
-    rows_cast, ((r8, r_inv), (rw8, rw_inv)) = replayed(row_casts, grad, weight)
-    gemm_of_rows, _ = replayed(rows_gemm, r8, rw8, r_inv, rw_inv)
+    rows_cast, (r8, r_inv, rw8, rw_inv) = replayed(fp8_linear.input_grad_casts, grad, weight)
+    gemm_of_rows, _ = replayed(fp8_linear.input_grad_gemm, r8, r_inv, rw8, rw_inv, torch.bfloat16)
     cast_kernel, _ = replayed(fp8_rows.rows_to_e4m3, grad)
     cast_inductor, _ = replayed(lambda g: fp8.rows_to_fp8(g, fp8.E4M3), grad)
     tensor, out_tensor = replayed(tensor_input_grad, grad, weight)
@@ -109,7 +95,7 @@ def one_layer(tokens: int, n_out: int, width: int) -> tuple[dict, float]:
     # A graph's outputs hold its last replay's values, and nothing before it: capture launches no kernel.
     for replay in (rows, rows_cast, tensor, tensor_cast, delayed):
         replay()
-    return times, max(error(out_rows, r8, r_inv, rw8, rw_inv), error(out_tensor, t8, t_inv, tw8, tw_inv),
+    return times, max(error(out_rows, r8, r_inv, rw8.t(), rw_inv), error(out_tensor, t8, t_inv, tw8, tw_inv),
                       error(out_delayed, delayed_cast(grad, scale)[0], scale.reciprocal(), tw8, tw_inv))
 
 

@@ -271,15 +271,12 @@ def test_the_input_gradient_in_fp8_is_the_dequantized_product_on_the_gpu(transpo
     assert ((out.float() - dequantized).norm() / dequantized.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("mlp", [False, True], ids=["linear", "epilogue_mlp"])
-def test_under_an_fp8_forward_the_fp8_input_gradient_reuses_the_forwards_weight_cast(mlp):
-    # input_grad scales the weight as the forward's FP8 GEMM does (one scale, from its amax), so the partitioner
-    # saves the forward's amax for the backward, a 0-d tensor that the forward alone saves none of, and the
-    # backward's cast of the weight reads it once, with no amax pass of its own. (Scales of its own, one a column,
-    # cost 4.2 ms a step at gpt2-xl: BENCHMARKS.md.)
+def saved_by_the_compiled_step(plan: LinearPlan, mlp: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each tensor that a LayerNorm and a `plan` layer (the MLP with it, if mlp), compiled with
+    aot_eager_decomp_partition (Inductor's decompositions and partitioner, without generating code), save for
+    their backward."""
     norm, y, w, _ = operands(m=32)
     block = nn.ModuleDict(dict(ln=norm, fc=nn.Linear(C, w.size(0)), proj=nn.Linear(w.size(0), C))).bfloat16()
-    plan = LinearPlan(bias_grad=True, fp8_forward=True, fp8_dgrad=True)
 
     def step(x):
         h = block["ln"](x)
@@ -293,6 +290,16 @@ def test_under_an_fp8_forward_the_fp8_input_gradient_reuses_the_forwards_weight_
                                                   lambda t: t):
         out = torch.compile(step, backend="aot_eager_decomp_partition", fullgraph=True)(y.clone().requires_grad_())
     out.float().sum().backward()
+    return saved
+
+
+@pytest.mark.parametrize("mlp", [False, True], ids=["linear", "epilogue_mlp"])
+def test_under_an_fp8_forward_the_fp8_input_gradient_reuses_the_forwards_weight_cast(mlp):
+    # input_grad scales the weight as the forward's FP8 GEMM does (one scale, from its amax), so the partitioner
+    # saves the forward's amax for the backward, a 0-d tensor that the forward alone saves none of, and the
+    # backward's cast of the weight reads it once, with no amax pass of its own. (Scales of its own, one a column,
+    # cost 4.2 ms a step at gpt2-xl: BENCHMARKS.md.)
+    saved = saved_by_the_compiled_step(LinearPlan(bias_grad=True, fp8_forward=True, fp8_dgrad=True), mlp)
     assert any(shape == () for shape, _ in saved), saved
 
 
@@ -300,20 +307,6 @@ def test_under_an_fp8_forward_the_fp8_input_gradient_reuses_the_forwards_weight_
 def test_the_compiled_step_keeps_the_input_beside_its_ones_for_the_backward(mlp):
     # The FP8 cast reads the first columns of [x 1], so [x 1] is made in the forward pass and saved. Cast from x
     # itself, the partitioner saved the LayerNorm's statistics instead and rebuilt [x 1] in the backward, a pass of
-    # its own over the tokens (BENCHMARKS.md, "[x 1] saved again"). aot_eager_decomp_partition: Inductor's
-    # decompositions and partitioner, without generating code.
-    norm, y, w, _ = operands(m=32)
-    block = nn.ModuleDict(dict(ln=norm, fc=nn.Linear(C, w.size(0)), proj=nn.Linear(w.size(0), C))).bfloat16()
-
-    def step(x):
-        h = block["ln"](x)
-        if mlp:
-            return linear.gelu_mlp(h, block["fc"], block["proj"], FP8_ONES, block["ln"])
-        return linear.linear(h, block["fc"], FP8_ONES, block["ln"])
-
-    torch._dynamo.reset()
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        out = torch.compile(step, backend="aot_eager_decomp_partition", fullgraph=True)(y.clone().requires_grad_())
-    out.float().sum().backward()
+    # its own over the tokens (BENCHMARKS.md, "[x 1] saved again").
+    saved = [shape for shape, _ in saved_by_the_compiled_step(FP8_ONES, mlp)]
     assert (32, C + gemm_bias_grad.ONES) in saved, saved

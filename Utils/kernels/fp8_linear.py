@@ -119,9 +119,19 @@ def input_grad(grad: Tensor, weight: Tensor) -> Tensor:
     in grad's dtype (bf16), the GEMM in FP8: each row of grad cast to e4m3 with its own power-of-two scale, the
     weight with one scale. The GEMM applies the weight's scale; each row's is applied to its output row after it,
     exactly (a power of two), in an elementwise pass that Inductor fuses into the gradient's reader."""
-    # [M, N], [M, 1]: the Triton kernel reads each row once where it runs, Inductor's code twice
+    return input_grad_gemm(*input_grad_casts(grad, weight), grad.dtype)
+
+
+def input_grad_casts(grad: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """input_grad's operands: (grad's rows in e4m3 [M, N] and their inverse scales [M, 1], the weight in e4m3 with N
+    contiguous, the layout the GEMM reads, and its inverse scale, 0-d)."""
+    # the Triton kernel reads each row once where it runs, Inductor's code twice
     g8, g_inv = fp8_rows.rows_to_e4m3(grad) if fp8_rows.takes(grad) else fp8.rows_to_fp8(grad, fp8.E4M3)
-    w8, w_inv = fp8.to_e4m3(weight)                             # [N, K], a scalar
-    wt8 = w8.t().contiguous().t()                               # N contiguous: the layout the GEMM reads
-    out = torch._scaled_mm(g8, wt8, scale_a=w_inv.new_ones(()), scale_b=w_inv, out_dtype=grad.dtype)
-    return (out.float() * g_inv).to(grad.dtype)
+    w8, w_inv = fp8.to_e4m3(weight)
+    return g8, g_inv, w8.t().contiguous().t(), w_inv
+
+
+def input_grad_gemm(g8: Tensor, g_inv: Tensor, w8: Tensor, w_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    """input_grad's GEMM on the operands of input_grad_casts, in dtype."""
+    out = torch._scaled_mm(g8, w8, scale_a=w_inv.new_ones(()), scale_b=w_inv, out_dtype=dtype)
+    return (out.float() * g_inv).to(dtype)

@@ -82,6 +82,9 @@ if triton is not None:
 def _launch(x: Tensor, out: Tensor, inv: Tensor) -> None:
     """The kernel over x's rows into out (e4m3; fp32 in the tests, whose interpreter rounds to e4m3 its own way)
     and inv."""
-    block = triton.next_power_of_2(x.size(1))
+    # int() specializes the width where it is symbolic (a compile with dynamic shapes): BLOCK is a constexpr, so each
+    # width is its own kernel anyway, and a symbolic next_power_of_2 would land in the launch as code Inductor
+    # cannot run
+    block = triton.next_power_of_2(int(x.size(1)))
     torch.library.wrap_triton(_rows_to_e4m3)[(x.size(0),)](x, out, inv, x.size(1), x.stride(0), BLOCK=block,
                                                            num_warps=min(max(block // 512, 4), 16))

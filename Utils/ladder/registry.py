@@ -186,14 +186,15 @@ _ADDITIONS = [
     Addition("fp8_dgrad", "model", "compute",
              "c_attn's and c_fc's input-gradient GEMMs in FP8: each row of the output gradient in e4m3 with its own "
              "scale, the weight with one", needs="an Ada or Hopper GPU", requires=("bf16",),
-             excludes=("fp8",), fp8_gemms="qkv_fc_dgrad", fsdp="its FP8 casts have not been tried on FSDP's shards",
+             excludes=("fp8",), fp8_gemms="qkv_fc_dgrad", in_max=True,
+             fsdp="its FP8 casts have not been tried on FSDP's shards",
              phrase="the input-gradient GEMMs of c_attn and c_fc in FP8 (`fp8_dgrad`), each row of the output "
                     "gradient cast to e4m3 with its own scale",
              why="an input-gradient GEMM sums along the layout its output gradient already has, so FP8 needs no "
                  "transposed copy of an activation, only of the weight, and a scale for each row lets one pass read "
                  "the gradient once to cast it; it takes only layers wider than 1,024, where the GEMM saves more than the "
-                 "casts cost; at gpt2-xl 300 steps were 1.2% faster, but one seed's loss ended 0.067 nats higher, so "
-                 "it stays out of max until two seeds say the loss holds (BENCHMARKS.md)"),
+                 "casts cost; at gpt2-xl it made 300 steps 3.7% faster, with the loss of its last 50 steps "
+                 "within the gap of two seeds of max without it (BENCHMARKS.md)"),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
              needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8_gemms="blocks",
              fsdp="its scaled matmuls have not been tried on FSDP's shards",

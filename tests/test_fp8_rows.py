@@ -99,6 +99,7 @@ def test_the_kernel_is_the_reference_bit_for_bit_on_the_gpu():
     if not torch.cuda.is_available() or fp8_rows.unavailable(torch.device("cuda")):
         pytest.skip("no CUDA GPU with Triton")
     torch.manual_seed(1)
+    compiled = torch.compile(fp8_rows.rows_to_e4m3)
     for cols in (4800, 6400, 100):
         x = (torch.randn(1024, cols, device="cuda") * 10 ** torch.empty(1024, 1, device="cuda").uniform_(-7, 2))
         # Rows whose amax makes 448 / amax exact (7 and 0.4375: 64 and 1024), where an approximate division can
@@ -114,7 +115,9 @@ def test_the_kernel_is_the_reference_bit_for_bit_on_the_gpu():
         assert x8.float()[2].isnan().sum().item() == 1
         finite = ~ref8.float().isnan()
         assert torch.equal(x8.view(torch.uint8)[finite], ref8.view(torch.uint8)[finite])
-        compiled8, compiled_inv = torch.compile(fp8_rows.rows_to_e4m3)(x)
+        # One compiled function over the three widths: from the second on, Dynamo compiles with a symbolic width,
+        # which the launch must make concrete (a symbolic BLOCK became code Inductor could not run)
+        compiled8, compiled_inv = compiled(x)
         assert torch.equal(compiled8.view(torch.uint8), x8.view(torch.uint8)) and torch.equal(compiled_inv, inv)
 
 

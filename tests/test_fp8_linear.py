@@ -199,16 +199,6 @@ def test_fp8_dgrad_changes_the_input_gradient_only_and_runs_bf16_for_tokens_not_
     assert torch.equal(*grads)
 
 
-@pytest.mark.parametrize("n, k, pays", [
-    (3 * 768, 768, False), (4 * 768, 768, False),          # GPT-2 124M's c_attn and c_fc
-    (3 * 1024, 1024, False), (4 * 1024, 1024, False),      # gpt2-medium's: K at the limit
-    (3 * 1280, 1280, True), (4 * 1600, 1600, True),        # gpt2-large's c_attn, gpt2-xl's c_fc
-    (2048, 4096, False), (2064, 1040, True),               # N at the limit, both just over it
-])
-def test_the_fp8_input_gradient_pays_only_where_both_dimensions_are_over_their_limits(n, k, pays):
-    assert fp8_linear.input_grad_pays(torch.empty(n, k, device="meta")) is pays
-
-
 def test_a_feature_with_its_norm_keeps_the_models_parameters_and_state_dict():
     block = nn.ModuleDict(dict(ln=nn.LayerNorm(C), fc=nn.Linear(C, 3 * C)))
     names, weight = list(block.state_dict()), block["fc"].weight

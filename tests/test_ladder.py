@@ -27,7 +27,7 @@ from Utils.ladder.linear import LinearPlan
 
 CPU = torch.device("cpu")
 SMALL = replace(PRESETS["tiny"], vocab_size=97)   # the tiny model with a vocabulary that builds in milliseconds
-WIDE = replace(SMALL, n_embd=1040, n_head=8)   # wide enough for fp8_dgrad's GEMMs to pay (fp8_linear)
+WIDE = replace(SMALL, n_embd=1040, n_head=8)   # wide enough for fp8_dgrad's GEMMs to pay (layers_wider_than)
 FLASH, FUSED = RUNGS["flash"].additions, RUNGS["fused"].additions
 
 
@@ -78,7 +78,7 @@ def test_the_ladder_is_cumulative_one_change_per_rung():
 def test_max_is_the_fused_rung_and_what_measured_faster_on_the_h200():
     assert set(MAX_ADDITIONS) == {"vocab_multiple", "fp8_head", "prefetch", "sync_every", "cudagraphs",
                                   "bf16_residual", "gelu_epilogue", "fold_clip", "packed_attention",
-                                  "gemm_bias_grad", "fp8_qkv_fc", "combo_kernels", "fold_norm",
+                                  "gemm_bias_grad", "fp8_qkv_fc", "fp8_dgrad", "combo_kernels", "fold_norm",
                                   "stochastic_rounding"}
     # Pinned: max's additions are a measured result (BENCHMARKS.md gives each one's gain); a new addition joins it
     # only by changing this set. What max leaves out is every other one, and needs no list here.
@@ -806,6 +806,22 @@ def test_fp8_dgrad_leaves_a_model_no_wider_than_1024_in_bf16_and_says_why(kernel
             assert layer.plan == LinearPlan(bias_grad=True, fp8_forward=True)
 
 
+@pytest.mark.parametrize("n, k, takes", [
+    (3 * 768, 768, False), (4 * 768, 768, False),          # GPT-2 124M's c_attn and c_fc
+    (3 * 1024, 1024, False), (4 * 1024, 1024, False),      # gpt2-medium's: K at the limit
+    (3 * 1280, 1280, True), (4 * 1600, 1600, True),        # gpt2-large's c_attn, gpt2-xl's c_fc
+    (2048, 4096, False), (2064, 1040, True),               # N at the limit, both just over it
+])
+def test_fp8_dgrad_takes_a_layer_only_where_both_dimensions_are_over_their_limits(n, k, takes):
+    assert ADDITIONS["fp8_dgrad"].takes_layer(n, k) is takes
+    assert ADDITIONS["fp8_qkv_fc"].takes_layer(n, k)   # no limits: every layer
+
+
+def test_a_width_rule_that_is_not_two_ints_is_refused():
+    with pytest.raises(ValueError, match="layers_wider_than is"):
+        Addition("x", "model", "compute", "x", layers_wider_than=(2048,))
+
+
 def test_where_fp8_cannot_run_fp8_head_is_the_loss_kernel_in_bf16(kernels_available, monkeypatch):
     monkeypatch.setattr(fp8_loss, "unavailable", lambda device: "no FP8 here")
     b = make(("bf16", "fp8_head"))
@@ -1020,7 +1036,7 @@ def test_the_max_rung_and_fsdp_s_refusals_come_from_each_addition_s_facts():
     assert MAX_ADDITIONS == tuple(a for a in ADDITIONS if ADDITIONS[a].in_max)
     assert set(RUNGS["max"].additions) == set(RUNGS["fused"].additions) | {
         "vocab_multiple", "fp8_head", "prefetch", "sync_every", "cudagraphs", "bf16_residual", "gelu_epilogue",
-        "fold_clip", "packed_attention", "gemm_bias_grad", "fp8_qkv_fc", "combo_kernels", "fold_norm",
+        "fold_clip", "packed_attention", "gemm_bias_grad", "fp8_qkv_fc", "fp8_dgrad", "combo_kernels", "fold_norm",
         "stochastic_rounding"}
     assert PARALLEL_EXCLUDES["ddp"] == {}
     assert PARALLEL_EXCLUDES["fsdp"] == {a: ADDITIONS[a].fsdp for a in ADDITIONS if ADDITIONS[a].fsdp}

@@ -21,6 +21,7 @@ from Utils.results.read import load
 from conftest import REPO_ROOT
 
 GPT2 = ModelShape(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024)
+XL = ModelShape(n_layer=48, n_head=25, n_embd=1600, vocab_size=50257, block_size=1024)
 TINY = ModelShape(n_layer=2, n_head=2, n_embd=64, vocab_size=50257, block_size=128)
 H200_SETS = [os.path.join(REPO_ROOT, "results", name) for name in ("h200-b16", "h200-b64", "h200-loss")]
 
@@ -81,10 +82,14 @@ def test_the_gemms_an_addition_runs_in_fp8_count_at_the_fp8_rate_where_the_gpu_h
     assert roof.fp8_flops_per_token(["bf16", "fp8_head"]) == head
     assert roof.fp8_flops_per_token(RUNGS["max"].additions) == head + qkv_fc
     assert roof.fp8_flops_per_token(["bf16", "fp8"]) == block
-    assert roof.fp8_flops_per_token(["bf16", "fp8_dgrad"]) == qkv_fc   # the same GEMMs' input gradients
+    # fp8_dgrad takes no layer of 124M's (K = 768), and the same GEMMs' input gradients at gpt2-xl's width
+    assert roof.fp8_flops_per_token(["bf16", "fp8_dgrad"]) == 0
+    xl = Roofline(XL, 8, 1024, "NVIDIA H200")
+    assert xl.fp8_flops_per_token(["bf16", "fp8_dgrad"]) == xl.fp8_flops_per_token(["bf16", "fp8_qkv_fc"]) \
+        == 48 * 2 * (3 + 4) * 1600 * 1600
     assert roof.fp8_flops_per_token(RUNGS["fused"].additions) == 0
-    # Every addition that the registry marks as running FP8 GEMMs has them counted here.
-    assert all(roof.fp8_flops_per_token([a]) > 0 for a in ADDITIONS if ADDITIONS[a].fp8)
+    # Every addition that the registry marks as running FP8 GEMMs has them counted here, at a width it takes.
+    assert all(xl.fp8_flops_per_token([a]) > 0 for a in ADDITIONS if ADDITIONS[a].fp8)
     fp8 = (head + qkv_fc) * roof.tokens
     want = ((roof.flops_per_step - fp8) / roof.gpu.bf16 + fp8 / roof.gpu.fp8) * 1e3
     assert roof.compute_floor_ms("bf16", RUNGS["max"].additions) == pytest.approx(want)

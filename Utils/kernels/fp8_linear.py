@@ -101,19 +101,6 @@ def reference_gelu(x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, bias: T
     return F.gelu(h, approximate="tanh").to(bias.dtype), h.to(bias.dtype)
 
 
-# A linear layer of weight [N, K] takes the FP8 input-gradient GEMM only where N > 2048 and K > 1024: torchao's
-# filter for its rowwise recipe (torchao/float8/float8_linear_utils.py, _auto_filter_for_rowwise, from its H100
-# benchmarks). The GEMM's saving grows with M N K, the casts with M N, so below some K the casts cost more than the
-# GEMM saves: at GPT-2 124M (K = 768) they did by the bench, at gpt2-xl (K = 1,600) they did not (BENCHMARKS.md).
-INPUT_GRAD_MIN_OUT, INPUT_GRAD_MIN_IN = 2048, 1024
-
-
-def input_grad_pays(weight: Tensor) -> bool:
-    """Whether a layer with this weight [N, K] is wide enough for the FP8 input-gradient GEMM to pay."""
-    n, k = weight.shape
-    return n > INPUT_GRAD_MIN_OUT and k > INPUT_GRAD_MIN_IN
-
-
 def input_grad(grad: Tensor, weight: Tensor) -> Tensor:
     """grad @ weight, the input gradient of a linear layer with weight [N, K] from its output gradient grad [M, N],
     in grad's dtype (bf16), the GEMM in FP8: each row of grad cast to e4m3 with its own power-of-two scale, the

@@ -285,15 +285,16 @@ def apply_fp8_qkv_fc(b: Build) -> str | None:
 @applies("fp8_dgrad")
 def apply_fp8_dgrad(b: Build) -> str | None:
     """c_attn's and c_fc's input-gradient GEMMs in FP8 (fp8_linear.input_grad: each row of the output gradient in
-    e4m3 with its own power-of-two scale, the weight with one), in the layers wide enough for it to pay
-    (fp8_linear.input_grad_pays). Into the layers the other additions planned, else into the plain ones."""
+    e4m3 with its own power-of-two scale, the weight with one), in the layers wide enough for it to pay (the
+    registry's layers_wider_than). Into the layers the other additions planned, else into the plain ones."""
     why = fp8.unavailable(b.device) or fp8.width_problem(b.config.n_embd)
     if why:
         return f"{why}: c_attn's and c_fc's input gradients in bf16 instead"
     wide = [(parent, name) for block in modules.blocks(b.model) for parent, name in ((block.attn, "c_attn"),
-            (block.mlp, "c_fc")) if fp8_linear.input_grad_pays(getattr(parent, name).weight)]
+            (block.mlp, "c_fc")) if ADDITIONS["fp8_dgrad"].takes_layer(*getattr(parent, name).weight.shape)]
     if not wide:
-        return (f"FP8 input gradients pay only at a width over {fp8_linear.INPUT_GRAD_MIN_IN} (this model's is "
+        return (f"FP8 input gradients pay only at a width over {ADDITIONS['fp8_dgrad'].layers_wider_than[1]} (this "
+                f"model's is "
                 f"{b.config.n_embd}): c_attn's and c_fc's input gradients in bf16")
     for parent, name in wide:
         modules.add_feature(modules.planned(parent, name), fp8_dgrad=True)

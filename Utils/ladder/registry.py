@@ -49,6 +49,8 @@ class Addition:
     fp8_gemms: str = ""            # which GEMMs it runs in FP8: "head" (output layer), "qkv_fc" (c_attn's and
                                    # c_fc's forward), "qkv_fc_dgrad" (their input gradients) or "blocks" (every
                                    # block's linear layers)
+    layers_wider_than: tuple = ()  # (N, K): it goes only into linear layers whose weight [N, K] is wider than both,
+                                   # where what it saves outgrows what it costs; () where it goes into every one
     # What the breakdown (Utils.report.breakdown) reads differently under it:
     readback_deferred: bool = False  # the host reads results back every few steps, so the launches of the steps
                                      # between run ahead of the GPU
@@ -72,6 +74,13 @@ class Addition:
                 or self.optimizer not in ("", "fused", "8bit", "master", "stochastic"):
             raise ValueError(f"{self.name}: matmuls is '', tf32 or bf16; optimizer '', fused, 8bit, master or "
                              f"stochastic; fp8_gemms '', head, qkv_fc, qkv_fc_dgrad or blocks")
+        if self.layers_wider_than and (len(self.layers_wider_than) != 2
+                                       or not all(isinstance(d, int) for d in self.layers_wider_than)):
+            raise ValueError(f"{self.name}: layers_wider_than is () or (N, K), two ints")
+
+    def takes_layer(self, n_out: int, n_in: int) -> bool:
+        """Whether it goes into a linear layer of weight [n_out, n_in] (layers_wider_than)."""
+        return not self.layers_wider_than or (n_out > self.layers_wider_than[0] and n_in > self.layers_wider_than[1])
 
 
 _ADDITIONS = [
@@ -187,6 +196,11 @@ _ADDITIONS = [
              "c_attn's and c_fc's input-gradient GEMMs in FP8: each row of the output gradient in e4m3 with its own "
              "scale, the weight with one", needs="an Ada or Hopper GPU", requires=("bf16",),
              excludes=("fp8",), fp8_gemms="qkv_fc_dgrad", in_max=True,
+             # torchao's filter for its rowwise recipe (torchao/float8/float8_linear_utils.py,
+             # _auto_filter_for_rowwise, from its H100 benchmarks): the GEMM's saving grows with M·N·K, the casts'
+             # cost with M·N, so below some K the casts cost more than the GEMM saves (BENCHMARKS.md: at 124M,
+             # K = 768, they did; at gpt2-xl, K = 1,600, they did not)
+             layers_wider_than=(2048, 1024),
              fsdp="its FP8 casts have not been tried on FSDP's shards",
              phrase="the input-gradient GEMMs of c_attn and c_fc in FP8 (`fp8_dgrad`), each row of the output "
                     "gradient cast to e4m3 with its own scale",

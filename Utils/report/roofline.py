@@ -291,14 +291,20 @@ class Roofline:
     def fp8_flops_per_token(self, additions: Iterable[str]) -> int:
         """The FLOPs per token that these additions run in FP8 (a share of flops_per_token), by their
         Addition.fp8_gemms: the output layer's three GEMMs (head), c_attn's and c_fc's forward GEMMs (qkv_fc) and
-        input-gradient GEMMs (qkv_fc_dgrad), every block's linear layers forward and backward (blocks)."""
+        input-gradient GEMMs (qkv_fc_dgrad), every block's linear layers forward and backward (blocks); of
+        c_attn's and c_fc's, only the layers the addition takes (Addition.layers_wider_than)."""
         s = self.shape
         C = s.n_embd
-        gemms = {"head": 6 * s.vocab_size * C,                   # 2 forward + 4 backward, the tied weight's rows
-                 "qkv_fc": s.n_layer * 2 * (3 + 4) * C * C,      # forward only: [C -> 3C] and [C -> 4C]
-                 "qkv_fc_dgrad": s.n_layer * 2 * (3 + 4) * C * C,  # the same layers' input gradients
-                 "blocks": s.n_layer * 6 * (3 + 1 + 4 + 4) * C * C}  # c_attn, attn.c_proj, c_fc, mlp.c_proj
-        return sum(gemms[ADDITIONS[a].fp8_gemms] for a in set(additions) if a in ADDITIONS and ADDITIONS[a].fp8_gemms)
+
+        def flops(a: str) -> int:
+            # c_attn's and c_fc's weights, [3C, C] and [4C, C]: 2 FLOPs a value and token forward, as many again
+            # for the input gradient's GEMM
+            qkv_fc = s.n_layer * 2 * sum(n * C for n in (3 * C, 4 * C) if ADDITIONS[a].takes_layer(n, C))
+            return {"head": 6 * s.vocab_size * C,                   # 2 forward + 4 backward, the tied weight's rows
+                    "qkv_fc": qkv_fc, "qkv_fc_dgrad": qkv_fc,
+                    "blocks": s.n_layer * 6 * (3 + 1 + 4 + 4) * C * C,  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+                    }[ADDITIONS[a].fp8_gemms]
+        return sum(flops(a) for a in set(additions) if a in ADDITIONS and ADDITIONS[a].fp8_gemms)
 
     def uses_fp8(self, additions: Iterable[str]) -> bool:
         """Whether these additions run GEMMs in FP8 on this GPU: it has an FP8 rate, which a GPU without FP8

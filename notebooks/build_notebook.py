@@ -310,8 +310,9 @@ CELLS = [
         "### max: beyond the seven",
         f"**What changes.** The fused rung plus the further additions that measured faster or lighter on an H100 "
         f"or H200, did not slow the others down, and keep the model's mathematics (bf16 rounding aside, the "
-        f"stochastic rounding of the bf16 parameters and states, and FP8's in the output layer and the two forward "
-        f"GEMMs of `fp8_qkv_fc`): {prose.listing(MAX_ADDITIONS)}. `make ablation` "
+        f"stochastic rounding of the bf16 parameters and states, and FP8's in the output layer, the two forward "
+        f"GEMMs of `fp8_qkv_fc` and, in layers wider than 1,024, their input gradients' GEMMs (`fp8_dgrad`)): "
+        f"{prose.listing(MAX_ADDITIONS)}. `make ablation` "
         f"runs each addition alone on the fused rung, together with the ones that were tried and left out or "
         f"superseded: {prose.listing(a for a in ABLATION if a not in MAX_ADDITIONS)}.",
         f"**Why it can help.** Each addition removes a different cost: {prose.reasons(ABLATION)}.")),

@@ -38,7 +38,7 @@ REPO = os.path.dirname(HERE)
 if REPO not in sys.path:   # run as a script, this folder is on the path and the repository is not
     sys.path.insert(0, REPO)
 
-from Utils.ladder.registry import ABLATION, MAX_ADDITIONS  # noqa: E402
+from Utils.ladder.registry import ABLATION, ADDITIONS, MAX_ADDITIONS  # noqa: E402
 from Utils.report import notebook_prose as prose  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join("results", "h200-b16")   # the committed notebook's measurements
@@ -311,7 +311,8 @@ CELLS = [
         f"**What changes.** The fused rung plus the further additions that measured faster or lighter on an H100 "
         f"or H200, did not slow the others down, and keep the model's mathematics (bf16 rounding aside, the "
         f"stochastic rounding of the bf16 parameters and states, and FP8's in the output layer, the two forward "
-        f"GEMMs of `fp8_qkv_fc` and, in layers wider than 1,024, their input gradients' GEMMs (`fp8_dgrad`)): "
+        f"GEMMs of `fp8_qkv_fc` and, in layers wider than {ADDITIONS['fp8_dgrad'].layers_wider_than[1]:,}, their "
+        f"input gradients' GEMMs (`fp8_dgrad`)): "
         f"{prose.listing(MAX_ADDITIONS)}. `make ablation` "
         f"runs each addition alone on the fused rung, together with the ones that were tried and left out or "
         f"superseded: {prose.listing(a for a in ABLATION if a not in MAX_ADDITIONS)}.",

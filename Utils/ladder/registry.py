@@ -206,8 +206,8 @@ _ADDITIONS = [
                     "gradient cast to e4m3 with its own scale",
              why="an input-gradient GEMM sums along the layout its output gradient already has, so FP8 needs no "
                  "transposed copy of an activation, only of the weight, and a scale for each row lets one pass read "
-                 "the gradient once to cast it; it takes only layers wider than 1,024, where the GEMM saves more than the "
-                 "casts cost; at gpt2-xl it made 300 steps 3.6% faster, with the loss of its last 50 steps "
+                 "the gradient once to cast it; it takes only layers wider than 1,024, where the GEMM saves more "
+                 "than the casts cost; at gpt2-xl it made 300 steps 3.6% faster, with the loss of its last 50 steps "
                  "within the gap of two seeds of max without it (BENCHMARKS.md)"),
     Addition("fp8", "model", "compute", "the blocks' linear layers as FP8 matmuls with per-tensor scales",
              needs="torchao and an Ada or Hopper GPU", requires=("bf16",), fp8_gemms="blocks",

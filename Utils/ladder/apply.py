@@ -290,12 +290,12 @@ def apply_fp8_dgrad(b: Build) -> str | None:
     why = fp8.unavailable(b.device) or fp8.width_problem(b.config.n_embd)
     if why:
         return f"{why}: c_attn's and c_fc's input gradients in bf16 instead"
+    addition = ADDITIONS["fp8_dgrad"]
     wide = [(parent, name) for block in modules.blocks(b.model) for parent, name in ((block.attn, "c_attn"),
-            (block.mlp, "c_fc")) if ADDITIONS["fp8_dgrad"].takes_layer(*getattr(parent, name).weight.shape)]
+            (block.mlp, "c_fc")) if addition.takes_layer(*getattr(parent, name).weight.shape)]
     if not wide:
-        limit = ADDITIONS["fp8_dgrad"].layers_wider_than[1]
-        return (f"FP8 input gradients pay only at a width over {limit} (this model's is {b.config.n_embd}): "
-                f"c_attn's and c_fc's input gradients in bf16")
+        return (f"FP8 input gradients pay only at a width over {addition.layers_wider_than[1]} (this model's is "
+                f"{b.config.n_embd}): c_attn's and c_fc's input gradients in bf16")
     for parent, name in wide:
         modules.add_feature(modules.planned(parent, name), fp8_dgrad=True)
     return None

@@ -2,7 +2,8 @@
 epilogues, against its reference, the plain MLP. On the CPU its two operators run their PyTorch
 definitions (cuBLASLt's references): the same outputs, gradients and compiled graph, over float64,
 float32 and bf16, and under bf16 autocast. On a GPU (the gpu tests) the cuBLASLt GEMMs against the same
-references, eagerly and replayed from a CUDA graph."""
+references, eagerly and replayed from a CUDA graph, and every algorithm cuBLASLt offers giving one result at
+every launch."""
 import pytest
 import torch
 import torch.nn as nn
@@ -271,6 +272,53 @@ def test_on_a_gpu_the_epilogue_gemms_replay_from_a_cuda_graph():
     a2, h2 = cublaslt.linear_gelu(xs, w, b)
     torch.cuda.synchronize()
     assert torch.equal(ag, a2) and torch.equal(hg, h2) and torch.equal(ghg, cublaslt.linear_dgelu(gs, w2, h2))
+
+
+def _candidates(call) -> int:
+    """How many heuristic candidates cuBLASLt offers for the shape `call(algo)` multiplies: its first call plans
+    the shape (and times the candidates, as a run's first step does)."""
+    before = set(cublaslt._plans)
+    call(None)
+    added = set(cublaslt._plans) - before
+    assert len(added) == 1, "the shape must be new to this process, so that its plan is the one just made"
+    return len(cublaslt._plans[added.pop()][4])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_on_a_gpu_every_candidate_algorithm_repeats_its_result_bit_for_bit(fp8):
+    # A run times the candidates at a shape's first call and keeps the fastest, so two runs of one command may
+    # run different algorithms. Each must still give one result at every launch: the launches go in turns, all
+    # through the one shared workspace, as the 24 layers' GEMMs do in a step. Shapes: gpt2-medium's c_fc at
+    # 2,048 tokens (no other test's).
+    from Utils.kernels import fp8 as fp8_format
+    x, w, b, w2, g = _gpu_gemm_inputs(m=2048, k=1024, n=4096)
+    h = cublaslt.reference_linear_gelu(x, w, b)[1]   # PyTorch's GEMM: no plan of cuBLASLt's made before the test's
+    scales = None
+    if fp8:
+        (x, x_inv), (w, w_inv) = fp8_format.to_e4m3(x), fp8_format.to_e4m3(w)
+        scales = (x_inv, w_inv)
+    a_out, h_out, grad_h = torch.empty_like(h), torch.empty_like(h), torch.empty_like(h)
+
+    def forward(algo):
+        cublaslt._matmul(cublaslt.CUBLASLT_EPILOGUE_GELU_AUX_BIAS, x, w, a_out, b, h_out, y_t=True, algo=algo,
+                         scales=scales)
+        return torch.cat([a_out.flatten(), h_out.flatten()])
+
+    def backward(algo):
+        cublaslt._matmul(cublaslt.CUBLASLT_EPILOGUE_DGELU, g, w2, grad_h, None, h, algo=algo)
+        return grad_h.flatten()
+
+    calls = [forward] if fp8 else [forward, backward]   # the DGELU GEMM is bf16 in every run
+    counts = [_candidates(call) for call in calls]
+    firsts = {(n, i): call(i).clone() for n, (call, count) in enumerate(zip(calls, counts)) for i in range(count)}
+    differ = set()
+    for _ in range(30):
+        for n, (call, count) in enumerate(zip(calls, counts)):
+            for i in range(count):
+                if not torch.equal(call(i), firsts[n, i]):
+                    differ.add((call.__name__, i))
+    assert not differ, f"candidates whose result changed from one launch to another: {sorted(differ)}"
 
 
 @pytest.mark.gpu

@@ -155,27 +155,33 @@ def test_matmul_attribute_and_type_constants_are_the_headers():
 
 class _RecordingLibrary:
     """Stands in for cuBLASLt: records each call's name and arguments and returns success; the heuristic
-    offers one algorithm."""
+    returns one result for each of `states` (cublasStatus_t), its algorithm numbered by its place."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, states=(0,)):
+        self.calls, self.states = [], states
 
     def __getattr__(self, name):
         def call(*args):
             self.calls.append((name, args))
             if name == "cublasLtMatmulAlgoGetHeuristic":
-                args[-1]._obj.value = 1   # the count of algorithms returned
+                for i, state in enumerate(self.states):
+                    args[-2][i].state, args[-2][i].algo[0] = state, i
+                args[-1]._obj.value = len(self.states)   # the count of results returned
             return 0
         return call
 
 
-def test_a_plan_sets_cublaslts_named_attributes(monkeypatch):
-    lib = _RecordingLibrary()
+def _plan_with(monkeypatch, lib):
     monkeypatch.setattr(cublaslt, "_library", lambda: lib)
     monkeypatch.setattr(cublaslt, "_handle", lambda device_index: (None, None))
     monkeypatch.setattr(cublaslt, "_plans", {})
-    cublaslt._plan(0, cublaslt.CUBLASLT_EPILOGUE_GELU_AUX_BIAS, cublaslt.CUBLAS_OP_T, cublaslt.CUBLAS_OP_N,
-                   3072, 4096, 768, cublaslt.CUDA_R_16BF, 768, cublaslt.CUDA_R_16BF)
+    return cublaslt._plan(0, cublaslt.CUBLASLT_EPILOGUE_GELU_AUX_BIAS, cublaslt.CUBLAS_OP_T, cublaslt.CUBLAS_OP_N,
+                          3072, 4096, 768, cublaslt.CUDA_R_16BF, 768, cublaslt.CUDA_R_16BF)
+
+
+def test_a_plan_sets_cublaslts_named_attributes(monkeypatch):
+    lib = _RecordingLibrary()
+    _plan_with(monkeypatch, lib)
     attributes = {args[1]: args[2]._obj.value for name, args in lib.calls if name == "cublasLtMatmulDescSetAttribute"}
     # The ints cuBLASLt receives, as cublasLt.h numbers them (not the module's own names, which could be wrong):
     # cublasLtMatmulDescAttributes_t TRANSA 3, TRANSB 4, EPILOGUE 7, EPILOGUE_AUX_LD 12; cublasOperation_t
@@ -186,6 +192,14 @@ def test_a_plan_sets_cublaslts_named_attributes(monkeypatch):
     preference, = [args for name, args in lib.calls if name == "cublasLtMatmulPreferenceSetAttribute"]
     assert preference[1] == 1      # CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES (cublasLt.h)
     assert preference[2]._obj.value == cublaslt.WORKSPACE_BYTES
+
+
+def test_a_plan_keeps_only_the_results_the_heuristic_marks_usable(monkeypatch):
+    # cublasStatus_t (cublas_api.h): 0 SUCCESS, 15 NOT_SUPPORTED. Only a usable result may be timed or launched.
+    candidates = _plan_with(monkeypatch, _RecordingLibrary(states=(0, 15, 0)))[4]
+    assert [r.algo[0] for r in candidates] == [0, 2]
+    with pytest.raises(RuntimeError, match="no algorithm for epilogue"):
+        _plan_with(monkeypatch, _RecordingLibrary(states=(15,)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -157,9 +157,11 @@ def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dt
                                                 ctypes.byref(count))
     lib.cublasLtMatmulPreferenceDestroy(preference)
     native.check(status, "cublasLtMatmulAlgoGetHeuristic")
-    if count.value == 0:
+    # A result's other fields hold only where its state is success (cublasLt.h, cublasLtMatmulHeuristicResult_t).
+    usable = [r for r in results[:count.value] if r.state == native.SUCCESS]
+    if not usable:
         raise RuntimeError(f"cuBLASLt has no algorithm for epilogue {epilogue} at m={m} n={n} k={k}")
-    _plans[key] = [desc, a, b, d, list(results)[:count.value], None]   # None: the fastest not yet known
+    _plans[key] = [desc, a, b, d, usable, None]   # None: the fastest not yet known
     return _plans[key]
 
 

@@ -31,15 +31,16 @@ CONFIG = dict(batch_size=BATCH, seq_len=SEQ, model="gpt2", data="tiny", device="
 
 
 def add_run(prefix, rung, step_ms=(), warmup=1, status="ok", run_id=None, mfu=None, message="", notes="",
-            mem=(10.0, 12.0), compile_s=None, git_commit="0123456789abcdef", **config):
-    """Append one run through the real writer; the first `warmup` entries of step_ms are warm-up."""
+            mem=(10.0, 12.0), compile_s=None, git_commit="0123456789abcdef", losses=None, **config):
+    """Append one run through the real writer; the first `warmup` entries of step_ms are warm-up; each step's
+    loss from `losses`, else 10.9 falling by 0.1 a step."""
     run_id = run_id or f"{rung}-{len(os.listdir(prefix)) if os.path.isdir(prefix) else 0}-{len(step_ms)}-{status}"
     os.makedirs(prefix, exist_ok=True)
     cfg = {**CONFIG, **config}
     mfu = list(mfu) if mfu is not None else [0.4] * len(step_ms)
     steps = [dict(run_id=run_id, optimization=rung, step=i, warmup=i < warmup, step_ms=ms,
                   tokens_per_s=BATCH * SEQ / (ms / 1000) if ms and ms > 0 else None,
-                  loss=10.9 - 0.1 * i, mfu=mfu[i]) for i, ms in enumerate(step_ms)]
+                  loss=10.9 - 0.1 * i if losses is None else losses[i], mfu=mfu[i]) for i, ms in enumerate(step_ms)]
     run = dict(run_id=run_id, optimization=rung, status=status, message=message,
                started_at="2025-01-01T00:00:00", steps=len(step_ms), warmup_steps=warmup, n_params=124e6,
                torch_version="2.5.1", cuda_version="12.4", compile_s=compile_s,
@@ -328,6 +329,29 @@ def test_a_noisy_run_is_flagged(tmp_path):
     notes = summary_text(p).split("## Notes")[1]
     assert "- tf32: run tf32-noisy is noisy: its steps' IQR is 15.0% of their median (over 5%)" in notes
     assert "bf16-steady" not in notes
+
+
+def test_a_one_step_loss_spike_is_noted_and_a_trend_or_an_early_jump_is_not(tmp_path):
+    p = str(tmp_path)
+    steps = 60
+    trend = 7.0 * np.exp(-np.arange(steps) / 20) + 4.0 + np.random.default_rng(3).normal(0, 0.05, steps)
+
+    def losses(**jumps):
+        out = trend.copy()
+        for step, size in jumps.items():
+            out[int(step[1:])] += size
+        return [float(f"{x:.6g}") for x in out]
+    add_run(p, "baseline", [1] + [100] * (steps - 1), run_id="base", losses=losses(s28=2.4))
+    add_run(p, "tf32", [1] + [50] * (steps - 1), run_id="tf32-bumps", losses=losses(s10=2.4, s40=0.5))
+    add_run(p, "bf16", [1] + [40] * (steps - 1), run_id="bf16-steady", losses=losses())
+    rc, out, err = run_main(p)
+    assert rc == 0, err
+    notes = summary_text(p).split("## Notes")[1]
+    spike, = [line for line in notes.splitlines() if "one-step spike" in line]
+    around = float(np.median(losses(s28=2.4)[24:33]))   # the 9 steps around step 28, the spike among them
+    assert spike.startswith(f"- baseline: run base's loss at step 28 is {losses(s28=2.4)[28]:.2f}, ")
+    assert f", {losses(s28=2.4)[28] - around:.2f} over the median of the 9 steps around it" in spike
+    assert "tf32-bumps" not in notes and "bf16-steady" not in notes   # step 10 is too early; 0.5 nats too small
 
 
 def test_a_run_with_fp8_gemms_says_its_mfu_is_against_the_bf16_peak(tmp_path):

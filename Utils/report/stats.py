@@ -7,7 +7,7 @@ table and the charts rest on the same numbers; runs.csv supplies status, memory,
 environment. A rung run several times from one commit (`make max REPEAT=3`) is shown by the median of its
 runs' medians, since runs differ more than steps within one (a card at its power cap moves a whole run), with
 the trimmed mean of all their steps and the spread of the runs' medians beside it; a run whose IQR is over
-NOISY_IQR of its median is flagged as noisy.
+NOISY_IQR of its median is flagged as noisy, and a step whose loss stands far above its neighbours' is noted.
 
 MFU is shown two ways: against the datasheet's dense bf16 peak (Utils.results.gpus) and, where
 `make peak` measured this machine, against the rate it reached on a large bf16 matmul.
@@ -28,6 +28,13 @@ BOOTSTRAP_SEED = 0
 NO_BASELINE_NOTE = "no ok baseline run: speedups left out"
 NOISY_IQR = 0.05       # a run whose steps' IQR is over 5% of their median is flagged as noisy
 TRIM = 0.10            # the trimmed mean drops this share of the steps at each end
+# A loss spike: a step's loss over LOSS_SPIKE nats above the median of the SPIKE_WINDOW steps around it, after
+# SPIKE_AFTER (before it the loss falls too fast for its neighbours to describe it). Over the 260 runs in results/
+# the largest such excess was 0.43 nats but for two: llm.c's step 23 at 124M batch 64 (1.3 to 1.6 nats, in every
+# run of it) and one run of max at gpt2-medium (2.43; BENCHMARKS.md, gpt2-medium at seed 42).
+LOSS_SPIKE = 0.8
+SPIKE_WINDOW = 9
+SPIKE_AFTER = 15
 
 SUMMARY_COLUMNS = ["run_id", "status", "message", "runs", "median_step_ms", "iqr_step_ms", "trimmed_mean_ms",
                    "spread", "noisy", "speedup", "speedup_lo", "speedup_hi", "tokens_per_s", "mfu", "mfu_measured",
@@ -56,6 +63,16 @@ def noisy(ms: np.ndarray) -> bool:
     """A run whose measured steps' IQR is over NOISY_IQR of their median."""
     q25, median, q75 = np.percentile(np.asarray(ms, dtype=float), [25, 50, 75])
     return bool(q75 - q25 > NOISY_IQR * median)
+
+
+def loss_spikes(steps: pd.DataFrame) -> list[tuple[int, float, float]]:
+    """(step, loss, the median of the SPIKE_WINDOW steps around it) for each step of one run's rows, warm-up
+    included, after SPIKE_AFTER, whose loss is over LOSS_SPIKE above that median: a one-step spike, which the
+    steps around it do not share (an update that overshot once, or a fault of that step)."""
+    loss = steps.set_index("step")["loss"].dropna().sort_index()
+    around = loss.rolling(SPIKE_WINDOW, center=True).median()
+    over = loss[(loss - around > LOSS_SPIKE) & (loss.index > SPIKE_AFTER)]
+    return [(int(step), float(loss[step]), float(around[step])) for step in over.index]
 
 
 def bootstrap_speedup(base_ms: np.ndarray, rung_ms: np.ndarray, resamples: int = BOOTSTRAP_RESAMPLES,
@@ -164,6 +181,9 @@ def _measured_row(rung: str, sel: Selection, by_run: dict, base: "tuple[np.ndarr
     notes = [f"{rung}: {one_line(run['notes'])}"] if run["notes"].strip() else []
     notes += [f"{rung}: run {r['run_id']} is noisy: its steps' IQR is {q:.1%} of their median "
               f"(over {NOISY_IQR:.0%})" for r, q in _noisy_runs(runs, each)]
+    notes += [f"{rung}: run {r['run_id']}'s loss at step {step} is {loss:.2f}, {loss - around:.2f} over the median "
+              f"of the {SPIKE_WINDOW} steps around it: a one-step spike, which the steps around it do not share"
+              for r in runs for step, loss, around in loss_spikes(by_run[r["run_id"]])]
     return row, ms, run_steps.assign(optimization=rung), notes
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pandas as pd
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +20,7 @@ from Utils.report.charts import CHARTS as CHART_PLOTS, plot_step_time  # noqa: E
 from Utils.report.cli import main  # noqa: E402
 from Utils.report.selection import select  # noqa: E402
 from Utils.report.stats import (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_speedup, build_report,  # noqa: E402
-                                summarize, trimmed_mean)
+                                loss_spikes, summarize, trimmed_mean)
 from Utils.results.read import load  # noqa: E402
 from Utils.results.schema import RUN_COLUMNS, STEP_COLUMNS  # noqa: E402
 from Utils.results.store import append_run  # noqa: E402
@@ -347,11 +348,21 @@ def test_a_one_step_loss_spike_is_noted_and_a_trend_or_an_early_jump_is_not(tmp_
     rc, out, err = run_main(p)
     assert rc == 0, err
     notes = summary_text(p).split("## Notes")[1]
-    spike, = [line for line in notes.splitlines() if "one-step spike" in line]
-    around = float(np.median(losses(s28=2.4)[24:33]))   # the 9 steps around step 28, the spike among them
+    spike, = [line for line in notes.splitlines() if "a spike which" in line]
+    around = float(np.median(losses(s28=2.4)[24:33]))   # the 9 steps centred on step 28, the spike among them
     assert spike.startswith(f"- baseline: run base's loss at step 28 is {losses(s28=2.4)[28]:.2f}, ")
-    assert f", {losses(s28=2.4)[28] - around:.2f} over the median of the 9 steps around it" in spike
+    assert f", {losses(s28=2.4)[28] - around:.2f} over the median of the 9 steps centred on it" in spike
     assert "tf32-bumps" not in notes and "bf16-steady" not in notes   # step 10 is too early; 0.5 nats too small
+
+
+def test_loss_spikes_reaches_the_last_step_and_takes_repeated_steps_and_infinite_losses():
+    trend = [5.0] * 30
+    at_end = trend[:-1] + [7.0]
+    assert loss_spikes(pd.DataFrame(dict(step=range(30), loss=at_end))) == [(29, 7.0, 5.0)]
+    repeated = pd.DataFrame(dict(step=list(range(30)) + [20], loss=trend[:20] + [8.0] + trend[21:] + [5.0]))
+    assert loss_spikes(repeated) == [(20, 8.0, 5.0)]
+    infinite = pd.DataFrame(dict(step=range(30), loss=trend[:20] + [np.inf] + trend[21:25] + [8.0] + trend[26:]))
+    assert loss_spikes(infinite) == [(25, 8.0, 5.0)]
 
 
 def test_a_run_with_fp8_gemms_says_its_mfu_is_against_the_bf16_peak(tmp_path):

@@ -66,13 +66,17 @@ def noisy(ms: np.ndarray) -> bool:
 
 
 def loss_spikes(steps: pd.DataFrame) -> list[tuple[int, float, float]]:
-    """(step, loss, the median of the SPIKE_WINDOW steps around it) for each step of one run's rows, warm-up
-    included, after SPIKE_AFTER, whose loss is over LOSS_SPIKE above that median: a one-step spike, which the
-    steps around it do not share (an update that overshot once, or a fault of that step)."""
-    loss = steps.set_index("step")["loss"].dropna().sort_index()
-    around = loss.rolling(SPIKE_WINDOW, center=True).median()
-    over = loss[(loss - around > LOSS_SPIKE) & (loss.index > SPIKE_AFTER)]
-    return [(int(step), float(loss[step]), float(around[step])) for step in over.index]
+    """(step, loss, the median of the SPIKE_WINDOW steps centred on it) for each step of one run's rows, warm-up
+    included, after SPIKE_AFTER, whose loss is over LOSS_SPIKE above that median: a spike which the steps around
+    it do not share (an update that overshot once, or a fault of that step). Losses that are not finite are left
+    out, as steps without a loss are."""
+    loss = steps.set_index("step")["loss"].replace([np.inf, -np.inf], np.nan).dropna().sort_index()
+    # At a run's last steps the window holds fewer steps: at least the step and the 4 before it.
+    around = loss.rolling(SPIKE_WINDOW, center=True, min_periods=SPIKE_WINDOW // 2 + 1).median()
+    over = ((loss - around) > LOSS_SPIKE).to_numpy() & (loss.index.to_numpy() > SPIKE_AFTER)
+    # By position, not by step: a results.csv merged by hand may hold a step number twice.
+    return [(int(step), float(value), float(median)) for step, value, median in
+            zip(loss.index[over], loss.to_numpy()[over], around.to_numpy()[over])]
 
 
 def bootstrap_speedup(base_ms: np.ndarray, rung_ms: np.ndarray, resamples: int = BOOTSTRAP_RESAMPLES,
@@ -182,7 +186,7 @@ def _measured_row(rung: str, sel: Selection, by_run: dict, base: "tuple[np.ndarr
     notes += [f"{rung}: run {r['run_id']} is noisy: its steps' IQR is {q:.1%} of their median "
               f"(over {NOISY_IQR:.0%})" for r, q in _noisy_runs(runs, each)]
     notes += [f"{rung}: run {r['run_id']}'s loss at step {step} is {loss:.2f}, {loss - around:.2f} over the median "
-              f"of the {SPIKE_WINDOW} steps around it: a one-step spike, which the steps around it do not share"
+              f"of the {SPIKE_WINDOW} steps centred on it: a spike which the steps around it do not share"
               for r in runs for step, loss, around in loss_spikes(by_run[r["run_id"]])]
     return row, ms, run_steps.assign(optimization=rung), notes
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from Utils.kernels import cublaslt, gelu_epilogue
+from Utils.kernels import cublaslt, fp8, gelu_epilogue
 from Utils.kernels.gelu_epilogue import linear_dgelu, linear_gelu
 from Utils.ladder.linear import LinearPlan, gelu_mlp
 
@@ -299,18 +299,17 @@ def _candidates(call) -> int:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_on_a_gpu_every_candidate_algorithm_repeats_its_result_bit_for_bit(fp8):
+@pytest.mark.parametrize("in_fp8", [False, True], ids=["bf16", "fp8"])
+def test_on_a_gpu_every_candidate_algorithm_repeats_its_result_bit_for_bit(in_fp8):
     # A run times the candidates at a shape's first call and keeps the fastest, so two runs of one command may
     # run different algorithms. Each must still give one result at every launch: the launches go in turns, all
     # through the one shared workspace, as the 24 layers' GEMMs do in a step. Shapes: gpt2-medium's c_fc at
     # 2,048 tokens (no other test's).
-    from Utils.kernels import fp8 as fp8_format
     x, w, b, w2, g = _gpu_gemm_inputs(m=2048, k=1024, n=4096)
     h = cublaslt.reference_linear_gelu(x, w, b)[1]   # PyTorch's GEMM: no plan of cuBLASLt's made before the test's
     scales = None
-    if fp8:
-        (x, x_inv), (w, w_inv) = fp8_format.to_e4m3(x), fp8_format.to_e4m3(w)
+    if in_fp8:
+        (x, x_inv), (w, w_inv) = fp8.to_e4m3(x), fp8.to_e4m3(w)
         scales = (x_inv, w_inv)
     a_out, h_out, grad_h = torch.empty_like(h), torch.empty_like(h), torch.empty_like(h)
 
@@ -323,7 +322,7 @@ def test_on_a_gpu_every_candidate_algorithm_repeats_its_result_bit_for_bit(fp8):
         cublaslt._matmul(cublaslt.CUBLASLT_EPILOGUE_DGELU, g, w2, grad_h, None, h, algo=algo)
         return grad_h.flatten()
 
-    calls = [forward] if fp8 else [forward, backward]   # the DGELU GEMM is bf16 in every run
+    calls = [forward] if in_fp8 else [forward, backward]   # the DGELU GEMM is bf16 in every run
     counts = [_candidates(call) for call in calls]
     firsts = {(n, i): call(i).clone() for n, (call, count) in enumerate(zip(calls, counts)) for i in range(count)}
     differ = set()

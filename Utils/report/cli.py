@@ -8,7 +8,8 @@ printed to the terminal too. Where DIR holds ok runs of one rung at two or more 
 scaling.png too, and summary.md gains a scaling section; elsewhere no scaling.png is written (an old one
 is left as it is). Which runs are compared is Utils.report.selection's business, the numbers
 Utils.report.stats', the charts Utils.report.charts', the scaling across GPUs Utils.report.scaling's, each
-addition against its base (make ablation) Utils.report.ablation's, the peers against the fastest rung
+addition against its base (make ablation) Utils.report.ablation's, the loss with each addition and without it
+Utils.report.loss', the peers against the fastest rung
 Utils.report.peers', and summary.md Utils.report.summary's.
 
 Exit codes: 0 when everything was written; 2 for bad arguments, unusable input or an unwritable
@@ -25,6 +26,7 @@ from Utils.report.ablation import ablation_sets
 from Utils.report.comparison import Comparison
 from Utils.report.charts import CHARTS
 from Utils.report.figures import save_figure
+from Utils.report.loss import SeedRow, loss_sets
 from Utils.report.peers import peer_comparison
 from Utils.report.scaling import SCALING_FILE, Scaling, build_scaling, plot_scaling
 from Utils.report.stats import Report, build_report
@@ -38,10 +40,11 @@ OUTPUT_FILES = (*CHARTS, SCALING_FILE, SUMMARY_FILE)   # scaling.png only where 
 
 def write_outputs(prefix: str | os.PathLike, report: Report, scaling: "Scaling | None" = None,
                   ablation: "list[Comparison] | None" = None,
-                  peers: "Comparison | None" = None) -> tuple[str, list[str]]:
+                  peers: "Comparison | None" = None,
+                  loss: "dict[str, list[SeedRow]] | None" = None) -> tuple[str, list[str]]:
     """Write every chart, scaling.png where `scaling` holds a rung measured at two or more GPU counts, and
-    summary.md (with `ablation`'s and `peers`' tables, where there are any) into prefix; return (summary text,
-    written paths)."""
+    summary.md (with `ablation`'s, `peers`' and `loss`' tables, where there are any) into prefix; return (summary
+    text, written paths)."""
     written = []
     for name, plot in CHARTS.items():
         path = os.path.join(prefix, name)
@@ -52,7 +55,7 @@ def write_outputs(prefix: str | os.PathLike, report: Report, scaling: "Scaling |
         save_figure(plot_scaling(scaling.table, scaling.context, scaling.provenance), path)
         written.append(path)
     path = os.path.join(prefix, SUMMARY_FILE)
-    text = write_summary(report, path, scaling, ablation, peers)
+    text = write_summary(report, path, scaling, ablation, peers, loss)
     written.append(path)
     return text, written
 
@@ -93,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = build_report(steps, runs, load_peak(prefix))
             with writing(prefix):
                 text, written = write_outputs(prefix, report, build_scaling(steps, runs), ablation_sets(
-                    report, steps, runs), peer_comparison(report, steps, runs))
+                    report, steps, runs), peer_comparison(report, steps, runs), loss_sets(report, steps, runs))
     except Stopped as e:
         return e.exit_status
     except ResultsError as e:

@@ -8,6 +8,7 @@ import pandas as pd
 
 from Utils.report import markdown
 from Utils.report.comparison import CLOCK_HIGH, CLOCK_LOW, SAME, Comparison
+from Utils.report.loss import LOSS_MIN_STEPS, LOSS_WINDOW, SeedRow
 from Utils.report.scaling import GOALS, Scaling
 from Utils.report.stats import BOOTSTRAP_RESAMPLES, NO_BASELINE_NOTE, NOISY_IQR, TRIM, Report
 from Utils.results.files import write_atomic
@@ -129,6 +130,37 @@ def ablation_section(sets: "list[Comparison] | None") -> list[str]:
     return lines
 
 
+LOSS_HEADER = ["run", "seed", "commits", "runs with / without", "with", "without", "gap", "seeds' gap without",
+               "kept"]
+
+
+def loss_section(rows: "dict[str, list[SeedRow]] | None") -> list[str]:
+    """The lines of the "## The loss with each addition and without it" section: for each base (max, fused) the
+    SeedRows of loss.loss_rows; none where no run of LOSS_MIN_STEPS steps or more has a counterpart at its seed."""
+    if not rows or not any(rows.values()):
+        return []
+    lines = ["", "## The loss with each addition and without it"]
+    for base, seed_rows in rows.items():
+        if not seed_rows:
+            continue
+        with_, without = ("`max`", "the run named") if base == "max" else ("the run named", "`fused`")
+        table = [LOSS_HEADER]
+        for r in seed_rows:
+            kept = "-" if r.kept is None else "yes" if r.kept else "no"
+            table.append([r.name, str(r.seed), ", ".join(r.commits), f"{r.runs_with} / {r.runs_without}",
+                          f"{r.with_mean:.3f}", f"{r.without_mean:.3f}", f"{r.gap:+.3f}",
+                          markdown.cell(r.seeds_gap, ".3f"), kept])
+        lines += ["", f"With: {with_}; without: {without}.", "", markdown.table(table, left=(0, 2, 8))]
+    lines += ["", f"The mean loss over each run's last {LOSS_WINDOW} steps, in runs of {LOSS_MIN_STEPS} steps or more, "
+                  "with the addition and without it at the same seed and number of steps (a seed run several times: "
+                  "the mean of its runs' means); gap = with − without. seeds' gap without: the largest minus the "
+                  "smallest of those means over the seeds the run without ran at. kept: the gap lies within the "
+                  "seeds' gap, so the addition moves the loss less than a change of seed does; '-' where the run "
+                  "without ran at one seed. Runs of any commit are paired (the loss follows the code's numerics, not "
+                  "the card); `make ablation ... STEPS=300 SEED=n` at two seeds or more fills the table."]
+    return lines
+
+
 def peers_section(found: "Comparison | None") -> list[str]:
     """The lines of the "## <rung> against the peers" section (peers.peer_comparison): how many times faster
     the fastest rung is than each peer, from the same commit; none where no peer was compared or left out."""
@@ -165,11 +197,13 @@ def timing_sentence(report: Report) -> str:
 
 
 def render_summary(report: Report, scaling: "Scaling | None" = None,
-                   ablation: "list[Comparison] | None" = None, peers: "Comparison | None" = None) -> str:
+                   ablation: "list[Comparison] | None" = None, peers: "Comparison | None" = None,
+                   loss: "dict[str, list[SeedRow]] | None" = None) -> str:
     """summary.md's text: heading (what was measured, and where the figures come from), the table in ladder
     order, excluded runs, notes; the fastest rung against the peers where `peers` (peers.peer_comparison)
-    compares any; each addition against its base where `ablation` (ablation.ablation_sets) holds a set; and the
-    scaling section where `scaling` (scaling.build_scaling) holds a rung measured at two or more GPU counts."""
+    compares any; each addition against its base where `ablation` (ablation.ablation_sets) holds a set; the loss
+    with each addition and without it where `loss` (loss.loss_sets) holds a row; and the scaling section where
+    `scaling` (scaling.build_scaling) holds a rung measured at two or more GPU counts."""
     lines = [f"# Ladder results: {report.context} · {report.provenance}", ""]
     if not report.has_baseline:
         compared = " (each addition against its base: see below)" if any(f.compared for f in ablation or []) else ""
@@ -198,14 +232,16 @@ def render_summary(report: Report, scaling: "Scaling | None" = None,
         lines += [f"- {n}" for n in report.notes]
     lines += peers_section(peers)
     lines += ablation_section(ablation)
+    lines += loss_section(loss)
     lines += scaling_section(scaling)
     return "\n".join(lines) + "\n"
 
 
 def write_summary(report: Report, path: str | os.PathLike, scaling: "Scaling | None" = None,
-                  ablation: "list[Comparison] | None" = None, peers: "Comparison | None" = None) -> str:
-    """Write render_summary(report, scaling, ablation, peers) to path through a temporary file; return the
+                  ablation: "list[Comparison] | None" = None, peers: "Comparison | None" = None,
+                  loss: "dict[str, list[SeedRow]] | None" = None) -> str:
+    """Write render_summary(report, scaling, ablation, peers, loss) to path through a temporary file; return the
     text."""
-    text = render_summary(report, scaling, ablation, peers)
+    text = render_summary(report, scaling, ablation, peers, loss)
     write_atomic(path, lambda f: f.write(text.encode("utf-8")))
     return text

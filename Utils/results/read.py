@@ -163,6 +163,18 @@ def measured_peak(peaks: pd.DataFrame | None, gpu_name: str, gpu_uuid: str = "")
     return None
 
 
+def recorded_seed(run: Mapping) -> int | None:
+    """The seed a runs.csv row recorded in its config column (the model's init and synthetic data); None where
+    it recorded none (a peer's run, a row older than the column, a damaged cell)."""
+    try:
+        config = json.loads(str(run.get("config", "")))
+    except ValueError:
+        return None
+    settings = config.get("run") if isinstance(config, dict) else None
+    seed = settings.get("seed") if isinstance(settings, dict) else None
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+
 def recorded_additions(run: Mapping, ran: bool = False) -> list[str] | None:
     """The additions a runs.csv row recorded in its config column; with `ran`, without those that noted what
     ran instead on that machine (fell_back: FP8 in bf16 on a GPU without FP8, TF32 on a CPU). None where it

@@ -15,13 +15,17 @@ def parts(name: str, base: str) -> list[str]:
     return name[len(base) + 1:].split(ABLATION_SEPARATOR[base])
 
 
-def ablation_names(report: Report, base: str) -> list[str]:
-    """The runs named after `base` that the report compares: one addition a row first, in the registry's order;
-    then the rows of several together."""
+def ablation_order(names: list[str], base: str) -> list[str]:
+    """Runs named after `base`, one addition a row first, in the registry's order; then the rows of several
+    together."""
     order = list(ADDITIONS)
-    named = [r for r in report.rungs_with_steps() if r.startswith(base + ABLATION_SEPARATOR[base])]
-    return sorted(named, key=lambda r: (len(parts(r, base)),
+    return sorted(names, key=lambda r: (len(parts(r, base)),
                                         [order.index(a) if a in order else len(order) for a in parts(r, base)], r))
+
+
+def ablation_names(report: Report, base: str) -> list[str]:
+    """The runs named after `base` that the report compares, in ablation_order."""
+    return ablation_order([r for r in report.rungs_with_steps() if r.startswith(base + ABLATION_SEPARATOR[base])], base)
 
 
 def ablation(report: Report, steps: pd.DataFrame, runs: pd.DataFrame, base: str) -> Comparison:

@@ -26,7 +26,7 @@ from Utils.report.ablation import ablation_sets
 from Utils.report.comparison import Comparison
 from Utils.report.charts import CHARTS
 from Utils.report.figures import save_figure
-from Utils.report.loss import SeedRow, loss_sets
+from Utils.report.loss import LossSet, loss_sets
 from Utils.report.peers import peer_comparison
 from Utils.report.scaling import SCALING_FILE, Scaling, build_scaling, plot_scaling
 from Utils.report.stats import Report, build_report
@@ -41,7 +41,7 @@ OUTPUT_FILES = (*CHARTS, SCALING_FILE, SUMMARY_FILE)   # scaling.png only where 
 def write_outputs(prefix: str | os.PathLike, report: Report, scaling: "Scaling | None" = None,
                   ablation: "list[Comparison] | None" = None,
                   peers: "Comparison | None" = None,
-                  loss: "dict[str, list[SeedRow]] | None" = None) -> tuple[str, list[str]]:
+                  loss: "list[LossSet] | None" = None) -> tuple[str, list[str]]:
     """Write every chart, scaling.png where `scaling` holds a rung measured at two or more GPU counts, and
     summary.md (with `ablation`'s, `peers`' and `loss`' tables, where there are any) into prefix; return (summary
     text, written paths)."""

@@ -8,7 +8,7 @@ import pandas as pd
 
 from Utils.report import markdown
 from Utils.report.comparison import CLOCK_HIGH, CLOCK_LOW, SAME, Comparison
-from Utils.report.loss import LOSS_MIN_STEPS, LOSS_WINDOW, SeedRow
+from Utils.report.loss import LOSS_MIN_STEPS, LOSS_WINDOW, LossSet
 from Utils.report.scaling import GOALS, Scaling
 from Utils.report.stats import BOOTSTRAP_RESAMPLES, NO_BASELINE_NOTE, NOISY_IQR, TRIM, Report
 from Utils.results.files import write_atomic
@@ -130,34 +130,39 @@ def ablation_section(sets: "list[Comparison] | None") -> list[str]:
     return lines
 
 
-LOSS_HEADER = ["run", "seed", "commits", "runs with / without", "with", "without", "gap", "seeds' gap without",
-               "kept"]
+LOSS_HEADER = ["run", "steps", "seed", "commits", "runs with / without", "with", "without", "gap",
+               "seeds' gap without", "kept"]
 
 
-def loss_section(rows: "dict[str, list[SeedRow]] | None") -> list[str]:
+def loss_section(sets: "list[LossSet] | None") -> list[str]:
     """The lines of the "## The loss with each addition and without it" section: for each base (max, fused) the
-    SeedRows of loss.loss_rows; none where no run of LOSS_MIN_STEPS steps or more has a counterpart at its seed."""
-    if not rows or not any(rows.values()):
+    SeedRows of loss.loss_set and the runs left out; none where no base has either."""
+    if not sets:
         return []
     lines = ["", "## The loss with each addition and without it"]
-    for base, seed_rows in rows.items():
-        if not seed_rows:
-            continue
-        with_, without = ("`max`", "the run named") if base == "max" else ("the run named", "`fused`")
-        table = [LOSS_HEADER]
-        for r in seed_rows:
-            kept = "-" if r.kept is None else "yes" if r.kept else "no"
-            table.append([r.name, str(r.seed), ", ".join(r.commits), f"{r.runs_with} / {r.runs_without}",
-                          f"{r.with_mean:.3f}", f"{r.without_mean:.3f}", f"{r.gap:+.3f}",
-                          markdown.cell(r.seeds_gap, ".3f"), kept])
-        lines += ["", f"With: {with_}; without: {without}.", "", markdown.table(table, left=(0, 2, 8))]
+    for found in sets:
+        with_, without = ("`max`", "the run named") if found.base == "max" else ("the run named", "`fused`")
+        lines += ["", f"With: {with_}; without: {without}."]
+        if found.rows:
+            table = [LOSS_HEADER]
+            for r in found.rows:
+                kept = "-" if r.kept is None else "yes" if r.kept else "no"
+                table.append([r.name, str(r.steps), str(r.seed), ", ".join(r.commits) or "-",
+                              f"{r.runs_with} / {r.runs_without}", f"{r.with_mean:.3f}", f"{r.without_mean:.3f}",
+                              f"{round(r.gap, 3) + 0.0:+.3f}",   # + 0.0: no "-0.000"
+                              markdown.cell(r.seeds_gap, ".3f"), kept])
+            lines += ["", markdown.table(table, left=(0, 3, 9))]
+        if found.left_out:
+            lines += ["", f"Left out, not ended ok: {', '.join(found.left_out)}."]
     lines += ["", f"The mean loss over each run's last {LOSS_WINDOW} steps, in runs of {LOSS_MIN_STEPS} steps or more, "
                   "with the addition and without it at the same seed and number of steps (a seed run several times: "
                   "the mean of its runs' means); gap = with − without. seeds' gap without: the largest minus the "
                   "smallest of those means over the seeds the run without ran at. kept: the gap lies within the "
-                  "seeds' gap, so the addition moves the loss less than a change of seed does; '-' where the run "
-                  "without ran at one seed. Runs of any commit are paired (the loss follows the code's numerics, not "
-                  "the card); `make ablation ... STEPS=300 SEED=n` at two seeds or more fills the table."]
+                  "seeds' gap, so the change the addition makes cannot be told from a change of seed (one sample of "
+                  "that gap per pair of seeds); '-' where the run without ran at one seed. A card changes the step "
+                  "time, not the loss, so runs of any GPU are paired; runs of any commit too, which the table "
+                  "names, since a commit that changes the numerics changes the loss. `make ablation ... STEPS=300 "
+                  "SEED=n` at two seeds or more fills the table."]
     return lines
 
 
@@ -198,11 +203,11 @@ def timing_sentence(report: Report) -> str:
 
 def render_summary(report: Report, scaling: "Scaling | None" = None,
                    ablation: "list[Comparison] | None" = None, peers: "Comparison | None" = None,
-                   loss: "dict[str, list[SeedRow]] | None" = None) -> str:
+                   loss: "list[LossSet] | None" = None) -> str:
     """summary.md's text: heading (what was measured, and where the figures come from), the table in ladder
     order, excluded runs, notes; the fastest rung against the peers where `peers` (peers.peer_comparison)
     compares any; each addition against its base where `ablation` (ablation.ablation_sets) holds a set; the loss
-    with each addition and without it where `loss` (loss.loss_sets) holds a row; and the scaling section where
+    with each addition and without it where `loss` (loss.loss_sets) holds a set; and the scaling section where
     `scaling` (scaling.build_scaling) holds a rung measured at two or more GPU counts."""
     lines = [f"# Ladder results: {report.context} · {report.provenance}", ""]
     if not report.has_baseline:
@@ -239,7 +244,7 @@ def render_summary(report: Report, scaling: "Scaling | None" = None,
 
 def write_summary(report: Report, path: str | os.PathLike, scaling: "Scaling | None" = None,
                   ablation: "list[Comparison] | None" = None, peers: "Comparison | None" = None,
-                  loss: "dict[str, list[SeedRow]] | None" = None) -> str:
+                  loss: "list[LossSet] | None" = None) -> str:
     """Write render_summary(report, scaling, ablation, peers, loss) to path through a temporary file; return the
     text."""
     text = render_summary(report, scaling, ablation, peers, loss)

@@ -7,6 +7,7 @@ that `make plots` runs where torch cannot be imported.
     scaling    one rung across GPU counts: global tokens/s, scaling efficiency, scaling.png
     compare    several results folders (machines, commits) side by side: compare.md, compare.png
     ablation   each addition against the rung it joined or left (make ablation), for summary.md and the notebook
+    loss       the loss with each addition and without it at each seed, against the seeds' gap (summary.md)
     summary    summary.md
     cli        plot_results.py's command line
     figures    what every chart shares: resolution, wrapped titles and footnotes, writing

@@ -29,9 +29,10 @@ NO_BASELINE_NOTE = "no ok baseline run: speedups left out"
 NOISY_IQR = 0.05       # a run whose steps' IQR is over 5% of their median is flagged as noisy
 TRIM = 0.10            # the trimmed mean drops this share of the steps at each end
 # A loss spike: a step's loss over LOSS_SPIKE nats above the median of the SPIKE_WINDOW steps around it, after
-# SPIKE_AFTER (before it the loss falls too fast for its neighbours to describe it). Over the 260 runs in results/
-# the largest such excess was 0.43 nats but for two: llm.c's step 23 at 124M batch 64 (1.3 to 1.6 nats, in every
-# run of it) and one run of max at gpt2-medium (2.43; BENCHMARKS.md, gpt2-medium at seed 42).
+# SPIKE_AFTER (before it the loss falls too fast for its neighbours to describe it). Over the 267 runs in results/
+# the largest such excess is 0.46 nats but for two trainers' steps: llm.c's step 23 at 124M batch 64 (1.3 to 1.6
+# nats, in every run of it) and max's step 28 at gpt2-medium seed 42 (0.9 to 2.4, in five of its six runs;
+# BENCHMARKS.md, gpt2-medium at seed 42).
 LOSS_SPIKE = 0.8
 SPIKE_WINDOW = 9
 SPIKE_AFTER = 15

@@ -103,10 +103,10 @@ def loss_set(report: Report, steps: pd.DataFrame, runs: pd.DataFrame, base: str)
                 rows.append(SeedRow(name, int(n_steps), seed, commits, len(with_[seed]), len(without[seed]),
                                     float(np.mean([m for m, _ in with_[seed]])),
                                     float(np.mean([m for m, _ in without[seed]])), seeds_gap))
-    name = candidates["optimization"].astype(str)
-    if not name.str.startswith(prefix).any():   # no ablation run of this base: nothing to name
+    rung = candidates["optimization"].astype(str)
+    if not rung.str.startswith(prefix).any():   # no ablation run of this base: nothing to name
         return LossSet(base, rows)
-    failed = candidates[((name == base) | name.str.startswith(prefix)) & (candidates["status"] != "ok")]
+    failed = candidates[((rung == base) | rung.str.startswith(prefix)) & (candidates["status"] != "ok")]
     return LossSet(base, rows, [f"{r.run_id} ({r.optimization}, {r.status})" for r in failed.itertuples()])
 
 

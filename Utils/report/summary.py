@@ -156,10 +156,12 @@ def loss_section(sets: "list[LossSet] | None") -> list[str]:
             lines += ["", f"Left out, not ended ok: {', '.join(found.left_out)}."]
     lines += ["", f"The mean loss over each run's last {LOSS_WINDOW} steps, in runs of {LOSS_MIN_STEPS} steps or more, "
                   "with the addition and without it at the same seed and number of steps (a seed run several times: "
-                  "the mean of its runs' means); gap = with − without. seeds' gap without: the largest minus the "
-                  "smallest of those means over the seeds the run without ran at. kept: the gap lies within the "
-                  "seeds' gap, so the change the addition makes cannot be told from a change of seed (one sample of "
-                  "that gap per pair of seeds); '-' where the run without ran at one seed. A card changes the step "
+                  "the mean of its runs' means); a run named with several additions leaves all of them out, and its "
+                  "rows judge them together. gap = with − without: positive is a higher loss with the addition. "
+                  "seeds' gap without: the largest minus the smallest of those means over every seed the run "
+                  "without ran at in this folder, seeds without a row included. kept: |gap| ≤ seeds' gap, so the "
+                  "change the addition makes cannot be told from a change of seed (with two seeds, that gap is a "
+                  "single measurement); '-' where the run without ran at one seed. A card changes the step "
                   "time, not the loss, so runs of any GPU are paired; runs of any commit too, which the table "
                   "names, since a commit that changes the numerics changes the loss. `make ablation ... STEPS=300 "
                   "SEED=n` at two seeds or more fills the table."]

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import run_main, summary_text
-from test_plots import add_run
+from test_plots import add_run, section_rows
 from Utils.report.loss import LOSS_MIN_STEPS, LOSS_WINDOW
 
 HEADING = "## The loss with each addition and without it"
@@ -22,18 +22,7 @@ def add_loss_run(prefix, rung, seed, last, run_id, steps=LOSS_MIN_STEPS, **kwarg
 
 def loss_rows(prefix):
     """The section's tables as {(run, seed): {column header: cell text}}."""
-    text = summary_text(prefix)
-    assert HEADING in text
-    section = text.split(HEADING)[1].split("\n## ")[0]
-    rows, header = {}, None
-    for ln in (ln for ln in section.splitlines() if ln.startswith("|")):
-        cells = [c.strip() for c in ln.strip("|").split("|")]
-        if cells[0] == "run":
-            header = cells
-        elif not set(cells[0]) <= set("-:"):
-            row = dict(zip(header, cells))
-            rows[row["run"], row["seed"]] = row
-    return rows
+    return section_rows(prefix, HEADING, key=("run", "seed"))
 
 
 def test_each_addition_is_held_against_its_base_at_each_seed_and_the_seeds_gap_without_it(tmp_path):

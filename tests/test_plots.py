@@ -590,8 +590,9 @@ def test_a_run_over_two_processes_reports_global_tokens_and_per_gpu_mfu(tmp_path
     assert f"batch 2 × {BATCH} (2 processes, ddp) × seq_len" in summary_text(p).splitlines()[0]
 
 
-def section_rows(prefix, heading):
-    """The tables of summary.md's section `heading` (up to the next section) as {run: {column header: cell text}}."""
+def section_rows(prefix, heading, key=("run",)):
+    """The tables of summary.md's section `heading` (up to the next section) as {run: {column header: cell text}};
+    with several `key` columns, keyed by the tuple of their cells."""
     text = summary_text(prefix)
     assert heading in text
     section = text.split(heading)[1].split("\n## ")[0]
@@ -601,7 +602,8 @@ def section_rows(prefix, heading):
         if cells[0] == "run":
             header = cells
         elif not set(cells[0]) <= set("-:"):
-            rows[cells[0]] = dict(zip(header, cells))
+            row = dict(zip(header, cells))
+            rows[tuple(row[k] for k in key) if len(key) > 1 else row[key[0]]] = row
     return rows
 
 

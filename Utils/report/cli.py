@@ -9,8 +9,8 @@ scaling.png too, and summary.md gains a scaling section; elsewhere no scaling.pn
 is left as it is). Which runs are compared is Utils.report.selection's business, the numbers
 Utils.report.stats', the charts Utils.report.charts', the scaling across GPUs Utils.report.scaling's, each
 addition against its base (make ablation) Utils.report.ablation's, the loss with each addition and without it
-Utils.report.loss', the peers against the fastest rung
-Utils.report.peers', and summary.md Utils.report.summary's.
+Utils.report.loss', the peers against the fastest rung Utils.report.peers', and summary.md
+Utils.report.summary's.
 
 Exit codes: 0 when everything was written; 2 for bad arguments, unusable input or an unwritable
 PREFIX, with a single "error: ..." line on stderr; 128 + n where signal n stopped it, each file left whole (as it

@@ -163,14 +163,20 @@ def measured_peak(peaks: pd.DataFrame | None, gpu_name: str, gpu_uuid: str = "")
     return None
 
 
-def recorded_seed(run: Mapping) -> int | None:
-    """The seed a runs.csv row recorded in its config column (the model's init and synthetic data); None where
-    it recorded none (a peer's run, a row older than the column, a damaged cell)."""
+def _recorded_config(run: Mapping) -> dict:
+    """A runs.csv row's config column as a dict; empty where it holds none (a peer's run, a row older than the
+    column, a damaged cell)."""
     try:
         config = json.loads(str(run.get("config", "")))
     except ValueError:
-        return None
-    settings = config.get("run") if isinstance(config, dict) else None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def recorded_seed(run: Mapping) -> int | None:
+    """The seed a runs.csv row recorded in its config column (the model's init and synthetic data); None where
+    it recorded none (a peer's run, a row older than the column, a damaged cell)."""
+    settings = _recorded_config(run).get("run")
     seed = settings.get("seed") if isinstance(settings, dict) else None
     return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
 
@@ -179,11 +185,8 @@ def recorded_additions(run: Mapping, ran: bool = False) -> list[str] | None:
     """The additions a runs.csv row recorded in its config column; with `ran`, without those that noted what
     ran instead on that machine (fell_back: FP8 in bf16 on a GPU without FP8, TF32 on a CPU). None where it
     recorded none (a peer's run, a row older than the column, a damaged cell)."""
-    try:
-        config = json.loads(str(run.get("config", "")))
-    except ValueError:
-        return None
-    additions = config.get("additions") if isinstance(config, dict) else None
+    config = _recorded_config(run)
+    additions = config.get("additions")
     if not isinstance(additions, list):
         return None
     fell_back = set(config.get("fell_back") or ()) if ran else set()

@@ -26,7 +26,8 @@ M, N, K = 3072, 65536, 768    # column-major: D[3072, 64*1024] = A[768, 3072]^T 
 one = torch.ones((), device=dev)
 
 
-def ask(a_t, b_t, c_t, d_t, epi):
+def ask(a_t: int, b_t: int, c_t: int, d_t: int, epi: int) -> tuple[int, int]:
+    """(the heuristic's status, its usable algorithms) for A, B, C and D of these cudaDataType_t values."""
     desc = ctypes.c_void_p()
     native.check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), L.CUBLAS_COMPUTE_32F, L.CUDA_R_32F), "create")
     L._set(lib, desc, L.CUBLASLT_MATMUL_DESC_TRANSA, ctypes.c_int32(L.CUBLAS_OP_T))

@@ -56,6 +56,17 @@ def test_what_torch_compile_ran_while_tracing_is_not_taken_for_the_step():
         assert watch.kernel() == "written_out"
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_the_step_that_compiles_names_the_kernel_its_compiled_code_then_ran():
+    # Under CUDA graphs the watched step is the first, which compiles: the operators traced are left out, the fused
+    # attention that Inductor's code calls as an external kernel is read.
+    compiled = torch.compile(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with attention.Watch(torch.device("cuda")) as watch:
+        compiled(q, k, v).sum().backward()
+    assert watch.kernel() in ("flash2", "cudnn", "efficient")
+
+
 def test_nothing_watched_names_no_kernel():
     assert attention.Watch(torch.device("cpu")).kernel() is None
 

@@ -65,6 +65,11 @@ def test_on_a_gpu_the_step_that_compiles_names_the_kernel_its_compiled_code_then
     with attention.Watch(torch.device("cuda")) as watch:
         compiled(q, k, v).sum().backward()
     assert watch.kernel() in ("flash2", "cudnn", "efficient")
+    # Held to math, Inductor writes attention out in kernels of its own: the SDPA operator it traced is left out.
+    torch._dynamo.reset()
+    with attention.Watch(torch.device("cuda")) as watch, attention.pinned("math"):
+        compiled(q, k, v).sum().backward()
+    assert watch.kernel() == "written_out"
 
 
 def test_nothing_watched_names_no_kernel():

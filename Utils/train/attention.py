@@ -58,13 +58,13 @@ class Watch:
 
     def kernel(self) -> str | None:
         """The attention kernel of what ran inside, or None if nothing was watched. Read off the profiler's raw
-        events rather than its FunctionEvents: under CUDA graphs the watched step is the one that compiled, with
-        hundreds of thousands of operators recorded while tracing, and parsing them into FunctionEvents took 5.9 s
-        after a 124M step on a CPU, this 0.3 s (BENCHMARKS.md, "Reading the watched step")."""
-        if self.profile is None:
+        events rather than its FunctionEvents: under CUDA graphs the watched step is the one that compiled, with over
+        100,000 operators recorded while tracing, and parsing them into FunctionEvents took 5.9 s after a 124M step
+        on a CPU, this 0.3 s (BENCHMARKS.md, "Reading the watched step")."""
+        results = self.profile.kineto_results if self.profile is not None else None
+        if results is None:   # nothing watched, or a profile that never started
             return None
-        events = [(e.name(), e.start_ns(), e.end_ns(), e.start_thread_id())
-                  for e in self.profile.kineto_results.events()]
+        events = [(e.name(), e.start_ns(), e.end_ns(), e.start_thread_id()) for e in results.events()]
         compiling = {}   # thread -> the (start, end) of each range in which torch.compile traced or compiled
         for name, start, end, thread in events:
             if name.endswith("(dynamo_timed)"):

@@ -2,7 +2,8 @@
 shape at batch 64 (D[3,072 x 65,536] = A[768 x 3,072]^T B[768 x 65,536], column-major), for each mix of A/B, C and
 D types, plain and with the DGELU epilogue: the first question behind writing c_fc's output gradient in FP8 from the
 GEMM that makes it (BENCHMARKS.md, "What 1.30x at 124M would take"). One line per mix: the heuristic's status
-(0 success, 15 not supported) and how many of its algorithms are usable.
+(0 success, 15 not supported) and how many of its algorithms (of the first
+Utils.kernels.cublaslt.CANDIDATES) are usable.
 
     python3 bench/cublaslt_fp8_out.py
 """
@@ -43,15 +44,8 @@ def ask(a_t: int, b_t: int, c_t: int, d_t: int, epi: int) -> tuple[int, int]:
         L._set(lib, desc, L.CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, ctypes.c_void_p(one.data_ptr()))
     a, b = L._layout(lib, a_t, K, M, K), L._layout(lib, b_t, K, N, K)
     c, d = L._layout(lib, c_t, M, N, M), L._layout(lib, d_t, M, N, M)
-    pref = ctypes.c_void_p()
-    native.check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "pref")
-    limit = ctypes.c_uint64(L.WORKSPACE_BYTES)
-    lib.cublasLtMatmulPreferenceSetAttribute(pref, L.CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit),
-                                             ctypes.sizeof(limit))
-    results, count = (L._HeuristicResult * 8)(), ctypes.c_int()
-    status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, c, d, pref, 8, results, ctypes.byref(count))
-    usable = sum(r.state == native.SUCCESS for r in results[:count.value]) if status == 0 else 0
-    return status, usable
+    status, usable = L.heuristic(lib, handle, desc, a, b, c, d)
+    return status, len(usable)
 
 
 for epi_name, epi in (("default", L.CUBLASLT_EPILOGUE_DEFAULT), ("dgelu", L.CUBLASLT_EPILOGUE_DGELU)):

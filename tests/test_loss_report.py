@@ -47,14 +47,20 @@ def test_each_addition_is_held_against_its_base_at_each_seed_and_the_seeds_gap_w
     assert HEADING in out and "With: `max`; without: the run named." in out
 
 
-def test_a_gap_wider_than_the_seeds_gap_is_not_kept_and_fused_runs_are_the_runs_without(tmp_path):
-    p = str(tmp_path)
+def _fused_pair(p: str, with_loss: float) -> dict:
+    """The loss row of fused+loss_kernel at seed 1 (its last steps at with_loss) against fused at seeds 1 and 2
+    (5.0 and 5.2: a seeds' gap of 0.2)."""
     add_loss_run(p, "fused", 1, 5.0, "fused-s1")
     add_loss_run(p, "fused", 2, 5.2, "fused-s2")
-    add_loss_run(p, "fused+loss_kernel", 1, 5.3, "loss-s1")
+    add_loss_run(p, "fused+loss_kernel", 1, with_loss, "loss-s1")
     rc, _, err = run_main(p)
     assert rc == 0, err
-    row = loss_rows(p)["fused+loss_kernel", "1"]
+    return loss_rows(p)["fused+loss_kernel", "1"]
+
+
+def test_a_gap_wider_than_the_seeds_gap_is_not_kept_and_fused_runs_are_the_runs_without(tmp_path):
+    p = str(tmp_path)
+    row = _fused_pair(p, 5.3)
     assert (row["with"], row["without"], row["gap"], row["seeds' gap without"], row["kept"]) == (
         "5.300", "5.000", "+0.300", "0.200", "no")
     assert "With: the run named; without: `fused`." in summary_text(p)
@@ -89,13 +95,7 @@ def test_runs_that_cannot_be_paired_leave_no_section(tmp_path, case):
 
 def test_a_gap_below_the_seeds_gap_on_the_low_side_is_not_kept_either(tmp_path):
     # the verdict is on |gap|: an addition that lowers the loss by more than a change of seed moves it too
-    p = str(tmp_path)
-    add_loss_run(p, "fused", 1, 5.0, "fused-s1")
-    add_loss_run(p, "fused", 2, 5.2, "fused-s2")
-    add_loss_run(p, "fused+loss_kernel", 1, 4.7, "loss-s1")
-    rc, _, err = run_main(p)
-    assert rc == 0, err
-    row = loss_rows(p)["fused+loss_kernel", "1"]
+    row = _fused_pair(str(tmp_path), 4.7)
     assert (row["gap"], row["seeds' gap without"], row["kept"]) == ("-0.300", "0.200", "no")
 
 

@@ -146,6 +146,18 @@ def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dt
     a = _layout(lib, dtype, k, m, k) if trans_a == CUBLAS_OP_T else _layout(lib, dtype, m, k, m)
     b = _layout(lib, dtype, n, k, ld_b) if trans_b == CUBLAS_OP_T else _layout(lib, dtype, k, n, ld_b)
     d = _layout(lib, out_dtype, m, n, m)
+    status, usable = heuristic(lib, handle, desc, a, b, d, d)
+    native.check(status, "cublasLtMatmulAlgoGetHeuristic")
+    if not usable:
+        raise RuntimeError(f"cuBLASLt has no algorithm for epilogue {epilogue} at m={m} n={n} k={k}")
+    _plans[key] = [desc, a, b, d, usable, None]   # None: the fastest not yet known
+    return _plans[key]
+
+
+def heuristic(lib, handle, desc, a, b, c, d) -> tuple[int, list]:
+    """(cuBLASLt's status, the usable ones of its first CANDIDATES algorithms) for the matmul descriptor `desc`
+    and the layouts of A, B, C and D, with WORKSPACE_BYTES of workspace; no algorithm where the status is not
+    success."""
     preference = ctypes.c_void_p()
     native.check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "cublasLtMatmulPreferenceCreate")
     limit = ctypes.c_uint64(WORKSPACE_BYTES)
@@ -153,16 +165,13 @@ def _plan(device_index, epilogue, trans_a, trans_b, m, n, k, dtype, ld_b, out_dt
                                                           ctypes.byref(limit), ctypes.sizeof(limit)),
                  "cublasLtMatmulPreferenceSetAttribute")
     results, count = (_HeuristicResult * CANDIDATES)(), ctypes.c_int()
-    status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, d, d, preference, CANDIDATES, results,
+    status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, c, d, preference, CANDIDATES, results,
                                                 ctypes.byref(count))
     lib.cublasLtMatmulPreferenceDestroy(preference)
-    native.check(status, "cublasLtMatmulAlgoGetHeuristic")
+    if status != native.SUCCESS:
+        return status, []
     # A result's other fields hold only where its state is success (cublasLt.h, cublasLtMatmulHeuristicResult_t).
-    usable = [r for r in results[:count.value] if r.state == native.SUCCESS]
-    if not usable:
-        raise RuntimeError(f"cuBLASLt has no algorithm for epilogue {epilogue} at m={m} n={n} k={k}")
-    _plans[key] = [desc, a, b, d, usable, None]   # None: the fastest not yet known
-    return _plans[key]
+    return status, [r for r in results[:count.value] if r.state == native.SUCCESS]
 
 
 def _fastest(launch, candidates):

@@ -10,8 +10,8 @@ from Utils.train.cli import UsageError, parse_args
 from Utils.train.data import TokenLoader, load_tokens
 from Utils.train.failures import out_of_memory
 from Utils.train.loop import StepClock, make_step
-from Utils.train.micro import PROBE_STEPS, NothingFits, search
-from Utils.train.run import _probe, main
+from Utils.train.micro import PROBE_STEPS, NothingFits, _probe, search
+from Utils.train.run import main
 
 from conftest import read_csv
 
@@ -208,7 +208,7 @@ def test_an_error_that_is_not_out_of_memory_is_not_taken_for_one(monkeypatch):
 def test_cold_caches_renewed_after_the_search_leave_the_run_an_empty_folder_and_remove_every_one(monkeypatch):
     import os
 
-    from Utils.train.run import cold_caches
+    from Utils.train.compile_caches import cold_caches
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/kept")
     with cold_caches(True) as renew:
         first = os.environ["TORCHINDUCTOR_CACHE_DIR"]
@@ -293,7 +293,7 @@ def _hint(additions, seq_len, cap, fits_up_to, weights=0.5, states=1.0, **seen_t
     up to `fits_up_to` tokens; returns (its message, the SEQ_LENs it tried)."""
     from dataclasses import replace
 
-    from Utils.train.run import _nothing_fits
+    from Utils.train.micro import _nothing_fits
     cfg = replace(parse_args(["--steps", "4", "--batch-size", "4", "--prefix", "p", "--model", "gpt2",
                               "--seq-len", str(seq_len), "--data", "synthetic"]), gpu_memory_gib=cap)
     tried = []
@@ -330,7 +330,7 @@ def _unloaded(additions):
     """The advice where gpt2 did not even load on a 1 GiB card: its weights counted, not measured."""
     from dataclasses import replace
 
-    from Utils.train.run import _nothing_fits
+    from Utils.train.micro import _nothing_fits
     cfg = replace(parse_args(["--steps", "4", "--batch-size", "4", "--prefix", "p", "--model", "gpt2",
                               "--data", "synthetic"]), gpu_memory_gib=1.0)
     return _nothing_fits(additions, cfg, CPU, {}, lambda c: None, lambda line: None)
@@ -343,7 +343,7 @@ def test_the_hint_counts_bf16_weights_with_fp32_masters_under_master_weights():
     assert "take 2.00 GiB (measured)" in message and message.endswith(
         "the 8bit rung's optimizer states take a quarter of AdamW's, 1.25 GiB in all: try it (make 8bit)")
     # Not loaded: 2 bytes a parameter counted, and 16 with the gradients and states.
-    from Utils.train.run import _parameters
+    from Utils.train.micro import _parameters
     message = _unloaded(("bf16", "master_weights"))
     weights = 2 * _parameters("gpt2") / 2**30
     assert f"the weights ({weights:.2f} GiB)" in message and f"take {8 * weights:.2f} GiB (estimated" in message
@@ -351,7 +351,7 @@ def test_the_hint_counts_bf16_weights_with_fp32_masters_under_master_weights():
 
 def test_the_hint_counts_8_bytes_a_parameter_without_masters():
     """stochastic_rounding: bf16 weights, gradients, m and v, 8 bytes a parameter, half of master_weights' 16."""
-    from Utils.train.run import _parameters
+    from Utils.train.micro import _parameters
     message = _unloaded(("bf16", "stochastic_rounding"))
     weights = 2 * _parameters("gpt2") / 2**30
     assert f"the weights ({weights:.2f} GiB)" in message and f"take {4 * weights:.2f} GiB (estimated" in message
@@ -376,7 +376,7 @@ def test_the_hint_counts_gradients_kept_between_steps_once_and_counts_weights_th
     message, _ = _hint(("tf32",), 1024, 3.5, fits_up_to=256, grads_kept=True, states=1.5)
     assert "take 2.00 GiB (measured)" in message
     # The model itself did not load: its fp32 weights counted (gpt2: 124.4M parameters x 4 bytes), AdamW's on top.
-    from Utils.train.run import _parameters
+    from Utils.train.micro import _parameters
     message = _unloaded(("tf32",))
     weights = 4 * _parameters("gpt2") / 2**30
     assert f"the weights ({weights:.2f} GiB)" in message and f"take {4 * weights:.2f} GiB (estimated" in message
@@ -431,9 +431,9 @@ def test_only_a_single_process_run_auto_chose_starts_again_and_only_on_out_of_me
                                                                                      smaller):
     from dataclasses import replace
     from types import SimpleNamespace
-    from Utils.train.run import _smaller_micro_batch
+    from Utils.train.micro import smaller_micro_batch
     cfg = replace(_config(), batch_size=12, micro_batch=6)
-    assert _smaller_micro_batch(error, cfg, auto, SimpleNamespace(active=active), restarts) == smaller
+    assert smaller_micro_batch(error, cfg, auto, SimpleNamespace(active=active), restarts) == smaller
 
 
 def test_a_micro_batch_given_outright_that_runs_out_of_memory_ends_oom_naming_a_smaller_one(tmp_path, monkeypatch):

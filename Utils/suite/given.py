@@ -1,6 +1,5 @@
 """The variables a command was given: NAME=value words as make passes them, the environment as the fallback
 (make's own precedence), and the interpreter that starts every child."""
-import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence

@@ -9,7 +9,7 @@ replace the traced attention with another kernel, or with its own.
 """
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

@@ -7,17 +7,14 @@ import json
 import math
 import os
 import shlex
-import shutil
 import sys
-import tempfile
 import traceback
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Callable, NamedTuple
 
-import numpy as np
 import torch
 from torch.nn import Module
 
@@ -27,13 +24,15 @@ from Utils.model_config import PRESETS, GPTConfig
 from Utils.results import metrics
 from Utils.results.store import ResultsError, append_run, check_prefix
 from Utils.train.attention import cannot_run
-from Utils.train.cli import RunConfig, UsageError, divisors, parse_args
+from Utils.train.cli import RunConfig, UsageError, parse_args
+from Utils.train.compile_caches import autograd_cache_unless, cold_caches, compile_cache, compile_counts
 from Utils.train.data import DataError, TokenLoader, check_enough_tokens, load_tokens
 from Utils.train.failures import compile_failure, first_line, out_of_memory
 from Utils.train.interrupts import EXIT_INTERRUPTED, Interrupts
 from Utils.train import distributed
-from Utils.train.loop import StepClock, make_step, train
-from Utils.train.micro import PROBE_STEPS, NothingFits, allocator_settings, attempt, cap_memory, free, search
+from Utils.train.loop import train
+from Utils.train.micro import (NothingFits, allocator_settings, cap_memory, choose_micro_batch, free,
+                               next_divisor_below, smaller_micro_batch)
 from Utils.train.provenance import provenance
 from Utils.train.record import Run
 from Utils.train.usage import fail
@@ -85,68 +84,6 @@ def check_sdpa_backend(additions: tuple, cfg: RunConfig, peer: "Peer | None" = N
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "this CPU"
         raise UsageError(f"SDPA_BACKEND={cfg.sdpa_backend} cannot run this run's attention ({str(dtype)[6:]}, head "
                          f"size {head_dim}) on {where}: {why}; use SDPA_BACKEND=auto, or another backend")
-
-
-def compile_counts() -> tuple[int, int]:
-    """(graphs loaded from Inductor's caches, graphs compiled) so far in this process: torch's own counters
-    of its FX graph and AOTAutograd caches (a bypass compiles, as a miss does)."""
-    from torch._dynamo.utils import counters
-    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
-    compiled = sum(counters[group][f"{kind}_cache_{what}"] for group, kind in
-                   (("inductor", "fxgraph"), ("aot_autograd", "autograd")) for what in ("miss", "bypass"))
-    return hits, compiled
-
-
-def compile_cache(before: tuple[int, int]) -> str | None:
-    """Since compile_counts() returned `before`: warm when every graph came from the caches, cold when every one
-    was compiled, partial when some were (a graph the cache bypasses, e.g. one around a CUDA graph's custom
-    kernels, compiles every time); None when there was nothing to compile."""
-    hits, compiled = (now - then for now, then in zip(compile_counts(), before))
-    if not hits and not compiled:
-        return None
-    return "partial" if hits and compiled else "cold" if compiled else "warm"
-
-
-@contextlib.contextmanager
-def cold_caches(cold: bool) -> Iterator[Callable[[], None]]:
-    """With `cold`, Inductor and Triton compile into an empty folder of their own, removed afterwards: the
-    compile time of a fresh machine (make ... COLD=1). Yields `renew`, which moves them to another empty folder:
-    after MICRO_BATCH=auto's tries have compiled, the measured run still compiles cold."""
-    if not cold:
-        yield lambda: None
-        return
-    folders = []
-
-    def renew() -> None:
-        folders.append(tempfile.mkdtemp(prefix="cold-compile-"))
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folders[-1]
-        os.environ["TRITON_CACHE_DIR"] = os.path.join(folders[-1], "triton")
-
-    saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    renew()
-    try:
-        yield renew
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        for folder in folders:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def autograd_cache_unless(pinned: bool) -> Iterator[None]:
-    """With SDPA_BACKEND pinned, no AOTAutograd cache: its key is the graph before SDPA picks a kernel, so it
-    hands back a graph compiled under PyTorch's own choice (BENCHMARKS.md, "Which attention kernel the `flash`
-    rung runs"). Traced again, the graph holds the pinned kernel's operator, which Inductor's own cache keys on."""
-    if not pinned:
-        yield
-        return
-    import torch._functorch.config as functorch_config
-    with functorch_config.patch(enable_autograd_cache=False):
-        yield
 
 
 def add_run_figures(additions: tuple, cfg: RunConfig, run: Run, rows: list,
@@ -218,122 +155,6 @@ class Peer(NamedTuple):
     about: Callable[[], str]                   # what it is, with its version, for the run's notes
 
 
-def choose_micro_batch(additions: tuple, cfg: RunConfig, device: torch.device, tokens: np.ndarray,
-                       dist: distributed.Dist, peer: Peer | None, run: Run) -> RunConfig:
-    """cfg with its micro-batch settled: MICRO_BATCH as given; auto: the whole batch on a CPU (and under FSDP,
-    whose memory a probe without the other ranks would not show), else the largest that fits (Utils.train.micro),
-    on every rank. Recorded in `run`."""
-    micro = cfg.micro_batch
-    if micro is None and (device.type != "cuda" or cfg.parallel == "fsdp"):
-        micro = cfg.batch_size
-    elif micro is None:
-        seen = {}
-        say = lambda line: dist.main and print(line, flush=True)   # noqa: E731
-        say(f"micro-batch search (MICRO_BATCH=auto): the largest divisor of BATCH_SIZE={cfg.batch_size} whose step "
-            f"fits" + (f" in GPU_MEMORY_GIB={cfg.gpu_memory_gib:g}" if cfg.gpu_memory_gib else ""))
-        try:
-            fit = search(cfg.batch_size, lambda m: _probe(additions, cfg, m, device, tokens, dist, peer, seen),
-                         out_of_memory, device, say)
-        except NothingFits:
-            fit = None
-        # Every rank takes part, a rank where nothing fits too (its 0 is the smallest), so that none waits alone.
-        micro = distributed.smallest(fit.micro_batch if fit else 0, device)
-        if micro == 0:
-            if fit:
-                raise NothingFits("not even MICRO_BATCH=1 fits on another rank's GPU")
-            raise NothingFits(_nothing_fits(additions, cfg, device, seen, lambda c: _probe(
-                additions, c, 1, device, tokens, dist, peer, {}), say))
-        if dist.main:
-            left = f"; {', '.join(map(str, fit.too_large))} did not fit" if fit.too_large else ""
-            print(f"micro-batch: {micro} rows, {cfg.batch_size // micro} a step (auto{left}; the search took "
-                  f"{fit.probe_s:.1f} s, outside the measured steps)", flush=True)
-    run.micro_batch, run.accumulation_steps = micro, cfg.batch_size // micro
-    return replace(cfg, micro_batch=micro)
-
-
-def _probe(additions, cfg, micro, device, tokens, dist, peer, seen) -> None:
-    """PROBE_STEPS steps at `micro` rows a micro-batch, of the run built as it will run (its own copy, thrown
-    away after). Each step holds two micro-batches, not BATCH_SIZE / micro: the gradients accumulate in place, so
-    the second micro-batch already reaches the peak of any later one, and a try at 1 row of 256 takes seconds, not
-    minutes. Under DDP without the other ranks: their gradient buckets add little. Notes in `seen` the memory of
-    the weights, and of the weights and optimizer states after a step."""
-    cuda = device.type == "cuda"
-    cfg = replace(cfg, batch_size=min(cfg.batch_size, 2 * micro), micro_batch=micro)
-    loader = TokenLoader(tokens, cfg.batch_size, cfg.seq_len, pin_memory=cuda, rank=dist.rank, world=dist.world_size)
-    b = build(additions, device, PRESETS[cfg.model], cfg.seed, loader,
-              **({"make_model": peer.make_model} if peer else {}))
-    if cuda:
-        seen.setdefault("weights", torch.cuda.memory_allocated(device))
-    clock = StepClock(device)
-    step = make_step(b, cfg, clock)
-    for i in range(PROBE_STEPS):
-        clock.wait(step()[0])
-        if i == 0 and cuda:
-            seen.setdefault("after_step", torch.cuda.memory_allocated(device))
-            # kept between steps (accumulating under CUDA graphs), the gradients are in after_step already
-            seen.setdefault("grads_kept", any(p.grad is not None for p in b.model.parameters()))
-
-
-# The fraction of the memory that the fixed part may take and leave room for activations.
-ROOM = 0.75
-
-
-def _nothing_fits(additions: tuple, cfg: RunConfig, device: torch.device, seen: dict,
-                  try_row: Callable[[RunConfig], None], say: Callable[[str], None]) -> str:
-    """Why not even one row fits, from what the probe measured (the memory that does not grow with the batch:
-    weights, their gradients, the optimizer's states), and a setting that fits: shorter sequences, each tried
-    (try_row runs one row a micro-batch under a config), where the fixed part leaves room; else the 8bit rung or
-    a smaller MODEL, their fixed part computed from the one measured here."""
-    cap = cfg.gpu_memory_gib or torch.cuda.get_device_properties(device).total_memory / 2**30
-    # Bytes a parameter: 4 for a weight in fp32, 2 under master_weights (bf16, with an fp32 master in the
-    # optimizer). Weights, gradients and AdamW's states come to 16 either way: 4 + 4 + 8, or 2 + 2 + 4 + 8; to 8
-    # without masters and with bf16 states (stochastic_rounding).
-    kinds = {ADDITIONS[a].optimizer for a in additions}
-    weight_bytes = 2 if kinds & {"master", "stochastic"} else 4
-    held = 8 if "stochastic" in kinds else 16
-    if "weights" in seen:
-        weights = seen["weights"] / 2**30
-    else:   # the model itself did not fit: its weights, counted
-        weights = weight_bytes * _parameters(cfg.model) / 2**30
-    params = weights / weight_bytes   # in 2**30 parameters
-    if "after_step" in seen:   # weights and states measured; the gradients are as large as the weights
-        fixed, how = seen["after_step"] / 2**30 + (0 if seen.get("grads_kept") else weights), "measured"
-    else:                      # no step finished: weights, gradients and AdamW's two fp32 states, counted
-        fixed, how = held * params, "estimated from the weights"
-    start = (f"out of memory at MICRO_BATCH=1: of {cap:.1f} GiB, the weights ({weights:.2f} GiB), their gradients "
-             f"and the optimizer's states take {fixed:.2f} GiB ({how}) before any activation")
-    if fixed < ROOM * cap:
-        seq_len = cfg.seq_len // 2
-        while seq_len >= 64:
-            if attempt(f"SEQ_LEN={seq_len}, MICRO_BATCH=1", lambda: try_row(replace(cfg, seq_len=seq_len)),
-                       out_of_memory, device, say):
-                return (start + f", leaving {cap - fixed:.2f} GiB, less than one row's activations at "
-                        f"SEQ_LEN={cfg.seq_len}; one row at SEQ_LEN={seq_len} fits (tried): run with SEQ_LEN={seq_len}")
-            seq_len //= 2
-        start += f"; not even one row at SEQ_LEN={seq_len * 2} fits (tried)"
-    # AdamW keeps two fp32 states a parameter (8 bytes); bitsandbytes' AdamW8bit one byte each (2). The 8bit rung
-    # keeps fp32 weights and gradients: against master_weights' bf16 ones and fp32 master, as many bytes (+4 - 4);
-    # 10 bytes in all, against stochastic_rounding's 8.
-    eight_bit = fixed - (held - 10) * params
-    if all(ADDITIONS[a].optimizer != "8bit" for a in additions) and eight_bit < min(fixed, ROOM * cap):
-        return start + (f"; the 8bit rung's optimizer states take a quarter of AdamW's, {eight_bit:.2f} GiB "
-                        f"in all: try it (make 8bit)")
-    sizes = {m: _parameters(m) for m in PRESETS}
-    smaller = [m for m in PRESETS if sizes[m] < sizes[cfg.model] and fixed * sizes[m] / sizes[cfg.model] < ROOM * cap]
-    if smaller:
-        best = max(smaller, key=sizes.get)
-        return start + (f"; MODEL={best} ({sizes[best] / 1e6:.0f}M parameters) would take about "
-                        f"{fixed * sizes[best] / sizes[cfg.model]:.2f} GiB before any activation: try it")
-    return start + "; no MODEL preset leaves room on this card"
-
-
-def _parameters(model: str) -> int:
-    """The parameter count of a MODEL preset, from a model built on the meta device (no memory)."""
-    from Utils.model import GPT
-    with torch.device("meta"):
-        return sum(p.numel() for p in GPT(PRESETS[model]).parameters())
-
-
 def _build_and_train(additions: tuple, cfg: RunConfig, device: torch.device, tokens, dist, peer: Peer | None,
                      run: Run, rows: list, held: dict, config: dict, interrupts: Interrupts) -> str | None:
     """Build the run as cfg says (held["build"]), note what the build says in `run`, and train; train's return."""
@@ -348,28 +169,6 @@ def _build_and_train(additions: tuple, cfg: RunConfig, device: torch.device, tok
     for note in held["build"].notes if dist.main else ():
         print(f"note: {note}")
     return train(held["build"], cfg, run, rows, interrupts)
-
-
-# How many times a run starts again smaller. One step down covers a search whose fit had no margin left; an
-# out-of-memory that fewer rows do not cure (memory that grows step by step) ends the run instead of costing a
-# rebuild and a compile at every divisor.
-MAX_RESTARTS = 2
-
-
-def _smaller_micro_batch(error: BaseException, cfg: RunConfig, auto: bool, dist, restarts: int) -> int | None:
-    """The next divisor below cfg's micro-batch, at which a run whose micro-batch MICRO_BATCH=auto chose starts
-    again when it runs out of memory after all (at most MAX_RESTARTS times), else None. The search's steps leave
-    the allocator in another state than the run's, so a fit without margin can still run out (BENCHMARKS.md,
-    "Small cards"): the run itself is the last try. Not under several processes: the other ranks are inside a
-    collective, and one rank cannot start again alone."""
-    if not auto or dist.active or restarts >= MAX_RESTARTS or not out_of_memory(error):
-        return None
-    return _next_divisor_below(cfg.batch_size, cfg.micro_batch)
-
-
-def _next_divisor_below(batch: int, micro: int) -> int | None:
-    """The largest divisor of `batch` under `micro`: where a run that ran out of memory goes next; None at 1."""
-    return next((d for d in divisors(batch) if d < micro), None)
 
 
 def run(additions: tuple, cfg: RunConfig, command: str, peer: Peer | None = None) -> int:
@@ -472,11 +271,12 @@ def _train_until_it_fits(additions: tuple, tries: Tries, device: torch.device, t
                          peer: Peer | None, run: Run, config: dict, interrupts: Interrupts,
                          renew_cold_caches: Callable[[], None]) -> None:
     """Settle the micro-batch and train, starting again one divisor smaller where the run itself runs out of
-    memory (_smaller_micro_batch). The only place a signal raises: every handler after it runs disarmed."""
+    memory (smaller_micro_batch). The only place a signal raises: every handler after it runs disarmed."""
     try:
         interrupts.arm()
         cap_memory(device, tries.cfg.gpu_memory_gib)
-        tries.cfg = choose_micro_batch(additions, tries.cfg, device, tokens, dist, peer, run)
+        tries.cfg = choose_micro_batch(additions, tries.cfg, device, tokens, dist,
+                                       peer.make_model if peer else None, run)
         while True:
             if interrupts.requested:   # a signal whose exception a finalizer swallowed while freeing
                 raise KeyboardInterrupt
@@ -488,7 +288,7 @@ def _train_until_it_fits(additions: tuple, tries: Tries, device: torch.device, t
                                                tries.held, config, interrupts)
                 break
             except Exception as e:   # noqa: BLE001 - raised again unless the run may start again smaller
-                smaller = _smaller_micro_batch(e, tries.cfg, tries.auto, dist, len(tries.restarts))
+                smaller = smaller_micro_batch(e, tries.cfg, tries.auto, dist, len(tries.restarts))
                 if smaller is None:
                     raise
             # outside the handler: the exception's frames no longer hold the run's tensors
@@ -537,7 +337,7 @@ def _oom_message(tries: Tries, peak: float | None) -> str:
     """What ran out of memory after how many steps, at what peak, after which restarts, and what to try next."""
     cfg, restarts = tries.cfg, tries.restarts
     micro = cfg.micro_batch or cfg.batch_size
-    smaller = _next_divisor_below(cfg.batch_size, micro)
+    smaller = next_divisor_below(cfg.batch_size, micro)
     return (f"out of memory at MICRO_BATCH={micro} (BATCH_SIZE={cfg.batch_size}) after {len(tries.rows)} steps"
             + (f" (peak {peak:.1f} GiB allocated)" if peak is not None else "")
             + (f", the run having run out at {', '.join(map(str, restarts))} before (MICRO_BATCH=auto "

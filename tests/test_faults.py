@@ -11,7 +11,7 @@ import torch
 from Utils import model as model_module
 from Utils.results.schema import RUN_COLUMNS, STEP_COLUMNS
 from Utils.results.store import check_file
-from Utils.train.run import EXIT_INTERRUPTED, EXIT_OOM, EXIT_SKIPPED, main
+from Utils.train.run import EXIT_OOM, EXIT_SKIPPED, main
 
 from conftest import REPO_ROOT as REPO, make, read_csv
 

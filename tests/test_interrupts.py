@@ -12,7 +12,8 @@ import pytest
 from Utils.results.schema import RUN_COLUMNS, STEP_COLUMNS
 from Utils.results.store import check_file
 from Utils.train import run as run_module
-from Utils.train.run import EXIT_INTERRUPTED, main
+from Utils.train.interrupts import EXIT_INTERRUPTED
+from Utils.train.run import main
 
 from conftest import REPO_ROOT, read_csv
 

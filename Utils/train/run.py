@@ -28,7 +28,7 @@ from Utils.train.cli import RunConfig, UsageError, parse_args
 from Utils.train.compile_caches import autograd_cache_unless, cold_caches, compile_cache, compile_counts
 from Utils.train.data import DataError, TokenLoader, check_enough_tokens, load_tokens
 from Utils.train.failures import compile_failure, first_line, out_of_memory
-from Utils.train.interrupts import EXIT_INTERRUPTED, Interrupts
+from Utils.train.interrupts import Interrupts
 from Utils.train import distributed
 from Utils.train.loop import train
 from Utils.train.micro import (NothingFits, allocator_settings, cap_memory, choose_micro_batch, free,

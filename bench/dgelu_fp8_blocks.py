@@ -1,0 +1,187 @@
+"""Times the lever that "What 1.30x at 124M would take" (BENCHMARKS.md) counts largest: c_proj's DGELU GEMM writing
+the MLP's gradient grad_h in FP8 as well as in bf16, so that c_fc's input-gradient GEMM reads it in FP8 with no
+cast pass. cuBLASLt offers no DGELU GEMM with an FP8 output (bench/cublaslt_fp8_out.py), so the GEMM is Triton's
+(bench/dgelu_triton.py's kernel), and the scale is one per 128 columns of a row: a tile of 128 columns holds each
+block whole, so the epilogue finds the block's amax and casts it with no state across steps and no pass over a whole
+row. `torch._scaled_mm` takes such an operand with the weight in 128 x 128 blocks (cuBLASLt's block scaling, CUDA
+12.9 or newer on Hopper); the weight's blocks here all carry its one scale.
+
+At each of issue 55's sizes, one layer's MLP backward through grad_h, µs, each replayed as a CUDA graph:
+- cuBLASLt's bf16 DGELU GEMM (what `max` runs) and Triton's, bf16 only and with the FP8 blocks;
+- c_fc's input-gradient GEMM: bf16; on the FP8 blocks; the same GEMM with one scale an operand (the fastest FP8
+  form); and `fp8_dgrad`'s row cast and GEMM (Utils.kernels.fp8_linear.input_grad, in `max` at gpt2-xl);
+- the lever a layer: cuBLASLt DGELU + the GEMM `max` runs at that size, less Triton's DGELU with blocks + the block
+  GEMM; and a step (times the layers).
+Each output is checked: Triton's grad_h against the fp32 reference, its FP8 blocks against its bf16 grad_h, the
+block GEMM against the product of its dequantized operands. The exit status is 1 where one is off.
+
+    python3 bench/dgelu_fp8_blocks.py
+"""
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.dgelu_triton import _tile, _times_gelu_grad  # noqa: E402
+from bench.fp8_dgrad import SEQ_LEN, SIZES, replayed  # noqa: E402
+from bench.gelu_epilogue import bench  # noqa: E402
+from bench.packed_attention import graphed  # noqa: E402
+from Utils.kernels import cublaslt, fp8, fp8_linear  # noqa: E402
+from Utils.model_config import PRESETS  # noqa: E402
+
+BLOCK = 128   # columns a scale covers: cuBLASLt's 1 x 128 blocks
+
+
+@triton.jit
+def _store(acc, h_desc, c_desc, q_desc, s_ptr, om, on, M, BM: tl.constexpr, FP8: tl.constexpr):
+    # grad_h in bf16, and with FP8 its e4m3 copy: each row of this 128-column block scaled by the largest power of two
+    # that keeps its amax within 448 (fp8_rows' rule), the inverse scale stored column-major, as cuBLASLt reads it.
+    g = _times_gelu_grad(acc, h_desc.load([om, on]).to(tl.float32))
+    c_desc.store([om, on], g.to(tl.bfloat16))
+    if FP8:
+        amax = tl.maximum(tl.max(tl.abs(g), axis=1), 1e-12)
+        scale = ((tl.math.div_rn(1.0, amax) * 448.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32,
+                                                                                                   bitcast=True)
+        q_desc.store([om, on], tl.clamp(g * scale[:, None], -448.0, 448.0).to(q_desc.dtype))
+        rows = om + tl.arange(0, BM)
+        tl.store(s_ptr + (on // 128) * M + rows, 1.0 / scale, mask=rows < M)
+
+
+@triton.jit
+def _dgelu_kernel(a_desc, b_desc, h_desc, c_desc, q_desc, s_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, HALVES: tl.constexpr,
+                  WS: tl.constexpr, FP8: tl.constexpr):
+    num_pid_m, num_pid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True, warp_specialize=WS):
+        pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        om, on = pid_m * BM, pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(tl.cdiv(K, BK)):
+            acc = tl.dot(a_desc.load([om, ki * BK]), b_desc.load([ki * BK, on]), acc)
+        if HALVES:   # two 128-column halves: fewer registers live in the epilogue
+            a0, a1 = tl.split(tl.reshape(acc, (BM, 2, BN // 2)).permute(0, 2, 1))
+            _store(a0, h_desc, c_desc, q_desc, s_ptr, om, on, M, BM, FP8)
+            _store(a1, h_desc, c_desc, q_desc, s_ptr, om, on + BN // 2, M, BM, FP8)
+        else:
+            _store(acc, h_desc, c_desc, q_desc, s_ptr, om, on, M, BM, FP8)
+
+
+# Each stores blocks of 128 columns: BN 256 in halves, or 128 whole. The first two are dgelu_triton.BEST's first
+# and third, the fastest on an H200 at 124M.
+CONFIGS = [dict(BM=128, BN=256, BK=64, stages=3, warps=8, halves=True, ws=True),
+           dict(BM=128, BN=256, BK=32, stages=5, warps=8, halves=True, ws=False),
+           dict(BM=256, BN=128, BK=64, stages=3, warps=8, halves=False, ws=False)]
+
+
+def dgelu(grad, weight, h, out, q, scales, cfg, fp8_out):
+    """A launcher of the kernel: out = (grad @ weight) * gelu'(h) in bf16 and, with fp8_out, q (e4m3) and scales
+    ([N / 128, M] fp32, each block's inverse scale)."""
+    (M, K), N = grad.shape, h.size(1)
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    part = [BM, BN // 2] if cfg["halves"] else [BM, BN]
+    descs = (TensorDescriptor.from_tensor(grad, [BM, BK]), TensorDescriptor.from_tensor(weight, [BK, BN]),
+             TensorDescriptor.from_tensor(h, part), TensorDescriptor.from_tensor(out, part),
+             TensorDescriptor.from_tensor(q, part))
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    programs = min(torch.cuda.get_device_properties(grad.device).multi_processor_count, tiles)
+    return lambda: _dgelu_kernel[(programs,)](*descs, scales, M, N, K, BM=BM, BN=BN, BK=BK, GROUP_M=8,
+                                              PROGRAMS=programs, HALVES=cfg["halves"], WS=cfg["ws"], FP8=fp8_out,
+                                              num_stages=cfg["stages"], num_warps=cfg["warps"])
+
+
+def block_scales_of_weight(w_inv: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """The weight's one inverse scale as cuBLASLt's 128 x 128 blocks of B [k, n]: [k / 128, n / 128], the k blocks
+    contiguous in a buffer padded to a multiple of 4 of them (the layout PyTorch's tests give it)."""
+    kb, nb = triton.cdiv(k, BLOCK), triton.cdiv(n, BLOCK)
+    return w_inv.reshape(1, 1).expand(nb, 4 * triton.cdiv(kb, 4)).contiguous().t()[:kb]
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def one_layer(tokens: int, C: int) -> tuple[dict, dict]:
+    """(µs of each form at this shape, the errors) for one MLP: grad [tokens, C], c_proj's weight [C, 4C], h and
+    grad_h [tokens, 4C], c_fc's weight [4C, C]."""
+    N = 4 * C
+    grad = (torch.randn(tokens, C, device="cuda") * 1e-3).bfloat16()
+    w_proj = (torch.randn(C, N, device="cuda") * 0.02).bfloat16()
+    h = torch.randn(tokens, N, device="cuda").bfloat16()
+    w_fc = (torch.randn(N, C, device="cuda") * 0.02).bfloat16()
+    times, errors = {}, {}
+    times["cuBLASLt DGELU"] = bench(graphed(lambda: cublaslt.linear_dgelu(grad, w_proj, h)))
+    ref = cublaslt.reference_linear_dgelu(grad.float(), w_proj.float(), h.float())
+    out, q = torch.empty_like(h), torch.empty(h.shape, dtype=fp8.E4M3, device="cuda")
+    scales = torch.empty(triton.cdiv(N, BLOCK), tokens, device="cuda")
+    for fp8_out, name in ((False, "Triton DGELU"), (True, "Triton DGELU, blocks")):
+        best = None
+        for cfg in CONFIGS:
+            try:
+                run = dgelu(grad, w_proj, h, out, q, scales, cfg, fp8_out)
+                run()
+                us = bench(graphed(run))
+            except Exception as e:   # a configuration that does not fit (shared memory) or compile
+                print(f"  {name} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+                continue
+            best = min(best or (us, cfg), (us, cfg), key=lambda t: t[0])
+            errors[name] = max(errors.get(name, 0.0), relative(out, ref))
+            if fp8_out:
+                errors["blocks against bf16"] = max(errors.get("blocks against bf16", 0.0), relative(
+                    q.float() * scales.t().repeat_interleave(BLOCK, dim=1)[:, :N], out))
+        times[name] = best[0] if best else float("nan")
+        print(f"  {name}: best {best}", flush=True)
+    a_scales = scales.t()   # [tokens, N / 128], column-major: cuBLASLt's layout for 1 x 128 blocks
+    w8, w_inv = fp8.to_e4m3(w_fc)
+    b8 = w8.t().contiguous().t()   # [N, C] column-major, as _scaled_mm reads its second operand
+    b_scales = block_scales_of_weight(w_inv, N, C)
+    grad_h = out.clone()
+    times["c_fc bf16"] = bench(graphed(lambda: grad_h @ w_fc))
+    try:
+        blocks = torch._scaled_mm(q, b8, scale_a=a_scales, scale_b=b_scales, out_dtype=torch.bfloat16)
+        times["c_fc blocks"] = bench(graphed(lambda: torch._scaled_mm(q, b8, scale_a=a_scales, scale_b=b_scales,
+                                                                      out_dtype=torch.bfloat16)))
+        dequantized = (q.float() * a_scales.repeat_interleave(BLOCK, dim=1)[:, :N]) @ (w8.float() * w_inv)
+        errors["block GEMM"] = relative(blocks, dequantized)
+    except RuntimeError as e:
+        print(f"  block GEMM: {str(e).splitlines()[0][:160]}")
+        times["c_fc blocks"] = float("nan")
+    one = w_inv.new_ones(())
+    times["c_fc one scale"] = bench(graphed(lambda: torch._scaled_mm(q, b8, scale_a=one, scale_b=w_inv,
+                                                                     out_dtype=torch.bfloat16)))
+    times["c_fc rows (fp8_dgrad)"] = bench(replayed(fp8_linear.input_grad, grad_h, w_fc)[0])
+    return times, errors
+
+
+COLUMNS = ("cuBLASLt DGELU", "Triton DGELU", "Triton DGELU, blocks", "c_fc bf16", "c_fc blocks", "c_fc one scale",
+           "c_fc rows (fp8_dgrad)")
+
+
+def main() -> int:
+    why = fp8.unavailable(torch.device("cuda")) if torch.cuda.is_available() else "no CUDA GPU"
+    if why:
+        sys.exit(f"error: this benchmark needs a GPU that runs FP8 GEMMs ({why})")
+    torch.manual_seed(0)
+    print(torch.__version__, "Triton", triton.__version__, torch.version.cuda, torch.cuda.get_device_name(), flush=True)
+    failed = False
+    print(f"{'µs a layer':18}" + "".join(f"{c:>23}" for c in COLUMNS) + f"{'lever a layer':>15}{'ms a step':>11}")
+    for model, batch in SIZES:
+        config = PRESETS[model]
+        print(f"{model} b{batch}:", flush=True)
+        times, errors = one_layer(batch * SEQ_LEN, config.n_embd)
+        # `max` runs the row recipe where fp8_dgrad's width filter admits the layer (above width 1,024)
+        now = times["cuBLASLt DGELU"] + times["c_fc rows (fp8_dgrad)" if config.n_embd > 1024 else "c_fc bf16"]
+        lever = now - times["Triton DGELU, blocks"] - times["c_fc blocks"]
+        print(f"{f'{model} b{batch}':18}" + "".join(f"{times[c]:23.1f}" for c in COLUMNS)
+              + f"{lever:15.1f}{lever * config.n_layer / 1000:11.2f}")
+        print("  errors: " + ", ".join(f"{k} {v:.4f}" for k, v in errors.items()), flush=True)
+        limits = {"Triton DGELU": 1e-2, "Triton DGELU, blocks": 1e-2, "blocks against bf16": 0.07, "block GEMM": 1e-2}
+        failed |= any(not errors.get(k, float("inf")) < v for k, v in limits.items())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -46,7 +46,7 @@ def _store(acc, h_desc, c_desc, q_desc, s_ptr, om, on, M, BM: tl.constexpr, FP8:
         amax = tl.maximum(tl.max(tl.abs(g), axis=1), 1e-12)
         scale = ((tl.math.div_rn(1.0, amax) * 448.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32,
                                                                                                    bitcast=True)
-        q_desc.store([om, on], tl.clamp(g * scale[:, None], -448.0, 448.0).to(q_desc.dtype))
+        q_desc.store([om, on], tl.clamp(g * scale[:, None], -448.0, 448.0).to(tl.float8e4nv))
         rows = om + tl.arange(0, BM)
         tl.store(s_ptr + (on // 128) * M + rows, 1.0 / scale, mask=rows < M)
 
@@ -178,7 +178,7 @@ def main() -> int:
         print(f"{f'{model} b{batch}':18}" + "".join(f"{times[c]:23.1f}" for c in COLUMNS)
               + f"{lever:15.1f}{lever * config.n_layer / 1000:11.2f}")
         print("  errors: " + ", ".join(f"{k} {v:.4f}" for k, v in errors.items()), flush=True)
-        limits = {"Triton DGELU": 1e-2, "Triton DGELU, blocks": 1e-2, "blocks against bf16": 0.07, "block GEMM": 1e-2}
+        limits = {"Triton DGELU": 1e-2, "Triton DGELU, blocks": 1e-2, "blocks against bf16": 0.05, "block GEMM": 1e-2}
         failed |= any(not errors.get(k, float("inf")) < v for k, v in limits.items())
     return 1 if failed else 0
 

@@ -20,7 +20,7 @@ from Utils.report.breakdown import (KERNEL_CLASSES, TraceError, append_breakdown
                                     load_trace, plot_breakdown, split, write_report)
 from Utils.report.breakdown import kernels, render
 from Utils.report.breakdown.trace import STEP_END, STEP_START
-from Utils.results.schema import BREAKDOWN_COLUMNS
+from Utils.results.schema import BREAKDOWN_COLUMNS, KERNEL_COLUMNS
 from Utils.results.store import ResultsError, append_run
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -714,6 +714,51 @@ def test_add_traces_splits_each_new_trace_once_with_the_figures_its_metadata_car
     assert "flash-data" in (tmp_path / "breakdown.md").read_text()   # the newest trace's context
     assert (tmp_path / "breakdown.png").stat().st_size > 0
     assert breakdown.add_traces(prefix) == ([], []) and len(_rows(tmp_path / "breakdown.csv")) == len(rows)
+
+
+def test_add_traces_keeps_every_kernel_of_each_run_in_kernels_csv(tmp_path):
+    prefix = str(tmp_path)
+    _profiled_run_trace(prefix, "flash", "flash-1", "2026-01-02T00:00:00")
+    breakdown.add_traces(prefix)
+    with open(tmp_path / "kernels.csv") as f:
+        assert f.readline().rstrip("\n").split(",") == KERNEL_COLUMNS
+    rows = _rows(tmp_path / "kernels.csv")
+    want = split(load_trace(os.path.join(prefix, "trace_flash.json.gz")))
+    # every kernel, copy and memset, longest first, each with its class, kind, calls and time a step
+    assert [r["kernel"] for r in rows] == [k.name for k in want.kernels] and {r["run_id"] for r in rows} == {"flash-1"}
+    got = {r["kernel"]: r for r in rows}
+    assert (got[GEMM]["class"], got[GEMM]["kind"]) == ("compute", "GEMM (cuBLAS)")
+    assert float(got[GEMM]["ms_per_step"]) == pytest.approx(0.15) and float(got[GEMM]["calls_per_step"]) == 1.0
+    assert float(got[GEMM]["share"]) == pytest.approx(0.15 / want.step_ms)
+    assert got[MYSTERY]["class"] == got[MYSTERY]["kind"] == ""          # unknown: blank, not guessed
+    # the time of a class can be read without the trace: the kernels' own durations (overlaps counted whole)
+    memory = sum(float(r["ms_per_step"]) for r in rows if r["class"] == "memory")
+    assert memory == pytest.approx(sum(k.ms_per_step for k in want.kernels if k.cls == "memory"))
+    os.remove(os.path.join(prefix, "trace_flash.json.gz"))
+    breakdown.add_traces(prefix)
+    assert _rows(tmp_path / "kernels.csv") == rows
+
+
+def test_a_run_whose_kernels_were_kept_before_a_stop_gets_its_breakdown_rows_and_no_kernel_rows_twice(tmp_path):
+    # kernels.csv is appended first: a stop before breakdown.csv's append leaves the run to split again
+    prefix = str(tmp_path)
+    _profiled_run_trace(prefix, "flash", "flash-1", "2026-01-02T00:00:00")
+    breakdown.append_kernels_csv(prefix, "flash", "flash-1", split(load_trace(os.path.join(prefix,
+                                                                                        "trace_flash.json.gz"))))
+    kept = _rows(tmp_path / "kernels.csv")
+    split_now, _ = breakdown.add_traces(prefix)
+    assert [rung for rung, _ in split_now] == ["flash"] and len(_rows(tmp_path / "breakdown.csv")) == 4
+    assert _rows(tmp_path / "kernels.csv") == kept
+
+
+def test_a_foreign_kernels_csv_is_refused_before_anything_is_appended(tmp_path):
+    _profiled_run_trace(str(tmp_path), "flash", "flash-1", "2026-01-02T00:00:00")
+    path = tmp_path / "kernels.csv"
+    path.write_text("kernel,seconds\ngemm,1\n")
+    before = path.read_bytes()
+    with pytest.raises(ResultsError, match="header"):
+        breakdown.add_traces(str(tmp_path))
+    assert path.read_bytes() == before and not (tmp_path / "breakdown.csv").exists()
 
 
 @pytest.mark.parametrize("meta", [{}, {"run_id": "old-1"}], ids=["no run", "no figures"])

@@ -9,14 +9,16 @@ a new version and never renamed, dropped or moved: a header that is no version's
 """
 from typing import NamedTuple
 
-SCHEMA_VERSION = 5   # 2: schema_version, wall-clock steps (window_wall_s), provenance, clocks and power
+SCHEMA_VERSION = 6   # 2: schema_version, wall-clock steps (window_wall_s), provenance, clocks and power
                      # 3: several GPUs (nproc, parallel, global and per-GPU tokens/s)
                      # 4: the attention kernel that ran, micro-batches, the GPU memory cap
                      # 5: several hosts (nnodes, hosts)
+                     # 6: every kernel of each profiled run (kernels.csv)
 
 STEPS_FILE = "results.csv"        # a row per step
 RUNS_FILE = "runs.csv"            # a row per run
 BREAKDOWN_FILE = "breakdown.csv"  # a row per class (compute, memory, ...) per profiled run
+KERNELS_FILE = "kernels.csv"      # a row per kernel per profiled run
 LOCK_FILE = ".results.lock"       # held while any of them is appended to
 
 
@@ -121,6 +123,21 @@ BREAKDOWN_SCHEMA = (
     Column("peak_tflops", True, "the GPU's dense bf16 peak, TFLOP/s"),
 )
 
+# Each profiled run's kernels, kept where its trace is not: a trace is tens of MB and stays out of a committed folder,
+# and without its kernels the time of a class of them (attention, the output layer's GEMMs) cannot be read later.
+KERNEL_SCHEMA = tuple(c._replace(since=6) for c in (   # the file is new in version 6
+    Column("run_id", False, "the profiled run"),
+    Column("rung", False, "the run's name, as optimization in runs.csv"),
+    Column("class", False, "compute or memory; blank for a kernel Utils.report.breakdown.kernels does not name"),
+    Column("kind", False, "what the kernel is, as breakdown.md's kind column names it: GEMM (cuBLAS), memcpy, ...; "
+           "blank where unknown"),
+    Column("calls_per_step", True, "the kernel's launches in the mean profiled step"),
+    Column("ms_per_step", True, "the kernel's summed duration in the mean profiled step (cut at the step's window; "
+           "kernels that overlap each count whole), ms"),
+    Column("share", True, "ms_per_step / the mean profiled step window (breakdown.csv's profiled_step_ms)"),
+    Column("kernel", False, "the kernel's name as the trace records it"),
+))
+
 # make peak PREFIX=dir: this machine's measured peaks, the second MFU denominator (a row per measurement).
 PEAK_FILE = "peak.csv"
 PEAK_SCHEMA = (
@@ -141,10 +158,12 @@ PEAK_SCHEMA = tuple(c._replace(since=2) for c in PEAK_SCHEMA)   # the file is ne
 STEP_COLUMNS = [c.name for c in STEP_SCHEMA]
 RUN_COLUMNS = [c.name for c in RUN_SCHEMA]
 BREAKDOWN_COLUMNS = [c.name for c in BREAKDOWN_SCHEMA]
+KERNEL_COLUMNS = [c.name for c in KERNEL_SCHEMA]
 STEP_NUMERIC = [c.name for c in STEP_SCHEMA if c.numeric]
 RUN_NUMERIC = [c.name for c in RUN_SCHEMA if c.numeric]
 RUN_DEFAULTS = {c.name: c.default for c in RUN_SCHEMA if c.default}
 BREAKDOWN_NUMERIC = [c.name for c in BREAKDOWN_SCHEMA if c.numeric]
+KERNEL_NUMERIC = [c.name for c in KERNEL_SCHEMA if c.numeric]
 PEAK_COLUMNS = [c.name for c in PEAK_SCHEMA]
 PEAK_NUMERIC = [c.name for c in PEAK_SCHEMA if c.numeric]
 
@@ -169,7 +188,7 @@ def headers(schema: tuple) -> dict[int, list[str]]:
 def known_headers(columns: list[str]) -> dict[int, list[str]]:
     """headers() of the schema whose columns today are `columns`: the headers a file of it may have; a list of
     columns that is no schema's has only itself."""
-    for schema in (STEP_SCHEMA, RUN_SCHEMA, BREAKDOWN_SCHEMA, PEAK_SCHEMA):
+    for schema in (STEP_SCHEMA, RUN_SCHEMA, BREAKDOWN_SCHEMA, KERNEL_SCHEMA, PEAK_SCHEMA):
         if [c.name for c in schema] == list(columns):
             return headers(schema)
     return {SCHEMA_VERSION: list(columns)}

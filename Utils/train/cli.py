@@ -60,7 +60,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help=f"after the timed steps, profile {PROFILE_STEPS} more under torch.profiler into "
                         f"trace_<rung>.json.gz, which python -m Utils.report.breakdown splits into "
-                        f"breakdown.csv/.md/.png (make does, with PROFILE=1); the run is not added to results.csv")
+                        f"breakdown.csv/.md/.png and kernels.csv (make does, with PROFILE=1); the run is not added "
+                        f"to results.csv")
     p.add_argument("--cold", action="store_true",
                    help="compile with an empty Inductor and Triton cache, as on a fresh machine (COLD=1); "
                         "runs.csv's compile_cache says which a run had")

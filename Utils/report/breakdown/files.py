@@ -1,8 +1,8 @@
 """The breakdown's files in PREFIX: trace_<rung>.json.gz, each rung's latest trace, which a profiled run
 writes (Utils.train.loop.profile_steps) with what its split needs in the trace's metadata; breakdown.csv,
-a row per class appended for each profiled run once its trace is split (add_traces; columns in
-Utils.results.schema); and breakdown.md and breakdown.png, redrawn from the latest run of each rung in
-breakdown.csv and its trace."""
+a row per class appended for each profiled run once its trace is split, and kernels.csv, a row per kernel
+(add_traces; columns in Utils.results.schema); and breakdown.md and breakdown.png, redrawn from the latest run
+of each rung in breakdown.csv and its trace."""
 import contextlib
 import glob
 import os
@@ -17,7 +17,8 @@ from Utils.report.figures import save_figure
 from Utils.report.stats import provenance
 from Utils.results.files import write_atomic
 from Utils.results.read import read_table
-from Utils.results.schema import (BREAKDOWN_COLUMNS, BREAKDOWN_FILE, BREAKDOWN_NUMERIC, RUN_COLUMNS, RUNS_FILE)
+from Utils.results.schema import (BREAKDOWN_COLUMNS, BREAKDOWN_FILE, BREAKDOWN_NUMERIC, KERNEL_COLUMNS, KERNELS_FILE,
+                                  RUN_COLUMNS, RUNS_FILE)
 from Utils.results.store import ResultsError, append_rows, check_file, writing
 
 REPORT_FILE = "breakdown.md"
@@ -45,6 +46,26 @@ def append_breakdown_csv(prefix: str | os.PathLike, rung: str, run_id: str, brea
     append_rows(prefix, BREAKDOWN_FILE, BREAKDOWN_COLUMNS, rows)
 
 
+def append_kernels_csv(prefix: str | os.PathLike, rung: str, run_id: str, breakdown: Breakdown) -> None:
+    """Append one row per kernel of `breakdown` (copies and memsets included, longest first) to PREFIX/kernels.csv,
+    as append_breakdown_csv does to breakdown.csv."""
+    rows = [{"run_id": run_id, "rung": rung, "class": k.cls or "", "kind": k.label or "",
+             "calls_per_step": k.calls_per_step, "ms_per_step": k.ms_per_step,
+             "share": k.ms_per_step / breakdown.step_ms if breakdown.step_ms else None, "kernel": k.name}
+            for k in breakdown.kernels]
+    if rows:
+        append_rows(prefix, KERNELS_FILE, KERNEL_COLUMNS, rows)
+
+
+def _run_ids(path: str, columns: list[str]) -> set:
+    """The run_ids in the results file at path (none where it is absent or empty); ResultsError where it is
+    foreign."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return set()
+    check_file(path, columns)
+    return set(read_table(path, columns, ())["run_id"])
+
+
 def _number(trace: dict, key: str) -> "float | None":
     value = trace.get(key)
     try:
@@ -55,15 +76,15 @@ def _number(trace: dict, key: str) -> "float | None":
 
 def add_traces(prefix: str | os.PathLike) -> tuple[list[tuple[str, Breakdown]], list[str]]:
     """Split every trace in PREFIX that a profiled run wrote and whose run is not yet in breakdown.csv, append
-    its rows, and redraw breakdown.md and breakdown.png; return ((rung, Breakdown) for each trace split, oldest
-    run first; a problem per trace that could not be split, which the others do not wait for). A trace
+    its rows there and its kernels' to kernels.csv, and redraw breakdown.md and breakdown.png; return ((rung,
+    Breakdown) for each trace split, oldest run first; a problem per trace that could not be split, which the
+    others do not wait for). A trace
     without the run's metadata (none, or from before traces carried their figures) is left alone. Raises
-    ResultsError where breakdown.csv cannot be read or written."""
-    path = os.path.join(prefix, BREAKDOWN_FILE)
-    done = set()
-    if os.path.isfile(path) and os.path.getsize(path) > 0:
-        check_file(path, BREAKDOWN_COLUMNS)
-        done = set(read_table(path, BREAKDOWN_COLUMNS, ())["run_id"])
+    ResultsError where breakdown.csv or kernels.csv cannot be read or written."""
+    done = _run_ids(os.path.join(prefix, BREAKDOWN_FILE), BREAKDOWN_COLUMNS)
+    # A run is split once: breakdown.csv's rows mark it done, so its kernels go first, and where a stop came between
+    # the two appends, they are not appended twice.
+    kernels_kept = _run_ids(os.path.join(prefix, KERNELS_FILE), KERNEL_COLUMNS)
     new, problems = [], []
     for file in sorted(glob.glob(os.path.join(glob.escape(str(prefix)), "trace_*.json*"))):
         if not file.endswith((".json", ".json.gz")):
@@ -81,6 +102,8 @@ def add_traces(prefix: str | os.PathLike) -> tuple[list[tuple[str, Breakdown]], 
                     trace.get("context")))
     new.sort(key=lambda item: item[0])
     for _, rung, bd, median, _ in new:
+        if bd.run_id not in kernels_kept:
+            append_kernels_csv(prefix, rung, bd.run_id, bd)
         append_breakdown_csv(prefix, rung, bd.run_id, bd, median)
     if new or (done and not os.path.exists(os.path.join(prefix, REPORT_FILE))):   # a report that failed before
         newest_context = new[-1][4] if new else None

@@ -67,7 +67,8 @@ def _kernel_section(bd, rung, top=TOP_KERNELS):
     rows = [[str(i + 1), k.cls or "unknown", k.label or "-", markdown.cell(k.calls_per_step, ".1f"),
              markdown.cell(k.ms_per_step, ".3f"), markdown.cell(100 * k.ms_per_step / bd.step_ms, ".1f", "%"),
              f"`{short_name(k.name)}`"] for i, k in enumerate(bd.kernels[:top])]
-    lines += [f"Top {min(top, len(bd.kernels))} of {len(bd.kernels)} kernels by time per step:", "",
+    lines += [f"Top {min(top, len(bd.kernels))} of {len(bd.kernels)} kernels by time per step (all of them in "
+              "kernels.csv):", "",
               markdown.table([["#", "class", "kind", "calls/step", "ms/step", "of step", "kernel"]] + rows,
                              left=(1, 2, 6)),
               ""]

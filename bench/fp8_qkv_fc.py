@@ -47,21 +47,22 @@ def main() -> None:
                 a, h = fp8_linear.linear_gelu(x8, x_inv, w8, w_inv, b)
                 a_ref, h_ref = fp8_linear.reference_gelu(x8, x_inv, w8, w_inv, b)
                 errors = rel(h, h_ref), rel(a, a_ref), rel(h, exact)
-                fp8 = bench(lambda: fp8_linear.linear_gelu(x8, x_inv, w8, w_inv, b))
-                bf16 = bench(lambda: L.linear_gelu(y_ones[:, :C], w, b))
+                fp8_us = bench(lambda: fp8_linear.linear_gelu(x8, x_inv, w8, w_inv, b))
+                bf16_us = bench(lambda: L.linear_gelu(y_ones[:, :C], w, b))
                 out, aux = torch.empty_like(a), torch.empty_like(h)
                 candidates("c_fc FP8 GELU_AUX_BIAS", L.CUBLASLT_EPILOGUE_GELU_AUX_BIAS, x8, w8, out, b, aux,
                            y_t=True, scales=(x_inv, w_inv))
             else:
                 h = fp8_linear.linear(x8, x_inv, w8, w_inv, b)
                 errors = rel(h, fp8_linear.reference(x8, x_inv, w8, w_inv, b)), 0.0, rel(h, exact)
-                fp8 = bench(lambda: fp8_linear.linear(x8, x_inv, w8, w_inv, b))
-                bf16 = bench(lambda: torch.addmm(b, y_ones[:, :C], w.t()))
+                fp8_us = bench(lambda: fp8_linear.linear(x8, x_inv, w8, w_inv, b))
+                bf16_us = bench(lambda: torch.addmm(b, y_ones[:, :C], w.t()))
             cast_x = bench(lambda: fp8.normed_to_e4m3(y, norm.weight, norm.bias))
             cast_w = bench(lambda: to_e4m3(w))
             good = errors[0] < 1e-2 and errors[1] < 1e-2 and errors[2] < 0.1
             ok &= good
-            print(f"  {name:7s} bf16 {bf16:7.1f} µs   FP8 {fp8:7.1f} µs ({fp8 / bf16:.2f})   input cast alone "
+            print(f"  {name:7s} bf16 {bf16_us:7.1f} µs   FP8 {fp8_us:7.1f} µs ({fp8_us / bf16_us:.2f})   "
+                  f"input cast alone "
                   f"{cast_x:6.1f}   weight cast {cast_w:5.1f}   rel. error vs reference {errors[0]:.1e} "
                   f"(GELU {errors[1]:.1e}), vs bf16 operands {errors[2]:.1e} {'ok' if good else 'FAILED'}")
     sys.exit(0 if ok else 1)

@@ -7,8 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from Utils.kernels import cublaslt, fp8, fp8_linear, gemm_bias_grad
-from Utils.kernels.fp8 import (E4M3, E4M3_MAX, E5M2, fits, norm_bound, normed_to_e4m3, rows_to_fp8, to_e4m3,
-                               to_fp8)
+from Utils.kernels.fp8 import E4M3, E4M3_MAX, E5M2, fits, norm_bound, normed_to_e4m3, rows_to_fp8, to_e4m3
 from Utils.ladder import linear, modules
 from Utils.ladder.linear import LinearPlan
 

@@ -730,7 +730,7 @@ def test_add_traces_keeps_every_kernel_of_each_run_in_kernels_csv(tmp_path):
     assert (got[GEMM]["class"], got[GEMM]["kind"]) == ("compute", "GEMM (cuBLAS)")
     assert float(got[GEMM]["ms_per_step"]) == pytest.approx(0.15) and float(got[GEMM]["calls_per_step"]) == 1.0
     assert float(got[GEMM]["share"]) == pytest.approx(0.15 / want.step_ms)
-    assert got[MYSTERY]["class"] == got[MYSTERY]["kind"] == ""          # unknown: blank, not guessed
+    assert (got[MYSTERY]["class"], got[MYSTERY]["kind"]) == ("unknown", "")   # named unknown, its kind not guessed
     # the time of a class can be read without the trace: the kernels' own durations (overlaps counted whole)
     memory = sum(float(r["ms_per_step"]) for r in rows if r["class"] == "memory")
     assert memory == pytest.approx(sum(k.ms_per_step for k in want.kernels if k.cls == "memory"))
@@ -749,6 +749,20 @@ def test_a_run_whose_kernels_were_kept_before_a_stop_gets_its_breakdown_rows_and
     split_now, _ = breakdown.add_traces(prefix)
     assert [rung for rung, _ in split_now] == ["flash"] and len(_rows(tmp_path / "breakdown.csv")) == 4
     assert _rows(tmp_path / "kernels.csv") == kept
+
+
+def test_a_run_split_before_kernels_csv_existed_adds_its_kernels_alone_once(tmp_path):
+    prefix = str(tmp_path)
+    trace = _profiled_run_trace(prefix, "flash", "flash-1", "2026-01-02T00:00:00")
+    append_breakdown_csv(prefix, "flash", "flash-1", split(trace), 0.74)   # as schema version 5 left it
+    before = _rows(tmp_path / "breakdown.csv")
+    assert breakdown.add_traces(prefix) == ([], [])                         # no new split to report
+    rows = _rows(tmp_path / "kernels.csv")
+    assert [r["kernel"] for r in rows] == [k.name for k in split(trace).kernels] and {r["run_id"] for r in rows} == {
+        "flash-1"}
+    assert _rows(tmp_path / "breakdown.csv") == before
+    breakdown.add_traces(prefix)
+    assert _rows(tmp_path / "kernels.csv") == rows
 
 
 def test_a_foreign_kernels_csv_is_refused_before_anything_is_appended(tmp_path):

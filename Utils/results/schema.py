@@ -128,7 +128,7 @@ BREAKDOWN_SCHEMA = (
 KERNEL_SCHEMA = tuple(c._replace(since=6) for c in (   # the file is new in version 6
     Column("run_id", False, "the profiled run"),
     Column("rung", False, "the run's name, as optimization in runs.csv"),
-    Column("class", False, "compute or memory; blank for a kernel Utils.report.breakdown.kernels does not name"),
+    Column("class", False, "compute, memory, or unknown: a kernel Utils.report.breakdown.kernels does not name"),
     Column("kind", False, "what the kernel is, as breakdown.md's kind column names it: GEMM (cuBLAS), memcpy, ...; "
            "blank where unknown"),
     Column("calls_per_step", True, "the kernel's launches in the mean profiled step"),

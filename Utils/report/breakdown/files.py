@@ -11,6 +11,7 @@ import pandas as pd
 
 from Utils.ladder.registry import rung_order
 from Utils.report.breakdown.chart import plot_breakdown
+from Utils.report.breakdown.kernels import UNKNOWN
 from Utils.report.breakdown.render import MATCH_TOLERANCE, off_median, render_report
 from Utils.report.breakdown.trace import Breakdown, TraceError, load_trace, split
 from Utils.report.figures import save_figure
@@ -49,7 +50,7 @@ def append_breakdown_csv(prefix: str | os.PathLike, rung: str, run_id: str, brea
 def append_kernels_csv(prefix: str | os.PathLike, rung: str, run_id: str, breakdown: Breakdown) -> None:
     """Append one row per kernel of `breakdown` (copies and memsets included, longest first) to PREFIX/kernels.csv,
     as append_breakdown_csv does to breakdown.csv."""
-    rows = [{"run_id": run_id, "rung": rung, "class": k.cls or "", "kind": k.label or "",
+    rows = [{"run_id": run_id, "rung": rung, "class": k.cls or UNKNOWN, "kind": k.label or "",
              "calls_per_step": k.calls_per_step, "ms_per_step": k.ms_per_step,
              "share": k.ms_per_step / breakdown.step_ms if breakdown.step_ms else None, "kernel": k.name}
             for k in breakdown.kernels]
@@ -78,21 +79,28 @@ def add_traces(prefix: str | os.PathLike) -> tuple[list[tuple[str, Breakdown]], 
     """Split every trace in PREFIX that a profiled run wrote and whose run is not yet in breakdown.csv, append
     its rows there and its kernels' to kernels.csv, and redraw breakdown.md and breakdown.png; return ((rung,
     Breakdown) for each trace split, oldest run first; a problem per trace that could not be split, which the
-    others do not wait for). A trace
-    without the run's metadata (none, or from before traces carried their figures) is left alone. Raises
-    ResultsError where breakdown.csv or kernels.csv cannot be read or written."""
+    others do not wait for). A GPU trace whose run was split before kernels.csv existed (schema version 6) adds
+    its kernels alone. A trace without the run's metadata (none, or from before traces carried their figures) is
+    left alone. Raises ResultsError where breakdown.csv or kernels.csv cannot be read or written."""
     done = _run_ids(os.path.join(prefix, BREAKDOWN_FILE), BREAKDOWN_COLUMNS)
     # A run is split once: breakdown.csv's rows mark it done, so its kernels go first, and where a stop came between
     # the two appends, they are not appended twice.
     kernels_kept = _run_ids(os.path.join(prefix, KERNELS_FILE), KERNEL_COLUMNS)
-    new, problems = [], []
+    new, kernels_only, problems = [], [], []
     for file in sorted(glob.glob(os.path.join(glob.escape(str(prefix)), "trace_*.json*"))):
         if not file.endswith((".json", ".json.gz")):
             continue
         try:
             trace = load_trace(file)
             run_id, rung = trace.get("run_id"), trace.get("rung")
-            if not run_id or not rung or str(run_id) in done:
+            if not run_id or not rung:
+                continue
+            if str(run_id) in done:
+                # a CPU trace has no kernels to add: it is not split again on every call
+                events = trace.get("traceEvents") or ()
+                if str(run_id) not in kernels_kept and any(isinstance(e, dict) and e.get("cat") == "kernel"
+                                                           for e in events):
+                    kernels_only.append((str(rung), split(trace)))
                 continue
             bd = split(trace, flops_per_step=_number(trace, "flops_per_step"), peak_flops=_number(trace, "peak_flops"))
         except (TraceError, TypeError, AttributeError, KeyError, ValueError) as e:
@@ -100,6 +108,8 @@ def add_traces(prefix: str | os.PathLike) -> tuple[list[tuple[str, Breakdown]], 
             continue
         new.append((str(trace.get("started_at") or ""), str(rung), bd, _number(trace, "median_step_ms"),
                     trace.get("context")))
+    for rung, bd in kernels_only:
+        append_kernels_csv(prefix, rung, bd.run_id, bd)
     new.sort(key=lambda item: item[0])
     for _, rung, bd, median, _ in new:
         if bd.run_id not in kernels_kept:

@@ -554,6 +554,9 @@ def test_report_files(profiled):
     assert md.startswith("# Step-time breakdown: NVIDIA H200 · gpt2 (124M params) · batch 16 × seq_len 1024")
     assert md.index("## baseline") < md.index("## flash")
     assert "baseline-old" not in md
+    # The kernels' time by kind, longest first: two unknown kernels in one row, each kind's calls and time summed.
+    assert re.search(r"\| compute +\| GEMM \(cuBLAS\) +\| +1 \| +1\.0 \| +0\.150 \| +20\.0% \|\n"
+                     r"\| unknown +\| - +\| +2 \| +1\.0 \| +0\.100 \| +13\.3% \|", md)
     # Top kernels, with class and time; the unknown ones listed by name; the copies' bandwidth.
     assert "`nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT`" in md
     assert "at::native::cunn_SoftMaxForward<4, float, float, float, at::native::SoftMaxForwardEpilogue>" in md

@@ -1,5 +1,5 @@
-"""breakdown.md: per rung, the split of its profiled step, its top kernels, its unknown kernels and the copies'
-bandwidth, with how each figure was made."""
+"""breakdown.md: per rung, the split of its profiled step, its kernels' time by kind, its top kernels, its unknown
+kernels and the copies' bandwidth, with how each figure was made."""
 from collections.abc import Sequence
 
 import numpy as np
@@ -58,12 +58,31 @@ def _summary_table(df):
     return markdown.table([header] + rows)
 
 
+def _kind_section(bd):
+    """The kernels' time summed by kind (GEMM (cuBLAS), attention (cuDNN), ...), longest first: which work a class's
+    time is, e.g. how much of compute is attention."""
+    kinds = {}
+    for k in bd.kernels:
+        kind = kinds.setdefault((k.cls or UNKNOWN, k.label or "-"), [0, 0.0, 0.0])
+        kind[0] += 1
+        kind[1] += k.calls_per_step
+        kind[2] += k.ms_per_step
+    rows = [[cls, label, str(n), markdown.cell(calls, ".1f"), markdown.cell(ms, ".3f"),
+             markdown.cell(100 * ms / bd.step_ms, ".1f", "%")]
+            for (cls, label), (n, calls, ms) in sorted(kinds.items(), key=lambda item: -item[1][2])]
+    return ["The kernels' time by kind: each kernel's own duration summed, so kernels that overlap each count whole "
+            "(the split above counts overlapping time once):", "",
+            markdown.table([["class", "kind", "kernels", "calls/step", "ms/step", "of step"]] + rows, left=(0, 1)),
+            ""]
+
+
 def _kernel_section(bd, rung, top=TOP_KERNELS):
     lines = []
     if not bd.gpu:
         lines += ["No GPU kernels: this trace is from a CPU run. The compute / memory / overhead split is "
                   "GPU-only; the time is shown as PyTorch operators (cpu_ops) and the rest (overhead).", ""]
         return lines
+    lines += _kind_section(bd)
     rows = [[str(i + 1), k.cls or "unknown", k.label or "-", markdown.cell(k.calls_per_step, ".1f"),
              markdown.cell(k.ms_per_step, ".3f"), markdown.cell(100 * k.ms_per_step / bd.step_ms, ".1f", "%"),
              f"`{short_name(k.name)}`"] for i, k in enumerate(bd.kernels[:top])]

@@ -21,7 +21,7 @@ SEQ = 256
 
 
 def add_run(prefix, rung, step_ms, status="ok", batch=4, gpu="NVIDIA L4", commit="abc123", message="", config="",
-            **extra):
+            model="gpt2", **extra):
     """Append one run of `rung` with these step times (the first two are warm-up) through the suite's writer."""
     os.makedirs(prefix, exist_ok=True)
     run_id = f"{rung}-{len(os.listdir(prefix))}-{len(step_ms)}"
@@ -29,7 +29,7 @@ def add_run(prefix, rung, step_ms, status="ok", batch=4, gpu="NVIDIA L4", commit
                   tokens_per_s=batch * SEQ / (ms / 1e3), loss=10.0 - 0.1 * i, mfu=0.2) for i, ms in enumerate(step_ms)]
     append_run(prefix, dict(run_id=run_id, optimization=rung, status=status, message=message,
                             started_at="2026-01-01T00:00:00", steps=len(step_ms), warmup_steps=2, batch_size=batch,
-                            seq_len=SEQ, model="gpt2", n_params=124439808, data="synthetic", device="cuda",
+                            seq_len=SEQ, model=model, n_params=124439808, data="synthetic", device="cuda",
                             gpu_name=gpu, torch_version="2.9.0", cuda_version="12.8", compile_s=None,
                             peak_mem_allocated_gib=6.0, peak_mem_reserved_gib=7.0, notes="", git_commit=commit,
                             config=config, **extra,
@@ -71,6 +71,7 @@ def test_companions_are_named_after_the_results_folder():
                                                       "ablation": "/r/h200-ablation-b16",
                                                       "leave_one_out": "/r/h200-ablation-max-b16",
                                                       "leave_one_out_b64": "/r/h200-ablation-max-b64",
+                                                      "leave_one_out_xl": "/r/h200-ablation-max-xl-b8",
                                                       "breakdown": "/r/h200-b16/breakdown.csv",
                                                       "small_cards": "/r/small-cards"}
     assert walkthrough.companions("/r/mine")["loss"] == "/r/mine-loss"
@@ -280,6 +281,22 @@ def test_leave_one_out_section_names_what_pays_and_what_does_not(tmp_path):
     text = text_of(Study.load(str(tmp_path / "h200-b16")).leave_one_out())
     assert text.index("h200-ablation-max-b16") < text.index("h200-ablation-max-b64")
     assert text.count("Within the runs' spread without them: prefetch.") == 2
+    assert "ablation-max-xl" not in text
+
+
+def test_the_gpt2_xl_set_comes_from_this_card_or_else_another_cards_beside_it(tmp_path):
+    add_run(str(tmp_path / "h200-b16"), "baseline", [300.0] * 6)
+    other = str(tmp_path / "h100-ablation-max-xl-b8")
+    add_run(other, "max", [156.0] * 6, commit="c1", model="gpt2-xl", batch=8)
+    add_run(other, "max-stochastic_rounding", [171.0] * 6, commit="c1", model="gpt2-xl", batch=8)
+    text = text_of(Study.load(str(tmp_path / "h200-b16")).leave_one_out())
+    assert "h100-ablation-max-xl-b8 (gpt2-xl, batch 8, " in text and "Within the runs' spread" not in text
+    own = str(tmp_path / "h200-ablation-max-xl-b8")   # this card's own set, where it has one, comes first
+    add_run(own, "max", [150.0] * 6, commit="c2", model="gpt2-xl", batch=8)
+    add_run(own, "max-prefetch", [150.1] * 6, commit="c2", model="gpt2-xl", batch=8)
+    text = text_of(Study.load(str(tmp_path / "h200-b16")).leave_one_out())
+    assert "h200-ablation-max-xl-b8" in text and "h100-ablation-max-xl-b8" not in text
+    assert "Within the runs' spread without them: prefetch." in text
 
 
 def test_a_rung_measured_with_other_additions_than_today_says_which(tmp_path):

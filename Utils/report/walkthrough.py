@@ -10,6 +10,7 @@ is shown from its source files.
 from __future__ import annotations
 
 import ast
+import glob
 import io
 import json
 import os
@@ -112,15 +113,21 @@ def results_folder(value: str | None = None, repo: str | os.PathLike = REPO) -> 
 def companions(results: str) -> dict[str, str]:
     """The result sets named like `results` that the notebook reads when they exist, by role: for
     results/h200-b16, results/h200-b64 (batch), results/h200-loss (loss), results/h200-ablation-b16
-    (ablation), results/h200-ablation-max-b16 and -b64 (leave_one_out, leave_one_out_b64); breakdown.csv
+    (ablation), results/h200-ablation-max-b16 and -b64 (leave_one_out, leave_one_out_b64); the same at gpt2-xl
+    batch 8, results/h200-ablation-max-xl-b8, or where this card has none, another card's beside it
+    (leave_one_out_xl: what each addition buys at 1.5B parameters, which no 124M set shows); breakdown.csv
     inside it (breakdown); and results/small-cards beside it, a folder of sets each measured under one
     GPU_MEMORY_GIB (small_cards)."""
+    folder = os.path.dirname(results)
     tag = re.match(r"(.+)-b\d+$", os.path.basename(results))
-    stem = os.path.join(os.path.dirname(results), tag.group(1) if tag else os.path.basename(results))
+    stem = os.path.join(folder, tag.group(1) if tag else os.path.basename(results))
+    xl = stem + "-ablation-max-xl-b8"
+    others = sorted(glob.glob(os.path.join(glob.escape(folder), "*-ablation-max-xl-b8")))
     return {"batch": stem + "-b64", "loss": stem + "-loss", "ablation": stem + "-ablation-b16",
             "leave_one_out": stem + "-ablation-max-b16", "leave_one_out_b64": stem + "-ablation-max-b64",
+            "leave_one_out_xl": xl if os.path.isdir(xl) or not others else others[0],
             "breakdown": os.path.join(results, BREAKDOWN_FILE),
-            "small_cards": os.path.join(os.path.dirname(results), "small-cards")}
+            "small_cards": os.path.join(folder, "small-cards")}
 
 
 def rounded(value: float | None, digits: int) -> float | None:
@@ -637,10 +644,10 @@ class Study:
 
     def leave_one_out(self) -> list[Item]:
         """The max rung without each of its additions in turn, against max runs of the same commit and GPU, at batch 16
-        and at 64 (each set where it was recorded: `make ablation FROM=max`); nothing where neither was, which
-        the ablation's section already points to."""
+        and at 64, and at gpt2-xl (each set where it was recorded: `make ablation FROM=max`); nothing where none
+        was, which the ablation's section already points to."""
         items = []
-        for role in ("leave_one_out", "leave_one_out_b64"):
+        for role in ("leave_one_out", "leave_one_out_b64", "leave_one_out_xl"):
             path = self.companion(role)
             if path is None:
                 continue
@@ -655,9 +662,12 @@ class Study:
             others = frame.index.drop("max")
             idle = [r.split("-", 1)[1] for r in others if abs(frame.at[r, "vs max"]) <= ABLATION_NOISE]
             hurt = [r.split("-", 1)[1] for r in others if frame.at[r, "vs max"] < -ABLATION_NOISE]
-            items += [Verbatim(f"{rel(path)}: max as of commit {', '.join(commits)}, without each of its additions, "
-                               f"against the median of the max runs made by the same commit on the same GPU (positive: slower "
-                               f"without it, so the addition pays):"),
+            ok = runs[runs["status"] == "ok"]
+            what = ", ".join(" / ".join(dict.fromkeys(values)) for values in (
+                ok["model"].astype(str), (f"batch {b:.0f}" for b in ok["batch_size"]), ok["gpu_name"].astype(str)))
+            items += [Verbatim(f"{rel(path)} ({what}): max as of commit {', '.join(commits)}, without each of its "
+                               f"additions, against the median of the max runs made by the same commit on the same GPU "
+                               f"(positive: slower without it, so the addition pays):"),
                       frame.round(3),
                       f"Within the runs' spread without them: {', '.join(idle)}." if idle else None,
                       f"Faster without them: {', '.join(hurt)}." if hurt else None]

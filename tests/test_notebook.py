@@ -173,6 +173,12 @@ def test_building_twice_against_the_same_results_makes_the_same_bytes(built_twic
     assert_normalized(nbformat.read(paths[0], as_version=4))
 
 
+def test_the_committed_notebook_is_what_a_build_writes_today(built_twice):
+    # Its outputs show source files and results: a change to either leaves the cells alone but the outputs stale.
+    assert filecmp.cmp(built_twice[0][0], build_notebook.NOTEBOOK, shallow=False), \
+        f"notebooks/Optimizing_GPU_Utilization.ipynb's outputs are stale: run {REBUILD}"
+
+
 def test_runs_on_the_h200_results_by_default(built_twice):
     nb = nbformat.read(built_twice[0][0], as_version=4)
     text = " ".join(outputs_text(nb).split())

@@ -174,8 +174,15 @@ def test_building_twice_against_the_same_results_makes_the_same_bytes(built_twic
 
 
 def test_the_committed_notebook_is_what_a_build_writes_today(built_twice):
-    # Its outputs show source files and results: a change to either leaves the cells alone but the outputs stale.
-    assert filecmp.cmp(built_twice[0][0], build_notebook.NOTEBOOK, shallow=False), \
+    # Its outputs show source files and results: a change to either leaves the cells alone but the outputs stale. The
+    # charts' bytes are left out: they may differ with the machine's fonts and libraries, not with what they show.
+    def without_charts(path):
+        nb = nbformat.read(path, as_version=4)
+        for cell in code_cells(nb):
+            for output in cell.outputs:
+                output.get("data", {}).pop("image/png", None)
+        return nb
+    assert without_charts(built_twice[0][0]) == without_charts(build_notebook.NOTEBOOK), \
         f"notebooks/Optimizing_GPU_Utilization.ipynb's outputs are stale: run {REBUILD}"
 
 

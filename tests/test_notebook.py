@@ -182,8 +182,12 @@ def test_the_committed_notebook_is_what_a_build_writes_today(built_twice):
             for output in cell.outputs:
                 output.get("data", {}).pop("image/png", None)
         return nb
-    assert without_charts(built_twice[0][0]) == without_charts(build_notebook.NOTEBOOK), \
-        f"notebooks/Optimizing_GPU_Utilization.ipynb's outputs are stale: run {REBUILD}"
+    returncode, out, err = built_twice[1][0]
+    assert returncode == 0, out + err
+    built, committed = without_charts(built_twice[0][0]), without_charts(build_notebook.NOTEBOOK)
+    stale = [i for i, (b, c) in enumerate(zip(built.cells, committed.cells)) if b != c]
+    assert built == committed, (f"notebooks/Optimizing_GPU_Utilization.ipynb's outputs are stale (cells {stale}): "
+                                f"run {REBUILD}")
 
 
 def test_runs_on_the_h200_results_by_default(built_twice):

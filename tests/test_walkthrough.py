@@ -299,6 +299,16 @@ def test_the_gpt2_xl_set_comes_from_this_card_or_else_another_cards_beside_it(tm
     assert "Within the runs' spread without them: prefetch." in text
 
 
+def test_another_cards_xl_set_is_one_that_holds_results_and_is_not_the_folder_read(tmp_path):
+    (tmp_path / "a100-ablation-max-xl-b8" / "logs").mkdir(parents=True)   # a run's folder, nothing in it yet
+    for card in ("h100", "l40"):
+        add_run(str(tmp_path / f"{card}-ablation-max-xl-b8"), "max", [156.0] * 6, model="gpt2-xl", batch=8)
+    assert walkthrough.companions(str(tmp_path / "h200-b16"))["leave_one_out_xl"] == str(
+        tmp_path / "h100-ablation-max-xl-b8")   # the first, by name, of those with results
+    assert walkthrough.companions(str(tmp_path / "h100-ablation-max-xl-b8"))["leave_one_out_xl"] == str(
+        tmp_path / "l40-ablation-max-xl-b8")   # read as the results folder, the set is not its own companion
+
+
 def test_a_rung_measured_with_other_additions_than_today_says_which(tmp_path):
     import json
     from Utils.ladder.registry import RUNGS

@@ -122,10 +122,12 @@ def companions(results: str) -> dict[str, str]:
     tag = re.match(r"(.+)-b\d+$", os.path.basename(results))
     stem = os.path.join(folder, tag.group(1) if tag else os.path.basename(results))
     xl = stem + "-ablation-max-xl-b8"
-    others = sorted(glob.glob(os.path.join(glob.escape(folder), "*-ablation-max-xl-b8")))
+    # Another card's set only where it holds results (not a run's folder still empty) and is not `results` itself.
+    sets = [p for p in [xl] + sorted(glob.glob(os.path.join(glob.escape(folder), "*-ablation-max-xl-b8")))
+            if os.path.isfile(os.path.join(p, STEPS_FILE)) and os.path.realpath(p) != os.path.realpath(results)]
     return {"batch": stem + "-b64", "loss": stem + "-loss", "ablation": stem + "-ablation-b16",
             "leave_one_out": stem + "-ablation-max-b16", "leave_one_out_b64": stem + "-ablation-max-b64",
-            "leave_one_out_xl": xl if os.path.isdir(xl) or not others else others[0],
+            "leave_one_out_xl": sets[0] if sets else xl,
             "breakdown": os.path.join(results, BREAKDOWN_FILE),
             "small_cards": os.path.join(folder, "small-cards")}
 
@@ -663,12 +665,20 @@ class Study:
             idle = [r.split("-", 1)[1] for r in others if abs(frame.at[r, "vs max"]) <= ABLATION_NOISE]
             hurt = [r.split("-", 1)[1] for r in others if frame.at[r, "vs max"] < -ABLATION_NOISE]
             ok = runs[runs["status"] == "ok"]
-            what = ", ".join(" / ".join(dict.fromkeys(values)) for values in (
-                ok["model"].astype(str), (f"batch {b:.0f}" for b in ok["batch_size"]), ok["gpu_name"].astype(str)))
-            items += [Verbatim(f"{rel(path)} ({what}): max as of commit {', '.join(commits)}, without each of its "
-                               f"additions, against the median of the max runs made by the same commit on the same GPU "
+            what = ", ".join(filter(None, (" / ".join(dict.fromkeys(v for v in values if v)) for values in (
+                ok["model"].astype(str), (f"batch {b:.0f}" for b in ok["batch_size"] if b == b),
+                ok["gpu_name"].astype(str)))))
+            # max's runs of one commit against each other: how far apart two runs of one program land
+            maxes = ok[ok["optimization"] == "max"]
+            spreads = [(len(m), (m.max() - m.min()) / m.median()) for _, m in
+                       maxes["median_step_ms"].astype(float).groupby(maxes["git_commit"]) if len(m) > 1]
+            n, spread = max(spreads, default=(0, 0.0))
+            items += [Verbatim(f"{rel(path)} ({what}): max as of commit {', '.join(commits)}, without each addition "
+                               f"below, against the median of the max runs made by the same commit on the same GPU "
                                f"(positive: slower without it, so the addition pays):"),
                       frame.round(3),
+                      f"max ran {n} times from one commit here, its medians {spread:.1%} apart; a difference under "
+                      f"{ABLATION_NOISE:.1%} is read as noise." if n else None,
                       f"Within the runs' spread without them: {', '.join(idle)}." if idle else None,
                       f"Faster without them: {', '.join(hurt)}." if hurt else None]
         return items

@@ -70,8 +70,8 @@ def _kind_section(bd):
     rows = [[cls, label, str(n), markdown.cell(calls, ".1f"), markdown.cell(ms, ".3f"),
              markdown.cell(100 * ms / bd.step_ms, ".1f", "%")]
             for (cls, label), (n, calls, ms) in sorted(kinds.items(), key=lambda item: -item[1][2])]
-    return ["The kernels' time by kind: each kernel's own duration summed, so kernels that overlap each count whole "
-            "(the split above counts overlapping time once):", "",
+    return ["The kernels' time by kind, copies and memsets included: each kernel's time inside the step windows "
+            "summed, so kernels that overlap each count whole (the split above counts overlapping time once):", "",
             markdown.table([["class", "kind", "kernels", "calls/step", "ms/step", "of step"]] + rows, left=(0, 1)),
             ""]
 

@@ -23,11 +23,9 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.dgelu_triton import _tile, _times_gelu_grad  # noqa: E402
+from bench.dgelu_triton import launcher  # noqa: E402
 from bench.fp8_dgrad import SEQ_LEN, SIZES, replayed  # noqa: E402
 from bench.gelu_epilogue import bench  # noqa: E402
 from bench.packed_attention import graphed  # noqa: E402
@@ -35,40 +33,6 @@ from Utils.kernels import cublaslt, fp8, fp8_linear  # noqa: E402
 from Utils.model_config import PRESETS  # noqa: E402
 
 BLOCK = 128   # columns a scale covers: cuBLASLt's 1 x 128 blocks
-
-
-@triton.jit
-def _store(acc, h_desc, c_desc, q_desc, s_ptr, om, on, M, BM: tl.constexpr, FP8: tl.constexpr):
-    # grad_h in bf16, and with FP8 its e4m3 copy: each row of this 128-column block scaled by the largest power of two
-    # that keeps its amax within 448 (fp8_rows' rule), the inverse scale stored column-major, as cuBLASLt reads it.
-    g = _times_gelu_grad(acc, h_desc.load([om, on]).to(tl.float32))
-    c_desc.store([om, on], g.to(tl.bfloat16))
-    if FP8:
-        amax = tl.maximum(tl.max(tl.abs(g), axis=1), 1e-12)
-        scale = ((tl.math.div_rn(1.0, amax) * 448.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32,
-                                                                                                   bitcast=True)
-        q_desc.store([om, on], tl.clamp(g * scale[:, None], -448.0, 448.0).to(tl.float8e4nv))
-        rows = om + tl.arange(0, BM)
-        tl.store(s_ptr + (on // 128) * M + rows, 1.0 / scale, mask=rows < M)
-
-
-@triton.jit
-def _dgelu_kernel(a_desc, b_desc, h_desc, c_desc, q_desc, s_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, HALVES: tl.constexpr,
-                  WS: tl.constexpr, FP8: tl.constexpr):
-    num_pid_m, num_pid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True, warp_specialize=WS):
-        pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        om, on = pid_m * BM, pid_n * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(tl.cdiv(K, BK)):
-            acc = tl.dot(a_desc.load([om, ki * BK]), b_desc.load([ki * BK, on]), acc)
-        if HALVES:   # two 128-column halves: fewer registers live in the epilogue
-            a0, a1 = tl.split(tl.reshape(acc, (BM, 2, BN // 2)).permute(0, 2, 1))
-            _store(a0, h_desc, c_desc, q_desc, s_ptr, om, on, M, BM, FP8)
-            _store(a1, h_desc, c_desc, q_desc, s_ptr, om, on + BN // 2, M, BM, FP8)
-        else:
-            _store(acc, h_desc, c_desc, q_desc, s_ptr, om, on, M, BM, FP8)
 
 
 # Each stores blocks of 128 columns: BN 256 in halves, or 128 whole. The first two are dgelu_triton.BEST's first
@@ -85,22 +49,6 @@ SWEEP = ([dict(BM=128, BN=256, BK=BK, stages=st, warps=8, halves=True, ws=ws)
           for BK, stages in _DEPTHS for st in stages for ws in (False, True)]
          + [dict(BM=128, BN=128, BK=BK, stages=st, warps=warps, halves=False, ws=False)
             for BK, stages in _DEPTHS[1:] for st in stages for warps in (4, 8)])
-
-
-def dgelu(grad, weight, h, out, q, scales, cfg, fp8_out):
-    """A launcher of the kernel: out = (grad @ weight) * gelu'(h) in bf16 and, with fp8_out, q (e4m3) and scales
-    ([N / 128, M] fp32, each block's inverse scale)."""
-    (M, K), N = grad.shape, h.size(1)
-    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
-    part = [BM, BN // 2] if cfg["halves"] else [BM, BN]
-    descs = (TensorDescriptor.from_tensor(grad, [BM, BK]), TensorDescriptor.from_tensor(weight, [BK, BN]),
-             TensorDescriptor.from_tensor(h, part), TensorDescriptor.from_tensor(out, part),
-             TensorDescriptor.from_tensor(q, part))
-    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    programs = min(torch.cuda.get_device_properties(grad.device).multi_processor_count, tiles)
-    return lambda: _dgelu_kernel[(programs,)](*descs, scales, M, N, K, BM=BM, BN=BN, BK=BK, GROUP_M=8,
-                                              PROGRAMS=programs, HALVES=cfg["halves"], WS=cfg["ws"], FP8=fp8_out,
-                                              num_stages=cfg["stages"], num_warps=cfg["warps"])
 
 
 def block_scales_of_weight(w_inv: torch.Tensor, k: int, n: int, padded: bool) -> torch.Tensor:
@@ -132,7 +80,8 @@ def one_layer(tokens: int, C: int, configs: list[dict] = CONFIGS, bf16_out: bool
         best = None
         for cfg in configs:
             try:
-                run = dgelu(grad, w_proj, h, out, q, scales, cfg, fp8_out)
+                run = launcher(grad, w_proj, h, out, **cfg, q=q if fp8_out else None,
+                               q_scales=scales if fp8_out else None)
                 run()
                 us = bench(graphed(run))
             except Exception as e:   # a configuration that does not fit (shared memory) or compile

@@ -58,9 +58,25 @@ def _tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _store(acc, h_desc, c_desc, q_desc, s_ptr, om, on, M, BM: tl.constexpr):
+    # grad_h in bf16; with q_desc (bench/dgelu_fp8_blocks.py), also in e4m3: each row of this 128-column block scaled
+    # by the largest power of two that keeps its amax within 448 (fp8_rows' rule), the inverse scale stored
+    # column-major in s_ptr, as cuBLASLt reads 1 x 128 block scales.
+    g = _times_gelu_grad(acc, h_desc.load([om, on]).to(tl.float32))
+    c_desc.store([om, on], g.to(tl.bfloat16))
+    if q_desc is not None:
+        amax = tl.maximum(tl.max(tl.abs(g), axis=1), 1e-12)
+        scale = ((tl.math.div_rn(1.0, amax) * 448.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32,
+                                                                                                   bitcast=True)
+        q_desc.store([om, on], tl.clamp(g * scale[:, None], -448.0, 448.0).to(tl.float8e4nv))
+        rows = om + tl.arange(0, BM)
+        tl.store(s_ptr + (on // 128) * M + rows, 1.0 / scale, mask=rows < M)
+
+
+@triton.jit
 def _dgelu_kernel(a_desc, b_desc, h_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, HALVES: tl.constexpr, WS: tl.constexpr,
-                  scale_ptr=None, B_T: tl.constexpr = False):
+                  scale_ptr=None, B_T: tl.constexpr = False, q_desc=None, s_ptr=None):
     num_pid_m, num_pid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True, warp_specialize=WS):
         pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
@@ -73,28 +89,31 @@ def _dgelu_kernel(a_desc, b_desc, h_desc, c_desc, M, N, K, BM: tl.constexpr, BN:
                 acc = tl.dot(a_desc.load([om, ki * BK]), b_desc.load([ki * BK, on]), acc)
         if scale_ptr is not None:
             acc = acc * tl.load(scale_ptr)
-        if HALVES:
+        if HALVES:   # two halves of the tile's columns: fewer registers live in the epilogue
             a0, a1 = tl.split(tl.reshape(acc, (BM, 2, BN // 2)).permute(0, 2, 1))
-            c_desc.store([om, on], _times_gelu_grad(a0, h_desc.load([om, on]).to(tl.float32)).to(tl.bfloat16))
-            c_desc.store([om, on + BN // 2],
-                         _times_gelu_grad(a1, h_desc.load([om, on + BN // 2]).to(tl.float32)).to(tl.bfloat16))
+            _store(a0, h_desc, c_desc, q_desc, s_ptr, om, on, M, BM)
+            _store(a1, h_desc, c_desc, q_desc, s_ptr, om, on + BN // 2, M, BM)
         else:
-            c_desc.store([om, on], _times_gelu_grad(acc, h_desc.load([om, on]).to(tl.float32)).to(tl.bfloat16))
+            _store(acc, h_desc, c_desc, q_desc, s_ptr, om, on, M, BM)
 
 
-def launcher(grad, weight, h, out, BM, BN, BK, stages, warps, halves, ws, persistent=True, group_m=8, scale=None):
-    """With `scale` (the product of the operands' inverse scales), weight is [N, K], K-major (FP8)."""
-    M = grad.size(0)
+def launcher(grad, weight, h, out, BM, BN, BK, stages, warps, halves, ws, persistent=True, group_m=8, scale=None,
+             q=None, q_scales=None):
+    """With `scale` (the product of the operands' inverse scales), weight is [N, K], K-major (FP8). With q (e4m3, h's
+    shape) and q_scales ([N / 128, M] fp32), grad_h is written in 1 x 128 blocks too: each half tile (or tile,
+    without halves) 128 columns wide."""
+    (M, K), N = grad.shape, h.size(1)
     part = [BM, BN // 2] if halves else [BM, BN]
     b_t = scale is not None
     descs = (TensorDescriptor.from_tensor(grad, [BM, BK]),
              TensorDescriptor.from_tensor(weight, [BN, BK] if b_t else [BK, BN]),
              TensorDescriptor.from_tensor(h, part), TensorDescriptor.from_tensor(out, part))
+    q_desc = None if q is None else TensorDescriptor.from_tensor(q, part)
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     programs = min(torch.cuda.get_device_properties(grad.device).multi_processor_count if persistent else tiles, tiles)
     return lambda: _dgelu_kernel[(programs,)](*descs, M, N, K, BM=BM, BN=BN, BK=BK, GROUP_M=group_m,
                                               PROGRAMS=programs, HALVES=halves, WS=ws, num_stages=stages,
-                                              num_warps=warps, scale_ptr=scale, B_T=b_t)
+                                              num_warps=warps, scale_ptr=scale, B_T=b_t, q_desc=q_desc, s_ptr=q_scales)
 
 
 BEST = [dict(BM=128, BN=256, BK=64, stages=3, warps=8, halves=True, ws=True),

@@ -13,9 +13,10 @@ from Utils.train.usage import UsageError, fail
 CHARTS = ("speedup.png", "step_time.png", "throughput.png", "memory.png", "loss.png", "summary.md", "breakdown.md",
           "breakdown.png", "compare.md", "compare.png", "scaling.png")
 CLEAN = CHARTS + (TEMPORARY_PREFIX + "*",)
+# .before-append-*: an append killed midway (Utils.results.store)
 RESET = CHARTS + ("results.csv", "runs.csv", "breakdown.csv", "kernels.csv", "peak.csv", "trace_*.json.gz",
                   "*.error.log", "[0-9]*-peer-*.log", "Optimizing_GPU_Utilization.ipynb", ".results.lock",
-                  TEMPORARY_PREFIX + "*", ".rank-failure-*", ".before-append-*")   # the last: an append killed midway (Utils.results.store)
+                  TEMPORARY_PREFIX + "*", ".rank-failure-*", ".before-append-*")
 
 
 def plots(g: Given, runner: Runner) -> int:

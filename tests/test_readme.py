@@ -7,7 +7,7 @@ import sys
 from Utils.ladder.__main__ import markdown
 from Utils.ladder.registry import RUNGS
 
-from conftest import REPO_ROOT, clean_env
+from conftest import MAKE_VARIABLES, REPO_ROOT, clean_env
 
 README = open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8").read()
 
@@ -32,3 +32,13 @@ def test_every_target_the_readme_names_is_in_make_help():
     named = set(re.findall(r"`make (\w[\w-]*)", README)) | {"install", "all", "test", "custom", "gpu-test"}
     missing = sorted(t for t in named - {"help"} if f"make {t}" not in help_text and t not in RUNGS)
     assert not missing, f"make help does not list {missing}"
+
+
+def test_make_help_names_every_variable_make_passes_on():
+    help_text = subprocess.run(["make", "--no-print-directory", f"PYTHON={sys.executable}", "help"], cwd=REPO_ROOT,
+                               env=clean_env(), capture_output=True, text=True, timeout=60).stdout
+    with open(os.path.join(REPO_ROOT, "Makefile")) as f:
+        exported = re.findall(r"^export ([A-Z_ ]+)$", f.read(), re.M)
+    taken = set(MAKE_VARIABLES) - {"MAKEFLAGS", "MAKELEVEL", "MFLAGS"} | {v for line in exported for v in line.split()}
+    missing = sorted(v for v in taken if not re.search(rf"\b{v}=", help_text))
+    assert not missing, f"make help does not name {missing}"

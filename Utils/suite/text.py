@@ -12,21 +12,23 @@ HELP = """Train GPT-2 under a ladder of GPU optimizations and compare them.
   make additions                                the registry: every addition, its pillar and needs
   make ablation STEPS=n BATCH_SIZE=b PREFIX=dir the fused rung, then each addition tried for max alone on it
           FROM=max: the max rung, then max without each of its additions in turn
-  make peers STEPS=n BATCH_SIZE=b PREFIX=dir    the trainers a user would pick instead ({peers}), beside the rungs
+  make peers STEPS=n BATCH_SIZE=b PREFIX=dir    the trainers a user would pick instead ({peers}), into PREFIX
                                                 (RUNG=max REPEAT=3: max and the peers in 3 alternated rounds)
   make plots PREFIX=dir                         charts and summary.md from PREFIX/results.csv
   make compare PREFIXES="a b ..." [OUT=dir]     one table and chart across results folders (compare.md/.png)
   make profile STEPS=n BATCH_SIZE=b PREFIX=dir  compute / memory / overhead split of every rung
   make init_results PREFIX=dir                  create PREFIX with empty results files
   make peak PREFIX=dir                          this machine's bf16 matmul and copy peaks, into PREFIX/peak.csv (MFU's second denominator)
+                                                (MATMUL_N=n: the square matmul's side; COPY_GIB=g: GiB copied)
   make clean PREFIX=dir                         remove the charts (scaling.png too), summary.md, breakdown.md/.png, compare.md/.png
   make reset PREFIX=dir                         remove every file the suite wrote in PREFIX, results too
   make notebook [RESULTS=dir]                   execute the notebook against RESULTS (saved into RESULTS)
   make install                                  what the suite needs, from the locks (PyTorch's CPU build where there is no GPU)
-                                                (UPGRADE=1: the newest versions requirements.txt allows)
+                                                (UPGRADE=1: the newest versions requirements.txt allows;
+                                                TORCH_CPU_INDEX=url: a mirror of PyTorch's CPU index)
   make lock                                     resolve the locks again after a change to requirements*.txt
   make check-upgrades                           make test UPGRADE=1 in a new virtual environment
-  make test                                     the test suite (CPU, about 13 minutes on 2 cores; installs requirements-test.lock)
+  make test                                     the test suite (CPU, about 11 minutes on 2 cores; installs requirements-test.lock)
   make gpu-test                                 the tests marked gpu, on a CUDA machine
 
 Optional: MODEL=auto|tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl  SEQ_LEN=n  DEVICE=auto|cuda|cpu

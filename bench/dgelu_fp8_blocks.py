@@ -109,7 +109,7 @@ def one_layer(tokens: int, C: int, configs: list[dict] = CONFIGS, bf16_out: bool
         b_scales = block_scales_of_weight(w_inv, N, C, padded)
         try:
             blocks = torch._scaled_mm(q, b8, scale_a=a_scales, scale_b=b_scales, out_dtype=torch.bfloat16)
-        except RuntimeError as e:   # refused: reported whole; NaN in the table if both layouts are
+        except RuntimeError as e:   # refused: reported whole; NaN in the table if no layout is taken and right
             print(f"  block GEMM refused ({layout} weight scales): {' '.join(str(e).split())}")
             continue
         errors["block GEMM"] = relative(blocks, dequantized)

@@ -13,7 +13,7 @@ from Utils.results.schema import RUN_COLUMNS, STEP_COLUMNS
 from Utils.results.store import check_file
 from Utils.train.run import EXIT_OOM, EXIT_SKIPPED, main
 
-from conftest import REPO_ROOT as REPO, make, read_csv
+from conftest import REPO_ROOT as REPO, clean_env, make, read_csv
 
 TINY = ["--batch-size", "2", "--seq-len", "16", "--data", "synthetic"]
 
@@ -311,3 +311,17 @@ def test_a_results_file_that_is_a_link_is_written_through_the_link(tmp_path):
     assert run_in_process("baseline", prefix) == 0
     assert (prefix / "results.csv").is_symlink()
     assert len(read_csv(elsewhere)) == 8 and len(read_csv(prefix / "runs.csv")) == 2
+
+
+def test_a_reader_gone_before_the_driver_writes_ends_it_quietly(tmp_path):
+    # `make all ... --dry-run | head -1`: the pipe's reader has gone before the driver's lines, as a shell's tools end
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "Utils.suite", "all", "STEPS=3", "BATCH_SIZE=2",
+                               f"PREFIX={tmp_path / 'out'}", "--dry-run"], cwd=REPO, env=clean_env(),
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 128 + signal.SIGPIPE and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()

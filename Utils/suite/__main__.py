@@ -90,7 +90,10 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    rc = main(sys.argv[1:])
+    try:
+        rc = main(sys.argv[1:])
+    except BrokenPipeError:   # what read its lines has gone (`| head`): it ends as a shell's tools do, no traceback
+        rc = 128 + signal.SIGPIPE
     # Shutting the interpreter down gives the signals their default action back, and a SIGTERM then would end the
     # driver by the signal, without its line. From here they are held: one that came after main ends it as one
     # before main would, unless main already said that a signal stopped it. The driver then leaves without the

@@ -30,16 +30,25 @@ ROWS, WIDTH, VOCAB = 4096, 768, 50304
 
 
 @triton.jit
+def logits_tile(a_desc, b_desc, tile_id, num_pid_m, num_pid_n, K, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """(the fp32 product of tile tile_id of a [M, K] and b [N, K], both K-major as FP8 wgmma reads them, unscaled; its
+    first row; its first column). Also bench/fp8_loss_recompute.py's two GEMMs'."""
+    pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    om, on = pid_m * BM, pid_n * BN
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BK)):
+        acc = tl.dot(a_desc.load([om, ki * BK]), b_desc.load([on, ki * BK]).T, acc)
+    return acc, om, on
+
+
+@triton.jit
 def _gemm_kernel(a_desc, b_desc, c_desc, scale_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, HALVES: tl.constexpr, WS: tl.constexpr):
     num_pid_m, num_pid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     scale = tl.load(scale_ptr)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True, warp_specialize=WS):
-        pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        om, on = pid_m * BM, pid_n * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(tl.cdiv(K, BK)):   # both operands K-major, as FP8 wgmma reads them
-            acc = tl.dot(a_desc.load([om, ki * BK]), b_desc.load([on, ki * BK]).T, acc)
+        acc, om, on = logits_tile(a_desc, b_desc, tile_id, num_pid_m, num_pid_n, K, BM, BN, BK, GROUP_M)
         acc = acc * scale
         if HALVES:   # the store in two halves: fewer registers held at once
             a0, a1 = tl.split(tl.reshape(acc, (BM, 2, BN // 2)).permute(0, 2, 1))

@@ -25,7 +25,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.dgelu_triton import _tile  # noqa: E402   (row tiles walked in groups, GROUP_M at a time)
+from bench.dgelu_fp8_blocks import relative  # noqa: E402
+from bench.fp8_head_gemm import logits_tile  # noqa: E402   (the logits' GEMM tile, GROUP_M row tiles walked together)
 from bench.gelu_epilogue import bench  # noqa: E402
 from bench.packed_attention import graphed  # noqa: E402
 from Utils.kernels import fp8, fp8_loss, loss_kernel  # noqa: E402
@@ -45,18 +46,14 @@ def _lse_kernel(a_desc, b_desc, scale_ptr, targets_ptr, m_ptr, s_ptr, tgt_ptr, M
     num_pid_m, num_pid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     scale = tl.load(scale_ptr)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True, warp_specialize=WS):
-        pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        om, on = pid_m * BM, pid_n * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(tl.cdiv(K, BK)):   # both operands K-major, as FP8 wgmma reads them
-            acc = tl.dot(a_desc.load([om, ki * BK]), b_desc.load([on, ki * BK]).T, acc)
+        acc, om, on = logits_tile(a_desc, b_desc, tile_id, num_pid_m, num_pid_n, K, BM, BN, BK, GROUP_M)
         rows, cols = om + tl.arange(0, BM), on + tl.arange(0, BN)
         # Padded columns take no part; every tile holds some real ones (the launcher checks).
         x = tl.where(cols[None, :] < vocab_size, acc * scale, float("-inf"))
         top = tl.max(x, 1)
         in_rows = rows < M
-        tl.store(m_ptr + rows * num_pid_n + pid_n, top, mask=in_rows)
-        tl.store(s_ptr + rows * num_pid_n + pid_n, tl.sum(tl.exp(x - top[:, None]), 1), mask=in_rows)
+        tl.store(m_ptr + rows * num_pid_n + on // BN, top, mask=in_rows)
+        tl.store(s_ptr + rows * num_pid_n + on // BN, tl.sum(tl.exp(x - top[:, None]), 1), mask=in_rows)
         target = tl.load(targets_ptr + rows, mask=in_rows, other=-1)
         hit = tl.sum(tl.where(cols[None, :] == target[:, None], x, 0.0), 1)
         tl.store(tgt_ptr + rows, hit, mask=in_rows & (target >= on) & (target < on + BN))
@@ -69,11 +66,7 @@ def _grad_kernel(a_desc, b_desc, g_desc, gt_desc, scale_ptr, lse_ptr, targets_pt
     num_pid_m, num_pid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     scale = tl.load(scale_ptr)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True, warp_specialize=WS):
-        pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        om, on = pid_m * BM, pid_n * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(tl.cdiv(K, BK)):
-            acc = tl.dot(a_desc.load([om, ki * BK]), b_desc.load([on, ki * BK]).T, acc)
+        acc, om, on = logits_tile(a_desc, b_desc, tile_id, num_pid_m, num_pid_n, K, BM, BN, BK, GROUP_M)
         rows, cols = om + tl.arange(0, BM), on + tl.arange(0, BN)
         lse = tl.load(lse_ptr + rows, mask=rows < M, other=0.0)
         target = tl.load(targets_ptr + rows, mask=rows < M, other=-1)
@@ -108,10 +101,6 @@ def recompute(h8, h_inv, w8, w_inv, targets, vocab_size, grad, grad_t, BM, BN, B
         _grad_kernel[(programs,)](a, b, g, gt, scale, lse, targets, M, N, K, vocab_size, fp8_loss.GRAD_SCALE,
                                   **shape)
     return run, row_loss
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def one_chunk(rows: int, width: int) -> tuple[dict, dict]:

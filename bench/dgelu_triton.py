@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gelu_epilogue import bench  # noqa: E402
 from Utils.kernels import cublaslt as L  # noqa: E402
 from Utils.kernels.fp8 import to_e4m3, to_fp8  # noqa: E402
+from Utils.kernels.recompute_logits import tile_order  # noqa: E402   (GROUP_M row tiles walked together)
 
 K, N = 768, 3072
 
@@ -46,15 +47,6 @@ def _times_gelu_grad(acc, h):
     h2 = h * h
     t = _tanh(k0 * h * (1 + k1 * h2))
     return acc * (0.5 * (1 + t) + 0.5 * h * (1 - t * t) * k0 * (1 + 3 * k1 * h2))
-
-
-@triton.jit
-def _tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    # GROUP_M row tiles walked together, so that their B columns stay in L2.
-    group = GROUP_M * num_pid_n
-    first_m = (tile_id // group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile_id % group) % size_m, (tile_id % group) // size_m
 
 
 @triton.jit
@@ -79,7 +71,7 @@ def _dgelu_kernel(a_desc, b_desc, h_desc, c_desc, M, N, K, BM: tl.constexpr, BN:
                   scale_ptr=None, B_T: tl.constexpr = False, q_desc=None, s_ptr=None):
     num_pid_m, num_pid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True, warp_specialize=WS):
-        pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_order(tile_id, num_pid_m, num_pid_n, GROUP_M)
         om, on = pid_m * BM, pid_n * BN
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for ki in range(tl.cdiv(K, BK)):

@@ -21,25 +21,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.dgelu_triton import _tile  # noqa: E402   (row tiles walked in groups, GROUP_M at a time)
 from bench.gelu_epilogue import bench  # noqa: E402
 from Utils.kernels import cublaslt as L  # noqa: E402
 from Utils.kernels.fp8 import to_e4m3  # noqa: E402
+from Utils.kernels.recompute_logits import logits_tile  # noqa: E402   (the logits' GEMM tile)
 
 ROWS, WIDTH, VOCAB = 4096, 768, 50304
-
-
-@triton.jit
-def logits_tile(a_desc, b_desc, tile_id, num_pid_m, num_pid_n, K, BM: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr, GROUP_M: tl.constexpr):
-    """(the fp32 product of tile tile_id of a [M, K] and b [N, K], both K-major as FP8 wgmma reads them, unscaled; its
-    first row; its first column). Also bench/fp8_loss_recompute.py's two GEMMs'."""
-    pid_m, pid_n = _tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-    om, on = pid_m * BM, pid_n * BN
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for ki in range(tl.cdiv(K, BK)):
-        acc = tl.dot(a_desc.load([om, ki * BK]), b_desc.load([on, ki * BK]).T, acc)
-    return acc, om, on
 
 
 @triton.jit

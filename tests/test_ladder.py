@@ -614,6 +614,10 @@ def _stochastic_rounding(b, base):
     assert not torch.equal(weight.detach(), before)
 
 
+def _logits_stored(b, base):
+    assert type(b.model.loss) is type(base.model.loss) and not getattr(b.model.loss, "recompute", False)
+
+
 def _compiled_update(b, base):
     assert hasattr(b.update, "_torchdynamo_orig_callable") and not hasattr(base.update, "_torchdynamo_orig_callable")
 
@@ -641,6 +645,8 @@ CPU_EFFECTS = {
     # On a CPU FP8 is only emulated, and the loss kernel needs a GPU: the plain chunked loss, and both reasons.
     "fp8_head": (r"FP8 matmuls are fast on an Ada or Hopper GPU only .+: the output layer in bf16 instead; "
                  r"the loss kernel needs .+: the plain chunked loss instead", _chunked_loss),
+    "recompute_logits": (r"recomputing the logits needs a Hopper GPU .+: its logits stored and read back",
+                         _logits_stored),
     "fp8_qkv_fc": (r"FP8 GEMMs need an Ada or Hopper GPU .+: c_attn and c_fc in bf16 instead", _bf16_layers),
     "fp8_dgrad": (r"FP8 GEMMs need an Ada or Hopper GPU .+: c_attn's and c_fc's input gradients in bf16 instead",
                   _bf16_layers),
@@ -1041,6 +1047,6 @@ def test_the_max_rung_and_fsdp_s_refusals_come_from_each_addition_s_facts():
     assert PARALLEL_EXCLUDES["ddp"] == {}
     assert PARALLEL_EXCLUDES["fsdp"] == {a: ADDITIONS[a].fsdp for a in ADDITIONS if ADDITIONS[a].fsdp}
     assert set(PARALLEL_EXCLUDES["fsdp"]) == {"gemm_bias_grad", "gelu_epilogue", "packed_attention", "loss_kernel",
-                                              "fp8_head", "fp8_qkv_fc", "fp8_dgrad", "fold_clip", "fold_norm", "8bit",
-                                              "cudagraphs", "fp8", "master_weights",
+                                              "fp8_head", "recompute_logits", "fp8_qkv_fc", "fp8_dgrad", "fold_clip",
+                                              "fold_norm", "8bit", "cudagraphs", "fp8", "master_weights",
                                               "stochastic_rounding"}

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from Utils.kernels import fp8, loss_kernel
+from Utils.kernels import fp8, loss_kernel, recompute_logits
 
 try:
     import triton
@@ -156,16 +156,18 @@ def transpose(src: Tensor, dst: Tensor) -> None:
 # place chunk by chunk, which a traced graph would have to copy.
 @torch.library.custom_op("gpt_suite::fp8_output_layer", mutates_args=())
 def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Tensor, w_inv: Tensor,
-                  targets: Tensor, vocab_size: int, chunk_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+                  targets: Tensor, vocab_size: int, chunk_rows: int, recompute: bool) -> tuple[Tensor, Tensor, Tensor]:
     n, width = h8.shape
     n_cols = w8.size(0)
     g_inv = torch.full((), 1 / GRAD_SCALE, dtype=torch.float32, device=h8.device)
     row_loss = torch.empty(n, dtype=torch.float32, device=h8.device)
     lse = torch.empty(min(n, chunk_rows), dtype=torch.float32, device=h8.device)
     grad_h = torch.empty(n, width, dtype=torch.bfloat16, device=h8.device)
-    # One logits buffer for every chunk: a GEMM allocating its own output would hold two chunks' logits (1.6 GB
-    # at 16,384 rows) while the next is written and the last not yet freed.
-    logits = torch.empty(min(n, chunk_rows), n_cols, dtype=torch.bfloat16, device=h8.device)
+    # With recompute (Utils.kernels.recompute_logits), no logits at all; else one buffer for every chunk: a GEMM
+    # allocating its own output would hold two chunks' logits (1.6 GB at 16,384 rows) while the next is written
+    # and the last not yet freed.
+    recompute = recompute and (h8.is_cuda or recompute_logits.INTERPRETED)
+    logits = None if recompute else torch.empty(min(n, chunk_rows), n_cols, dtype=torch.bfloat16, device=h8.device)
     grad = torch.empty(min(n, chunk_rows), n_cols, dtype=fp8.E5M2, device=h8.device)
     grad_t = torch.empty(n_cols, n, dtype=fp8.E5M2, device=h8.device)   # every chunk's gradient, transposed
     for i in range(0, n, chunk_rows):
@@ -174,10 +176,15 @@ def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Ten
         # Fast accumulation (Hopper's, which never promotes its partial sums to fp32, losing precision as a
         # sum grows) on the logits' GEMM only, whose sums run over the 768 features; the gradients' GEMMs sum
         # over the 50,304 words or the tokens.
-        out, g = logits[:size], grad[:size]
-        torch._scaled_mm(h8[rows], w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=torch.bfloat16,
-                         use_fast_accum=True, out=out)
-        _softmax_grad_fp8(out, targets[rows], vocab_size, row_loss[rows], lse[:size], g, grad_t[:, rows])
+        g = grad[:size]
+        if recompute:
+            recompute_logits.loss_and_grad(h8[rows], h_inv, w8, w_inv, targets[rows], vocab_size, GRAD_SCALE,
+                                           row_loss[rows], g, grad_t[:, rows])
+        else:
+            torch._scaled_mm(h8[rows], w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=torch.bfloat16,
+                             use_fast_accum=True, out=logits[:size])
+            _softmax_grad_fp8(logits[:size], targets[rows], vocab_size, row_loss[rows], lse[:size], g,
+                              grad_t[:, rows])
         torch._scaled_mm(g, w8_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=torch.bfloat16, out=grad_h[rows])
     # One GEMM over every token: the gradients (e5m2) against h (e4m3, token-major as the GEMM reads it;
     # Hopper has no e5m2 x e5m2 GEMM), in fp32 as the optimizer's gradient is.
@@ -186,7 +193,7 @@ def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Ten
 
 
 @_output_layer.register_fake
-def _(h8, h8_t, h_inv, w8, w8_t, w_inv, targets, vocab_size, chunk_rows):
+def _(h8, h8_t, h_inv, w8, w8_t, w_inv, targets, vocab_size, chunk_rows, recompute):
     n, width = h8.shape
     return (h8.new_empty(n, dtype=torch.float32), h8.new_empty(n, width, dtype=torch.bfloat16),
             h8.new_empty(w8.shape, dtype=torch.float32))
@@ -194,7 +201,7 @@ def _(h8, h8_t, h_inv, w8, w8_t, w_inv, targets, vocab_size, chunk_rows):
 
 class _Fp8CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, vocab_size):
+    def forward(ctx, h, weight, targets, vocab_size, recompute):
         n, width = h.shape
         if n % fp8.ALIGN or fp8.width_problem(width):
             raise ValueError(fp8.width_problem(width) or f"FP8 GEMMs need the tokens per step ({n}) to be a "
@@ -208,7 +215,8 @@ class _Fp8CrossEntropy(torch.autograd.Function):
             h8, h_inv = fp8.to_e4m3(h)                                # [tokens, width]
             # Each operand in the layout its GEMMs read, transposed where Inductor fuses it into the cast.
             row_loss, grad_h, grad_w = _output_layer(h8, h8.t().contiguous(), h_inv, w8, w8.t().contiguous(),
-                                                     w_inv, targets.contiguous(), vocab_size, CHUNK_ROWS)
+                                                     w_inv, targets.contiguous(), vocab_size, CHUNK_ROWS,
+                                                     recompute)
         ctx.save_for_backward(grad_h, grad_w[:weight.size(0)])
         ctx.n, ctx.h_dtype, ctx.weight_dtype = n, h.dtype, weight.dtype
         return row_loss.sum() / n
@@ -217,19 +225,21 @@ class _Fp8CrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_out / ctx.n
-        return (grad_h * scale).to(ctx.h_dtype), (grad_w * scale).to(ctx.weight_dtype), None, None
+        return (grad_h * scale).to(ctx.h_dtype), (grad_w * scale).to(ctx.weight_dtype), None, None, None
 
 
-def fp8_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, vocab_size: int) -> Tensor:
+def fp8_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, vocab_size: int, recompute: bool = False) -> Tensor:
     """Mean cross-entropy of h [N, C] @ weight[:vocab_size].T against targets [N], the three GEMMs in FP8,
     without materializing the logits; weight's rows from vocab_size on get a zero gradient. N and C must
     be multiples of 16, and unavailable(device) None. Targets must lie in [0, vocab_size): the kernels read
-    each row's target logit unchecked, as the loss kernel does (a check would read the targets back)."""
+    each row's target logit unchecked, as the loss kernel does (a check would read the targets back).
+    recompute: each chunk's logits computed twice and never stored (Utils.kernels.recompute_logits), on a GPU
+    where recompute_logits.unavailable is None."""
     if h.dim() != 2 or weight.dim() != 2 or weight.size(1) != h.size(1):
         raise ValueError(f"h must be [tokens, width] and weight [rows, width], got {tuple(h.shape)} and "
                          f"{tuple(weight.shape)}")
     loss_kernel.check_targets(targets, h, "h", vocab_size, weight.size(0), "the weight's rows")
-    return _Fp8CrossEntropy.apply(h, weight, targets, vocab_size)
+    return _Fp8CrossEntropy.apply(h, weight, targets, vocab_size, recompute)
 
 
 def reference(h: Tensor, weight: Tensor, targets: Tensor, vocab_size: int) -> Tensor:

@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from Utils.kernels import cublaslt, fp8, fp8_linear, fp8_loss, gelu_epilogue, loss_kernel, packed_attention
+from Utils.kernels import (cublaslt, fp8, fp8_linear, fp8_loss, gelu_epilogue, loss_kernel, packed_attention,
+                           recompute_logits)
 from Utils.kernels.master_adamw import MasterAdamW
 from Utils.ladder import modules
 from Utils.ladder.parallel import gradient_sync, wrap
@@ -265,6 +266,21 @@ def apply_fp8_head(b: Build) -> str | None:
     if why:
         return f"{why}: the output layer in bf16 instead" + (f"; {note}" if note else ", through the loss kernel")
     b.model.loss.fp8 = True
+    return None
+
+
+@applies("recompute_logits")
+def apply_recompute_logits(b: Build) -> str | None:
+    """fp8_head's output layer with each chunk's logits computed twice by Triton GEMMs and never stored: one
+    GEMM more a chunk for 3 bytes a logit fewer, which pays only in narrow models (recompute_logits.WIDEST).
+    Without fp8_head's FP8 output layer (not added, or fallen back to bf16), nothing changes."""
+    why = recompute_logits.unavailable(b.device)
+    if why or not getattr(b.model.loss, "fp8", False):
+        return f"{why or 'the output layer is not in FP8 (fp8_head)'}: its logits stored and read back"
+    if b.config.n_embd > recompute_logits.WIDEST:
+        return (f"recomputing the logits pays only up to a width of {recompute_logits.WIDEST} (this model's is "
+                f"{b.config.n_embd}): its logits stored and read back")
+    b.model.loss.recompute = True
     return None
 
 

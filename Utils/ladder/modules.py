@@ -103,16 +103,17 @@ class PackedAttention(nn.Module):
 
 class ChunkedLoss(OutputLoss):
     """The output layer's cross-entropy without the whole logits (kernels.chunked_loss), its GEMMs in FP8
-    with `fp8` (kernels.fp8_loss) wherever the step's tokens are a multiple of 16, as FP8 GEMMs need."""
+    with `fp8` (kernels.fp8_loss) wherever the step's tokens are a multiple of 16, as FP8 GEMMs need; with
+    `recompute` too, each chunk's logits computed twice and never stored (kernels.recompute_logits)."""
 
     def __init__(self, vocab_size: int, kernel: bool, fp8: bool = False):
         super().__init__(vocab_size)
-        self.kernel, self.fp8 = kernel, fp8
+        self.kernel, self.fp8, self.recompute = kernel, fp8, False
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
         if self.fp8 and h.size(0) % fp8.ALIGN == 0:
-            return fp8_loss.fp8_cross_entropy(h, weight, targets, self.vocab_size)
+            return fp8_loss.fp8_cross_entropy(h, weight, targets, self.vocab_size, recompute=self.recompute)
         return chunked_loss.chunked_cross_entropy(h, weight, targets, self.vocab_size, kernel=self.kernel)
 
 

@@ -182,6 +182,15 @@ _ADDITIONS = [
                     "the loss kernel in one read of the logits; elsewhere the softmax gradient as the same "
                     "hand-written kernel in bf16, `loss_kernel`)",
              why=_CHUNKED_LOSS),
+    Addition("recompute_logits", "model", "memory",
+             "the FP8 output layer's logits computed twice by Triton GEMMs and never stored: one keeps each row's "
+             "log-sum-exp, the other writes the e5m2 gradient in both layouts",
+             needs="a Hopper GPU and Triton, fp8_head", fsdp=_WHOLE_TENSORS,
+             phrase="the output layer's logits computed twice and never stored (`recompute_logits`): one FP8 GEMM "
+                    "keeps each row's log-sum-exp, the next writes the e5m2 gradient from its accumulator",
+             why="storing the logits in bf16, reading them back and transposing the gradient moves 5 bytes a logit; "
+                 "a second GEMM over the same FP8 operands moves 2, in models narrow enough that the GEMM costs "
+                 "less than the bytes"),
     Addition("fp8_qkv_fc", "model", "compute",
              "c_attn's and c_fc's forward GEMMs in FP8, their LayerNorm's output cast with a scale bounded in advance",
              needs="an Ada or Hopper GPU", requires=("bf16",), excludes=("fp8",), fp8_gemms="qkv_fc",

@@ -42,3 +42,15 @@ def test_make_help_names_every_variable_make_passes_on():
     taken = set(MAKE_VARIABLES) - {"MAKEFLAGS", "MAKELEVEL", "MFLAGS"} | {v for line in exported for v in line.split()}
     missing = sorted(v for v in taken if not re.search(rf"\b{v}=", help_text))
     assert not missing, f"make help does not name {missing}"
+
+
+def test_the_benchmarks_contents_link_every_section_and_every_link_lands():
+    # GitHub's anchor for a heading: lower case, punctuation dropped but for - and _, spaces as -.
+    text = open(os.path.join(REPO_ROOT, "BENCHMARKS.md"), encoding="utf-8").read()
+    slug = lambda heading: re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", heading.strip().lower()))   # noqa: E731
+    contents = text[:text.index("\n## ")]
+    links = re.findall(r"\]\(#([^)]+)\)", contents)
+    anchors = {slug(h) for h in re.findall(r"^#{2,3} (.+)$", text, re.M)}
+    sections = [slug(h) for h in re.findall(r"^## (.+)$", text, re.M)]
+    assert not sorted(set(links) - anchors), "contents links that land nowhere"
+    assert [s for s in sections if s not in links] == [], "sections the contents leave out"

@@ -166,7 +166,7 @@ def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Ten
     # With recompute (Utils.kernels.recompute_logits), no logits at all; else one buffer for every chunk: a GEMM
     # allocating its own output would hold two chunks' logits (1.6 GB at 16,384 rows) while the next is written
     # and the last not yet freed.
-    recompute = recompute and (h8.is_cuda or recompute_logits.INTERPRETED)
+    recompute = recompute and (recompute_logits.INTERPRETED or recompute_logits.unavailable(h8.device) is None)
     logits = None if recompute else torch.empty(min(n, chunk_rows), n_cols, dtype=torch.bfloat16, device=h8.device)
     grad = torch.empty(min(n, chunk_rows), n_cols, dtype=fp8.E5M2, device=h8.device)
     grad_t = torch.empty(n_cols, n, dtype=fp8.E5M2, device=h8.device)   # every chunk's gradient, transposed

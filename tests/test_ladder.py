@@ -18,9 +18,9 @@ from conftest import REPO_ROOT, model_pair
 from Utils.kernels import chunked_loss, cublaslt, fp8, fp8_linear, fp8_loss, loss_kernel, packed_attention
 from Utils.ladder import apply, modules, registry
 from Utils.ladder.apply import GRAD_CLIP, Build, Unavailable, build
-from Utils.ladder.registry import (ABLATION, ADDITIONS, ablation_additions, additions_of, LADDER, LEAVE_ONE_OUT,
-                                   MAX_ADDITIONS, RUNGS, STAGES, Addition, RegistryError, resolve, rung_order,
-                                   run_name)
+from Utils.ladder.registry import (ABLATION, ADDITIONS, FUSED_ALONE, ablation_additions, additions_of, LADDER,
+                                   LEAVE_ONE_OUT, MAX_ADDITIONS, RUNGS, STAGES, Addition, RegistryError, resolve,
+                                   rung_order, run_name)
 from Utils.model import GPT, MLP, CausalSelfAttention, OutputLoss
 from Utils.model_config import PRESETS
 from Utils.ladder.linear import LinearPlan
@@ -90,10 +90,17 @@ def test_ablation_is_every_addition_beyond_the_seven_rungs_in_registry_order():
     assert list(ABLATION) == [a for a in ADDITIONS if a not in in_rungs]
 
 
-@pytest.mark.parametrize("name", ABLATION)
+@pytest.mark.parametrize("name", FUSED_ALONE)
 def test_every_ablation_addition_is_valid_on_the_fused_rung(name):
     assert set(resolve(FUSED + (name,))) == set(FUSED) | {name}
     assert run_name(FUSED + (name,)) == f"fused+{name}"
+
+
+def test_the_fused_ablation_tries_alone_what_runs_alone_and_the_rest_with_what_they_build_on():
+    assert [a for a in ABLATION if a not in FUSED_ALONE] == ["recompute_logits"]
+    assert ablation_additions("fused", "fp8_head+recompute_logits") == resolve(FUSED + ("fp8_head", "recompute_logits"))
+    with pytest.raises(RegistryError, match=r"recompute_logits needs fp8_head: try fp8_head\+recompute_logits"):
+        ablation_additions("fused", "recompute_logits")
 
 
 @pytest.mark.parametrize("rung", LADDER)
@@ -246,10 +253,10 @@ def test_run_names_tell_different_additions_apart():
     # A run is recorded, charted and compared under its name: two different sets of additions under one
     # name would be mixed up as one rung.
     combinations = [r.additions for r in RUNGS.values()]
-    combinations += [FUSED + (a,) for a in ABLATION]
+    combinations += [FUSED + (a,) for a in FUSED_ALONE]
     combinations += [tuple(a for a in RUNGS["max"].additions if a != x) for x in RUNGS["max"].additions
                      if possible(a for a in RUNGS["max"].additions if a != x)]
-    combinations += [FLASH + (a,) for a in ABLATION if a != "fold_clip"]
+    combinations += [FLASH + (a,) for a in FUSED_ALONE if a != "fold_clip"]
     combinations += [tuple(requirements(a)) for a in ADDITIONS]   # each addition alone, with what it needs
     combinations += [tuple(a for i, a in enumerate(FLASH) if mask >> i & 1) for mask in range(2 ** len(FLASH))]
     seen, clashes = {}, set()
@@ -333,7 +340,7 @@ def test_cli_rungs_pairs_each_rung_with_its_script_which_names_its_entry():
 def test_cli_ablation_lists_the_ablation():
     proc = ladder_cli("ablation")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == list(ABLATION)
+    assert proc.stdout.split() == list(FUSED_ALONE)
     proc = ladder_cli("ablation", "max")
     assert proc.returncode == 0 and proc.stdout.split() == list(LEAVE_ONE_OUT), proc.stderr
     assert ladder_cli("ablation", "flash").returncode == 2
@@ -969,7 +976,8 @@ MODEL_STAGE = [a for a in ADDITIONS if ADDITIONS[a].stage == "model" and a != "f
 MAX_MODEL_STAGE = tuple(a for a in resolve(RUNGS["max"].additions) if ADDITIONS[a].stage == "model")
 
 
-@pytest.mark.parametrize("additions", [(a,) for a in MODEL_STAGE] + [MAX_MODEL_STAGE], ids=MODEL_STAGE + ["max"])
+@pytest.mark.parametrize("additions", [tuple(requirements(a)) for a in MODEL_STAGE] + [MAX_MODEL_STAGE],
+                         ids=MODEL_STAGE + ["max"])
 def test_swaps_keep_the_models_parameters_and_their_tying(kernels_available, additions):
     # The swapped-in modules hold the same Parameter objects: the weights drawn at init, their tying, a
     # checkpoint's keys and the optimizer's view of the model are those of the plain model.

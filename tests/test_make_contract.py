@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import REPO_ROOT, clean_env
-from Utils.ladder.registry import ABLATION
+from Utils.ladder.registry import FUSED_ALONE
 
 # The stand-in for PYTHON. Each call is logged as one JSON line; -c and the modules in REAL (the checks, the
 # registry, the results files, and the driver make hands its targets to) run for real; everything else is a
@@ -326,7 +326,7 @@ def test_a_rung_without_data_leaves_it_to_its_script(tmp_path):
     (["ablation", "FROM="], "error: FROM is empty: use FROM=fused or FROM=max, or leave it out (fused)"),
     (["ablation", "ADDITIONS=prefetch nonsense"],
      # The additions it names are the registry's, in its order, so that a new one changes no test here.
-     f"error: ADDITIONS: make ablation FROM=fused does not try 'nonsense': use some of {', '.join(ABLATION)}, or "
+     f"error: ADDITIONS: make ablation FROM=fused does not try 'nonsense': use some of {', '.join(FUSED_ALONE)}, or "
      "several joined by '+' to try them together"),
     (["custom"], "error: WITH is required: the additions to run, e.g. make custom WITH=\"bf16 torch_compile flash\" "
                  "STEPS=50 BATCH_SIZE=16 PREFIX=./out (make additions lists them)"),

@@ -36,11 +36,7 @@ KERNEL_CHECKS = """
     wide = torch.full((COLS, before + rows + 24), 1.0).to(fp8.E5M2)   # rows 16-byte aligned, as TMA needs
     recompute_logits.loss_and_grad(h8, h_inv, w8, w_inv, targets, VOCAB, fp8_loss.GRAD_SCALE, row_loss, grad,
                                    wide[:, before:before + rows], tile=TILE)
-    logits = (h8.double() * h_inv.double()) @ (w8.double() * w_inv.double())[:VOCAB].t()
-    want_loss = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
-    want = torch.zeros(rows, COLS, dtype=torch.float64)
-    want[:, :VOCAB] = torch.softmax(logits, 1)
-    want[torch.arange(rows), targets] -= 1
+    want_loss, want = recompute_logits.reference(h8, h_inv, w8, w_inv, targets, VOCAB)
     scaled = (want * fp8_loss.GRAD_SCALE).float().contiguous()
     expected = torch.empty(rows, COLS, dtype=fp8.E5M2)
     cast[(triton.cdiv(scaled.numel(), 1024),)](scaled, expected, scaled.numel(), BLOCK=1024)
@@ -104,20 +100,21 @@ LOSS_CHECKS = """
 
 def test_the_fp8_loss_through_it_is_the_stored_form_within_bf16_rounding(repo_root):
     # Against the stored form under the interpreter too (its kernels, with the same wrong cast): what differs is
-    # the stored form's logits rounded to bf16, about 1% of the gradients here. A chunk's rows or columns misplaced
+    # the stored form's logits rounded to bf16, 1.4 to 1.6% of the gradients here. A chunk's rows or columns misplaced
     # would be far more. tests/test_fp8_loss.py holds the stored form to the reference.
     r = run_interpreted(LOSS_CHECKS, repo_root)
     assert r["loss_err"] < 0.01 and r["loss_apart"] < 1e-3, r
-    assert 0 < max(r["apart"]) < 0.05, r
+    assert 0 < max(r["apart"]) < 0.03, r   # 1.6% and 1.4% with Triton 3.7.1
     assert r["padded_rows"] == 0
 
 
-def test_it_needs_a_hopper_gpu(monkeypatch):
+@pytest.mark.parametrize("capability, runs", [((8, 9), False), ((9, 0), True), ((10, 0), False), ((12, 0), False)])
+def test_it_needs_a_hopper_gpu(monkeypatch, capability, runs):
+    # Hopper only: the gradient kernel's 213 KB of shared memory is compiled for sm_90 alone.
     assert "Hopper" in recompute_logits.unavailable(torch.device("cpu"))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
-    assert "Hopper" in recompute_logits.unavailable(torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert recompute_logits.unavailable(torch.device("cuda")) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    why = recompute_logits.unavailable(torch.device("cuda"))
+    assert why is None if runs else "Hopper" in why
 
 
 def test_on_a_cpu_the_fp8_loss_keeps_the_stored_form():
@@ -144,11 +141,11 @@ def test_the_addition_leaves_the_loss_stored_where_it_cannot_or_should_not_run(m
     b = build(64)
     assert "Hopper" in apply.apply_recompute_logits(b) and not b.model.loss.recompute
     monkeypatch.setattr(recompute_logits, "unavailable", lambda device: None)
-    b = build(recompute_logits.WIDEST + 64)
+    b = build(apply.RECOMPUTE_LOGITS_WIDEST + 64)
     assert "width" in apply.apply_recompute_logits(b) and not b.model.loss.recompute
     b = build(64)
     b.model.loss.fp8 = False   # fp8_head fell back to bf16
-    assert "not in FP8 (fp8_head)" in apply.apply_recompute_logits(b) and not b.model.loss.recompute
+    assert "not in FP8" in apply.apply_recompute_logits(b) and not b.model.loss.recompute
     b = build(64)
     assert apply.apply_recompute_logits(b) is None and b.model.loss.recompute
 
@@ -156,16 +153,21 @@ def test_the_addition_leaves_the_loss_stored_where_it_cannot_or_should_not_run(m
 # ---------------------------------------------------------------------------------------------
 # On a Hopper GPU: the hardware's cast, the compiled kernels, the chunks' slices at real sizes.
 
+def _on_hopper():
+    if not torch.cuda.is_available() or recompute_logits.unavailable(torch.device("cuda")):
+        pytest.skip("needs a Hopper GPU")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("width", [256, 768])
 def test_on_a_gpu_it_matches_the_stored_form(monkeypatch, width):
-    if not torch.cuda.is_available() or recompute_logits.unavailable(torch.device("cuda")):
-        pytest.skip("needs a Hopper GPU")
-    monkeypatch.setattr(fp8_loss, "CHUNK_ROWS", 1024)   # 1,024, 1,024 and a short 512
+    _on_hopper()
+    monkeypatch.setattr(fp8_loss, "CHUNK_ROWS", 1024)   # 1,024, 1,024 and a short 560: no whole tile of rows
+    n = 2608
     g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.nn.functional.layer_norm(torch.randn(2560, width, device="cuda", generator=g), (width,))
+    h = torch.nn.functional.layer_norm(torch.randn(n, width, device="cuda", generator=g), (width,))
     w = torch.randn(50304, width, device="cuda", generator=g) * 0.02
-    y = torch.randint(0, 50257, (2560,), device="cuda", generator=g)
+    y = torch.randint(0, 50257, (n,), device="cuda", generator=g)
     out = {}
     for recompute in (False, True):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -177,3 +179,46 @@ def test_on_a_gpu_it_matches_the_stored_form(monkeypatch, width):
     assert abs(out[True][0] - out[False][0]) < 1e-3
     assert rel(out[True][1], out[False][1]) < 0.05 and rel(out[True][2], out[False][2]) < 0.05
     assert torch.count_nonzero(out[True][2][50257:]) == 0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_chunk_writes_its_own_columns_only_and_replays_as_a_cuda_graph():
+    # The hardware's TMA stores clip at the descriptors' bounds: 200 rows (no whole tile) into columns 16 to 216 of
+    # a wider buffer, as a chunk's; then the same launch captured in a CUDA graph (as max's step is) and replayed.
+    _on_hopper()
+    from Utils.kernels import fp8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, width, vocab, cols, before = 200, 768, 50257, 50304, 16
+    h8, h_inv = fp8.to_e4m3(torch.randn(rows, width, device="cuda", generator=g))
+    w8, w_inv = fp8.to_e4m3(torch.nn.functional.pad(torch.randn(vocab, width, device="cuda", generator=g) * 0.02,
+                                                    (0, 0, 0, cols - vocab)))
+    y = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
+    want_loss, want = recompute_logits.reference(h8, h_inv, w8, w_inv, y, vocab)
+    row_loss, grad = torch.empty(rows, device="cuda"), torch.zeros(rows, cols, dtype=fp8.E5M2, device="cuda")
+    wide = torch.full((cols, before + rows + 24), 1.0, device="cuda").to(fp8.E5M2)
+
+    def run():
+        recompute_logits.loss_and_grad(h8, h_inv, w8, w_inv, y, vocab, fp8_loss.GRAD_SCALE, row_loss, grad,
+                                       wide[:, before:before + rows])
+    run()
+    assert (row_loss.double() - want_loss).abs().max() < 1e-3
+    expected = (want * fp8_loss.GRAD_SCALE).float().to(fp8.E5M2)   # the hardware's cast rounds right
+    step = (grad.float() - expected.float()).abs() / expected.float().abs().clamp(min=2.0 ** -16)
+    # exp in fp32 against float64: a few values one e5m2 step apart (1/4 to 1/8 of a value), none further
+    assert (grad.view(torch.uint8) == expected.view(torch.uint8)).float().mean() > 0.99 and step.max() <= 0.25
+    assert torch.equal(wide[:, before:before + rows].view(torch.uint8), grad.t().view(torch.uint8))
+    assert bool((wide[:, :before].float() == 1).all() and (wide[:, before + rows:].float() == 1).all())
+    eager = row_loss.clone(), grad.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    row_loss.zero_()
+    grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(row_loss, eager[0]) and torch.equal(grad.view(torch.uint8), eager[1].view(torch.uint8))

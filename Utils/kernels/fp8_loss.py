@@ -166,7 +166,7 @@ def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Ten
     # With recompute (Utils.kernels.recompute_logits), no logits at all; else one buffer for every chunk: a GEMM
     # allocating its own output would hold two chunks' logits (1.6 GB at 16,384 rows) while the next is written
     # and the last not yet freed.
-    recompute = recompute and (recompute_logits.INTERPRETED or recompute_logits.unavailable(h8.device) is None)
+    recompute = recompute and (INTERPRETED or recompute_logits.unavailable(h8.device) is None)
     logits = None if recompute else torch.empty(min(n, chunk_rows), n_cols, dtype=torch.bfloat16, device=h8.device)
     grad = torch.empty(min(n, chunk_rows), n_cols, dtype=fp8.E5M2, device=h8.device)
     grad_t = torch.empty(n_cols, n, dtype=fp8.E5M2, device=h8.device)   # every chunk's gradient, transposed
@@ -175,11 +175,12 @@ def _output_layer(h8: Tensor, h8_t: Tensor, h_inv: Tensor, w8: Tensor, w8_t: Ten
         rows = slice(i, i + size)
         # Fast accumulation (Hopper's, which never promotes its partial sums to fp32, losing precision as a
         # sum grows) on the logits' GEMM only, whose sums run over the 768 features; the gradients' GEMMs sum
-        # over the 50,304 words or the tokens.
+        # over the 50,304 words or the tokens. recompute_logits' Triton GEMMs accumulate so too: Triton's
+        # default on sm_90 (max_num_imprecise_acc, triton/backends/nvidia/compiler.py).
         g = grad[:size]
         if recompute:
             recompute_logits.loss_and_grad(h8[rows], h_inv, w8, w_inv, targets[rows], vocab_size, GRAD_SCALE,
-                                           row_loss[rows], g, grad_t[:, rows])
+                                           row_loss[rows], g, grad_t[:, rows], lse[:size])
         else:
             torch._scaled_mm(h8[rows], w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=torch.bfloat16,
                              use_fast_accum=True, out=logits[:size])

@@ -1,17 +1,17 @@
 """The FP8 output layer's logits recomputed, not stored: each chunk of Utils.kernels.fp8_loss as two persistent
 Triton GEMMs over the same FP8 operands, neither of which writes a logit.
 
-fp8_loss's stored form moves 5 bytes a logit for each chunk: the logits' GEMM writes them in bf16, the loss
-kernel's pass reads them and writes the e5m2 gradient row-major, and a transpose copies that. In the 124M
-batch-64 profile (results/h100-profile-b64/logs/kernels.txt) that is 1,142 + 817 + 608 µs for a chunk of 16,384
+fp8_loss's stored form moves 7 bytes a logit for each chunk: the logits' GEMM writes them in bf16 (2), the loss
+kernel's pass reads them (2) and writes the e5m2 gradient row-major (1), and a transpose copies that (1 + 1). In
+the 124M batch-64 profile (results/h100-profile-b64/logs/kernels.txt) that is 1,142 + 817 + 608 µs for a chunk of 16,384
 tokens. Here instead:
 - `_lse_kernel`: the logits' GEMM, whose epilogue keeps of each BM x BN tile only each row's maximum and sum of
   exponentials, and the target's logit in the tile that holds it; a few torch operations then make each row's
   log-sum-exp and loss from the tiles' partial sums.
 - `_grad_kernel`: the same GEMM again, whose epilogue writes (softmax - one-hot) * GRAD_SCALE in e5m2 from the
   fp32 accumulator, row-major and transposed (the layouts the two gradient GEMMs read), through TMA stores.
-Two GEMMs instead of one, for 3 bytes a logit fewer and no logits buffer (1.6 GB at 16,384 tokens). The GEMMs'
-cost grows with the model's width and the bytes do not, so it pays only in narrow models (WIDEST).
+Two GEMMs instead of one, for 5 bytes a logit fewer and no logits buffer (1.6 GB at 16,384 tokens). The GEMMs'
+cost grows with the model's width and the bytes do not, so it can pay only in narrow models.
 
 The logits are never rounded to bf16, so the gradient is, if anything, nearer the exact one than the stored
 form's. TMA descriptors need a Hopper GPU; Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on a CPU,
@@ -35,17 +35,16 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # bench/fp8_head_gemm.py, BENCHMARKS.md), warp specialization, pipeline stages and warps. The first shape
 # bench/recompute_logits.py tries; the gradient kernel needs 213 KB of shared memory with it (sm_90).
 TILE = dict(BM=128, BN=256, BK=128, GROUP_M=32, WS=True, num_stages=3, num_warps=8)
-# The widest model it goes into: the prediction in BENCHMARKS.md ("The output layer's logits recomputed, not
-# stored") has it 1 to 3% faster at GPT-2 124M's 768, about even at gpt2-medium's 1,024 and slower beyond.
-WIDEST = 768
 
 
 def unavailable(device: torch.device) -> str | None:
-    """None on a Hopper or newer GPU with a Triton that has tensor descriptors; else why not."""
+    """None on a Hopper GPU with a Triton that has tensor descriptors; else why not. Hopper only: TILE's gradient
+    kernel needs 213 KB of shared memory (compiled for sm_90 by Triton 3.6), more than an sm_120 card has, and
+    nothing else was compiled."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return "recomputing the logits needs a Hopper GPU (TMA descriptors, compute capability 9.x)"
     if triton is None:
         return "recomputing the logits needs Triton with tensor descriptors (3.4 or newer)"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
-        return "recomputing the logits needs a Hopper GPU (TMA descriptors, compute capability 9.0 or newer)"
     return None
 
 
@@ -85,8 +84,9 @@ if triton is not None:
             # A tile of padding alone keeps a maximum of -inf and a sum of 0, which the reduction weighs at 0.
             top_or_0 = tl.where(top == float("-inf"), 0.0, top)
             in_rows = rows < M
-            tl.store(m_ptr + rows * num_pid_n + on // BN, top, mask=in_rows)
-            tl.store(s_ptr + rows * num_pid_n + on // BN, tl.sum(tl.exp(x - top_or_0[:, None]), 1), mask=in_rows)
+            # [column tiles, M]: a tile's rows are contiguous
+            tl.store(m_ptr + (on // BN) * M + rows, top, mask=in_rows)
+            tl.store(s_ptr + (on // BN) * M + rows, tl.sum(tl.exp(x - top_or_0[:, None]), 1), mask=in_rows)
             target = tl.load(targets_ptr + rows, mask=in_rows, other=-1)
             hit = tl.sum(tl.where(cols[None, :] == target[:, None], x, 0.0), 1)
             tl.store(tgt_ptr + rows, hit, mask=in_rows & (target >= on) & (target < on + BN))
@@ -110,11 +110,13 @@ if triton is not None:
 
 
 def loss_and_grad(h8: Tensor, h_inv: Tensor, w8: Tensor, w_inv: Tensor, targets: Tensor, vocab_size: int,
-                  grad_scale: float, row_loss: Tensor, grad: Tensor, grad_t: Tensor, tile: dict | None = None) -> None:
+                  grad_scale: float, row_loss: Tensor, grad: Tensor, grad_t: Tensor, lse: Tensor | None = None,
+                  tile: dict | None = None) -> None:
     """For the tokens h8 [M, K] (e4m3, inverse scale h_inv) against the padded output layer w8 [N, K] (e4m3,
     w_inv): write each row's cross-entropy over the first vocab_size columns into row_loss [M], and
     (softmax - one-hot) * grad_scale in e5m2 into grad [M, N] and grad_t [N, M] (its rows may be strided: a
-    chunk's columns of a buffer for all tokens). tile: TILE's keys, to try other shapes."""
+    chunk's columns of a buffer for all tokens). lse: room for each row's log-sum-exp [M], fp32. tile: TILE's
+    keys, to try other shapes. M, K, N and grad_t's row stride must be multiples of 16 bytes, as TMA needs."""
     shape = {**TILE, **(tile or {})}
     BM, BN, BK = shape["BM"], shape["BN"], shape["BK"]
     M, K = h8.shape
@@ -126,10 +128,22 @@ def loss_and_grad(h8: Tensor, h_inv: Tensor, w8: Tensor, w_inv: Tensor, targets:
     tiles = triton.cdiv(M, BM) * num_pid_n
     programs = min(tiles, 4 if INTERPRETED else torch.cuda.get_device_properties(h8.device).multi_processor_count)
     launch = dict(shape, PROGRAMS=programs)
-    m, s = (torch.empty(M, num_pid_n, device=h8.device) for _ in range(2))
-    target_logit = torch.empty(M, device=h8.device)
+    m, s = (torch.empty(num_pid_n, M, dtype=torch.float32, device=h8.device) for _ in range(2))
+    target_logit = torch.empty(M, dtype=torch.float32, device=h8.device)
+    lse = torch.empty(M, dtype=torch.float32, device=h8.device) if lse is None else lse
     _lse_kernel[(programs,)](a, b, scale, targets, m, s, target_logit, M, N, K, vocab_size, **launch)
-    top = m.amax(1, keepdim=True)
-    lse = top.squeeze(1) + (s * torch.exp(m - top)).sum(1).log()
+    top = m.amax(0)
+    torch.add(top, (s * torch.exp(m - top)).sum(0).log(), out=lse)
     torch.sub(lse, target_logit, out=row_loss)
     _grad_kernel[(programs,)](a, b, g, gt, scale, lse, targets, M, N, K, vocab_size, grad_scale, **launch)
+
+
+def reference(h8: Tensor, h_inv: Tensor, w8: Tensor, w_inv: Tensor, targets: Tensor,
+              vocab_size: int) -> tuple[Tensor, Tensor]:
+    """What loss_and_grad computes, in float64 from the same FP8 operands: (each row's loss [M], softmax - one-hot
+    [M, N] unscaled, zero in the padded columns)."""
+    logits = (h8.double() * h_inv.double()) @ (w8.double() * w_inv.double())[:vocab_size].t()
+    grad = torch.zeros(h8.size(0), w8.size(0), dtype=torch.float64, device=h8.device)
+    grad[:, :vocab_size] = torch.softmax(logits, 1)
+    grad[torch.arange(h8.size(0), device=h8.device), targets] -= 1
+    return torch.nn.functional.cross_entropy(logits, targets, reduction="none"), grad

@@ -19,7 +19,7 @@ if __name__ == "__main__":
     # traceback). Not where the driver imports this module: it handles its signals itself.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-from Utils.ladder.registry import (ABLATION, ADDITIONS, LEAVE_ONE_OUT, RUNGS, RegistryError, ablation_additions,
+from Utils.ladder.registry import (ADDITIONS, FUSED_ALONE, LEAVE_ONE_OUT, RUNGS, RegistryError, ablation_additions,
                                    check_ablation_base, resolve, run_name)
 
 
@@ -81,7 +81,7 @@ def main(argv: list) -> int:
     elif verb == "rungs":
         print(" ".join(f"{r.name}:{r.script}" for r in RUNGS.values()))
     elif verb == "ablation" and argv[1:] in ([], ["fused"]):
-        print(" ".join(ABLATION))
+        print(" ".join(FUSED_ALONE))
     elif verb == "ablation" and argv[1:] == ["max"]:
         print(" ".join(LEAVE_ONE_OUT))
     elif verb == "check-ablation" and argv[1:]:

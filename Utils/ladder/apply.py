@@ -269,16 +269,22 @@ def apply_fp8_head(b: Build) -> str | None:
     return None
 
 
+# The widest model recompute_logits goes into: its second GEMM's cost grows with the width and the bytes it saves do
+# not; the prediction in BENCHMARKS.md ("The output layer's logits recomputed, not stored") has it 0.8 to 2.8%
+# faster at GPT-2 124M's 768, about even at gpt2-medium's 1,024 and slower beyond.
+RECOMPUTE_LOGITS_WIDEST = 768
+
+
 @applies("recompute_logits")
 def apply_recompute_logits(b: Build) -> str | None:
     """fp8_head's output layer with each chunk's logits computed twice by Triton GEMMs and never stored: one
-    GEMM more a chunk for 3 bytes a logit fewer, which pays only in narrow models (recompute_logits.WIDEST).
-    Without fp8_head's FP8 output layer (not added, or fallen back to bf16), nothing changes."""
+    GEMM more a chunk for 5 bytes a logit fewer, in models no wider than RECOMPUTE_LOGITS_WIDEST. Where fp8_head
+    fell back to bf16, nothing changes."""
     why = recompute_logits.unavailable(b.device)
-    if why or not getattr(b.model.loss, "fp8", False):
-        return f"{why or 'the output layer is not in FP8 (fp8_head)'}: its logits stored and read back"
-    if b.config.n_embd > recompute_logits.WIDEST:
-        return (f"recomputing the logits pays only up to a width of {recompute_logits.WIDEST} (this model's is "
+    if why or not b.model.loss.fp8:
+        return f"{why or 'the output layer is not in FP8'}: its logits stored and read back"
+    if b.config.n_embd > RECOMPUTE_LOGITS_WIDEST:
+        return (f"recomputing the logits pays only up to a width of {RECOMPUTE_LOGITS_WIDEST} (this model's is "
                 f"{b.config.n_embd}): its logits stored and read back")
     b.model.loss.recompute = True
     return None

@@ -184,11 +184,11 @@ _ADDITIONS = [
              why=_CHUNKED_LOSS),
     Addition("recompute_logits", "model", "memory",
              "the FP8 output layer's logits computed twice by Triton GEMMs and never stored: one keeps each row's "
-             "log-sum-exp, the other writes the e5m2 gradient in both layouts",
-             needs="a Hopper GPU and Triton, fp8_head", fsdp=_WHOLE_TENSORS,
+             "log-sum-exp, the other writes the e5m2 gradient in both layouts", needs="a Hopper GPU and Triton",
+             requires=("fp8_head",), fsdp=_WHOLE_TENSORS,
              phrase="the output layer's logits computed twice and never stored (`recompute_logits`): one FP8 GEMM "
                     "keeps each row's log-sum-exp, the next writes the e5m2 gradient from its accumulator",
-             why="storing the logits in bf16, reading them back and transposing the gradient moves 5 bytes a logit; "
+             why="storing the logits in bf16, reading them back and transposing the gradient moves 7 bytes a logit; "
                  "a second GEMM over the same FP8 operands moves 2, in models narrow enough that the GEMM costs "
                  "less than the bytes"),
     Addition("fp8_qkv_fc", "model", "compute",
@@ -363,10 +363,13 @@ RUNGS = {r.name: r for r in [
 LADDER = list(RUNGS)
 # `make ablation` tries each of these alone on top of the fused rung: every addition beyond the seven rungs.
 ABLATION = tuple(name for name in ADDITIONS if not any(name in RUNGS[r].additions for r in LADDER if r != "max"))
+# `make ablation` (FROM=fused) runs the fused rung with each of these in turn: those of ABLATION that run there alone.
+# One that builds on another beyond the fused rung (recompute_logits on fp8_head) is tried with it, joined by '+'.
+FUSED_ALONE = tuple(name for name in ABLATION if set(ADDITIONS[name].requires) <= set(RUNGS["fused"].additions))
 # `make ablation FROM=max` runs the max rung without each of these in turn: what each one adds among the others.
 LEAVE_ONE_OUT = tuple(name for name in ADDITIONS if name in MAX_ADDITIONS)
 # make ablation's base rungs (FROM=) and what each tries
-ABLATION_TRIES = {"fused": ABLATION, "max": LEAVE_ONE_OUT}
+ABLATION_TRIES = {"fused": FUSED_ALONE, "max": LEAVE_ONE_OUT}
 # base rung -> what joins it to the additions in an ablation run's name (run_name): fused+loss, max-fp8_head
 ABLATION_SEPARATOR = {"fused": "+", "max": "-"}
 
@@ -479,13 +482,16 @@ def ablation_additions(base: str, item: str) -> tuple:
     parts = item.split("+")
     if "" in parts:
         raise RegistryError(f"'{item}' has an empty name between '+' signs: remove the extra '+'")
-    unknown = [p for p in parts if p not in tries]
+    unknown = [p for p in parts if p not in (ABLATION if base == "fused" else tries)]
     if unknown:
         raise RegistryError(f"make ablation FROM={base} does not try '{unknown[0]}': use some of {', '.join(tries)}, "
                             f"or several joined by '+' to try them together")
     if len(set(parts)) < len(parts):
         raise RegistryError(f"'{item}' names an addition twice: name each once")
     if base == "fused":
+        missing = [r for p in parts for r in ADDITIONS[p].requires if r not in RUNGS["fused"].additions + tuple(parts)]
+        if missing:
+            raise RegistryError(f"{item} needs {missing[0]}: try {'+'.join([missing[0], *parts])}")
         additions = resolve(RUNGS["fused"].additions + tuple(parts))
     else:
         additions = resolve(a for a in RUNGS["max"].additions if a not in parts)

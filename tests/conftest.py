@@ -157,6 +157,20 @@ def clean_env():
     return {k: v for k, v in os.environ.items() if k not in MAKE_VARIABLES}
 
 
+def cuda_graph(fn):
+    """(fn captured in a CUDA graph after a warm-up call on a side stream, as torch.cuda.graph asks; what the
+    captured call returned, whose memory each replay writes again)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def make(args, env, **kw):
     return subprocess.run(["make", "--no-print-directory", f"PYTHON={sys.executable}"] + args, cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, **kw)

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from conftest import cuda_graph
 from Utils.kernels import packed_attention as pa
 
 CPU = torch.device("cpu")
@@ -176,14 +177,7 @@ def test_on_a_gpu_cudnn_matches_the_reference_eagerly_and_replayed_from_a_cuda_g
         y, lse = pa.packed_attention_fwd(qkv, 4)
         return y, lse, pa.packed_attention_backward(dy, qkv, y, lse, 4)
     eager = both()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        both()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = both()
+    graph, replayed = cuda_graph(both)
     graph.replay()
     torch.cuda.synchronize()
     for got in (eager, replayed):

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import run_interpreted
+from conftest import cuda_graph, run_interpreted
 from Utils.kernels import fp8_loss, recompute_logits
 
 # The interpreter's float-to-FP8 cast rounds wrongly where rounding carries into the exponent (1.99 becomes 1.0,
@@ -209,14 +209,7 @@ def test_on_a_gpu_a_chunk_writes_its_own_columns_only_and_replays_as_a_cuda_grap
     assert torch.equal(wide[:, before:before + rows].view(torch.uint8), grad.t().view(torch.uint8))
     assert bool((wide[:, :before].float() == 1).all() and (wide[:, before + rows:].float() == 1).all())
     eager = row_loss.clone(), grad.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph, _ = cuda_graph(run)
     row_loss.zero_()
     grad.zero_()
     graph.replay()

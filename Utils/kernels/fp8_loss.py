@@ -16,7 +16,9 @@ weight's gradient then reads in one GEMM. On an Ada or Hopper GPU, the loss kern
 (Utils.kernels.loss_kernel.grad_e5m2) reads each chunk's bf16 logits once, staged in shared memory, and
 writes each row's loss and its FP8 gradient row-major; a Triton kernel copies that into the transposed
 buffer, 1 byte a logit each way. Where that pass cannot run, two Triton kernels read the logits twice: one
-finds each row's log-sum-exp and loss, the other writes the FP8 gradient in both layouts.
+finds each row's log-sum-exp and loss, the other writes the FP8 gradient in both layouts. With `recompute` (addition
+`recompute_logits`, on Hopper), no logits are stored: Utils.kernels.recompute_logits computes each chunk's logits
+twice, in two Triton GEMMs whose epilogues make the loss and the FP8 gradient.
 
 The whole forward pass is one operator, so that torch.compile and CUDA graphs see one opaque call; the
 casts around it are Inductor's. On a CPU the gradient is PyTorch operations; under Triton's interpreter

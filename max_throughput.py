@@ -1,4 +1,5 @@
-"""The max rung: the fused rung plus every addition that paid on an H100 or H200 (Utils.ladder.registry.RUNGS["max"])."""
+"""The max rung: the fused rung plus every addition that paid on an H100 or H200
+(Utils.ladder.registry.RUNGS["max"])."""
 import sys
 
 from Utils.train.launch import launch

@@ -5,8 +5,9 @@
 - `reference`: the same mathematics in plain PyTorch, which the tests compare the op against.
 
 The ops: gemm_bias_grad, gelu_epilogue, fp8_linear, norm_fold, packed_attention, loss_kernel, chunked_loss,
-fp8_loss, recompute_logits (fp8_loss's chunks without stored logits). The libraries some of them call: native (the one loader of native libraries, and CUDA C++ compiled
-at run time by NVRTC), cublaslt (cuBLASLt's GEMM epilogues) and fp8 (the FP8 dtypes and casts).
+fp8_loss, recompute_logits (fp8_loss's chunks without stored logits). The libraries some of them call: native (the
+one loader of native libraries, and CUDA C++ compiled at run time by NVRTC), cublaslt (cuBLASLt's GEMM epilogues) and
+fp8 (the FP8 dtypes and casts).
 
 Nothing here imports the rest of Utils, and a module imports at most two floors of the others (a module that
 imports none is floor 0; tests/test_kernel_floors.py): the ladder (Utils.ladder) composes these ops into

@@ -17,8 +17,6 @@ The logits are never rounded to bf16, so the gradient is, if anything, nearer th
 form's. TMA descriptors need a Hopper GPU; Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on a CPU,
 for their tests only.
 """
-import os
-
 import torch
 from torch import Tensor
 
@@ -29,7 +27,6 @@ try:
 except Exception:   # absent, broken, or too old for tensor descriptors: the stored form instead
     triton = None
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Each program's tile (rows, columns, summed depth), the row tiles walked together (so that a chunk's weight is
 # read once from memory: 365 -> 303 µs for the logits' GEMM alone as the group grew from 1 to 32 row tiles,
 # bench/fp8_head_gemm.py, BENCHMARKS.md), warp specialization, pipeline stages and warps. The first shape
@@ -124,9 +121,10 @@ def loss_and_grad(h8: Tensor, h_inv: Tensor, w8: Tensor, w_inv: Tensor, targets:
     num_pid_n = triton.cdiv(N, BN)
     a, b = TensorDescriptor.from_tensor(h8, [BM, BK]), TensorDescriptor.from_tensor(w8, [BN, BK])
     g, gt = TensorDescriptor.from_tensor(grad, [BM, BN]), TensorDescriptor.from_tensor(grad_t, [BN, BM])
-    scale = (h_inv * w_inv).reshape(1).float()
+    scale = (h_inv * w_inv).reshape(1)
     tiles = triton.cdiv(M, BM) * num_pid_n
-    programs = min(tiles, 4 if INTERPRETED else torch.cuda.get_device_properties(h8.device).multi_processor_count)
+    # A persistent program for each SM; under Triton's interpreter (tensors on the CPU), a few
+    programs = min(tiles, torch.cuda.get_device_properties(h8.device).multi_processor_count if h8.is_cuda else 4)
     launch = dict(shape, PROGRAMS=programs)
     m, s = (torch.empty(num_pid_n, M, dtype=torch.float32, device=h8.device) for _ in range(2))
     target_logit = torch.empty(M, dtype=torch.float32, device=h8.device)
